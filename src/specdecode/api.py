@@ -1,0 +1,214 @@
+"""Python API: text in, text out, with transformers-style argument names accepted.
+
+    import specdecode
+    target = specdecode.load("qwen2.5-coder-1.5b-instruct")
+    draft = specdecode.load("qwen2.5-coder-0.5b-instruct")
+    out = specdecode.generate(target, "def fib(n):", draft=draft, max_new_tokens=64)
+    print(out.text, out.stats.acceptance_rate)
+
+Code written for transformers' assisted generation ports by renaming the call:
+``assistant_model=``, ``do_sample=``, ``num_assistant_tokens=`` and ``eos_token_id=`` are
+accepted with transformers' meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .backends import LoadedModel, load
+from .config import Method, SamplingParams, SpeculativeConfig
+from .engine import Engine, Generation, SpecDecodingStats
+from .proposers import DraftModelProposer
+
+DEFAULT_K = 4
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft cannot propose tokens for this target (different tokenizer)."""
+
+
+@dataclass
+class GenerationResult:
+    """text: the completion (special tokens skipped, cut before a stop string);
+    token_ids: generated ids (an EOS that ended generation included); finish_reason: "stop"
+    or "length"; prompt_token_ids: the prompt as the target saw it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: SpecDecodingStats
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+@dataclass
+class StreamChunk:
+    """One piece of a streamed completion: new text (UTF-8 safe, possibly empty) and the new
+    token ids; the last chunk has ``result`` set (the whole :class:`GenerationResult`)."""
+
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Check once, at pairing time, that the draft speaks the target's tokens.
+
+    Same tokenizer (vocabulary and special tokens) is required; the embedding rows may
+    differ (Qwen2.5: 151,936 vs 152,064): draft probability of rows it lacks is 0.
+    Raises IncompatibleDraftError saying what to do.
+    """
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is None or dt is None:
+        return
+    if tt.get_vocab() != dt.get_vocab() or tt.all_special_tokens != dt.all_special_tokens:
+        raise IncompatibleDraftError(
+            f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
+            f"({len(dt)} vs {len(tt)} tokens, or different special tokens). Draft-model "
+            "speculation needs the same tokenizer: pick a draft of the target's family (e.g. "
+            "qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), or use method 'ar'.")
+
+
+def _as_model(m, dtype: str) -> LoadedModel:
+    return m if isinstance(m, LoadedModel) else load(m, dtype=dtype)
+
+
+def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, top_k, top_p,
+                     repetition_penalty, seed, stop, eos_token_id) -> SamplingParams:
+    if do_sample is False:
+        temperature = 0.0
+    elif temperature is None:
+        temperature = 1.0 if do_sample else 0.0
+    if isinstance(eos_token_id, int):
+        eos_token_id = (eos_token_id,)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
+        top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty, seed=seed,
+        stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
+        eos_token_ids=None if eos_token_id is None else tuple(eos_token_id))
+
+
+def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]:
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt (text or chat messages) and input_ids")
+    if input_ids is not None:
+        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
+        if ids and isinstance(ids[0], list):
+            if len(ids) != 1:
+                raise ValueError(f"input_ids holds {len(ids)} prompts; generate takes one")
+            ids = ids[0]
+        return [int(i) for i in ids]
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError(f"target {target.name!r} was loaded without a tokenizer; pass input_ids")
+    if chat or isinstance(prompt, list):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"target {target.name!r} has no chat template; drop --chat / pass plain text")
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    return tok.encode(prompt)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=None,
+           method: str | Method | None = None, chat: bool = False, max_new_tokens: int = 128,
+           min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
+           top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
+           seed: int | None = None, stop: str | list[str] | None = None,
+           eos_token_id: int | list[int] | None = None, num_speculative_tokens: int | None = None,
+           num_assistant_tokens: int | None = None, dtype: str = "float32",
+           debug: bool = False) -> Iterator[StreamChunk]:
+    """Generate, yielding :class:`StreamChunk` pieces as each verify pass commits tokens.
+
+    target / draft (alias ``assistant_model``): a :class:`LoadedModel` (from
+    :func:`specdecode.load`) or anything :func:`load` accepts (name, directory, GGUF, hub id).
+    prompt: text, or chat messages [{"role", "content"}]; ``chat=True`` applies the target's
+    chat template to text. input_ids: token ids instead of a prompt.
+    method: "draft" (default when a draft is given) or "ar" (plain decoding).
+    num_speculative_tokens (alias ``num_assistant_tokens``): K, default 4.
+    temperature 0 / ``do_sample=False`` is greedy (the default); sampling is lossless for
+    temperature, top_k, top_p and repetition_penalty (Leviathan et al., arXiv:2211.17192).
+    Text is emitted only once it is valid UTF-8 and cannot be the start of a stop string, so
+    the concatenated chunks equal the non-streamed text. Raises ValueError on bad arguments,
+    IncompatibleDraftError when the draft's tokenizer differs.
+    """
+    gen, tgt, params, prompt_ids = _start(
+        target, prompt, input_ids, draft if draft is not None else assistant_model, method, chat,
+        dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
+             do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+             seed=seed, stop=stop, eos_token_id=eos_token_id),
+        num_speculative_tokens if num_speculative_tokens is not None else num_assistant_tokens,
+        dtype, debug)
+    tok = tgt.tokenizer
+    sent = 0
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    for new in gen:
+        if tok is None:
+            yield StreamChunk("", new)
+            continue
+        text = _decode(tok, gen.token_ids)
+        stable = len(text) - hold
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            stable = min(stable, len(text.rstrip("\ufffd")) - hold)
+        delta = text[sent:stable] if stable > sent else ""
+        sent += len(delta)
+        yield StreamChunk(delta, new)
+    text = _cut_at_stop(_decode(tok, gen.token_ids), params.stop) if tok is not None else ""
+    result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids)
+    yield StreamChunk(text[sent:], [], result)
+
+
+def generate(target, prompt=None, **kwargs) -> GenerationResult:
+    """Generate a completion; same arguments as :func:`stream`. Returns a
+    :class:`GenerationResult` (text, token_ids, finish_reason, stats)."""
+    for chunk in stream(target, prompt, **kwargs):
+        if chunk.result is not None:
+            return chunk.result
+    raise RuntimeError("generation ended without a result")  # unreachable: stream always ends with one
+
+
+def _start(target, prompt, input_ids, draft, method, chat, sampling: dict, k, dtype, debug
+           ) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
+    params = _sampling_params(**sampling)
+    method = Method.parse(method) if method is not None else (Method.DRAFT if draft is not None else Method.AR)
+    if method is Method.DRAFT and draft is None:
+        raise ValueError("method 'draft' needs a draft model (draft= or assistant_model=)")
+    spec = SpeculativeConfig(method, DEFAULT_K if k is None else k)
+    tgt = _as_model(target, dtype)
+    proposer = None
+    if method is Method.DRAFT:
+        drf = _as_model(draft, dtype)
+        check_compatible(tgt, drf)
+        proposer = DraftModelProposer(drf.lm.fork() if drf.lm is tgt.lm else drf.lm)
+    prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
+    engine = Engine(tgt.lm, proposer, spec.num_speculative_tokens, debug=debug)
+    decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
+    gen = engine.generate(prompt_ids, params, tgt.eos_token_ids, decode)
+    return gen, tgt, params, prompt_ids
+
+
+def load_pair(target: str | Path, draft: str | Path | None, dtype: str = "float32"
+              ) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load a target and (optionally) a draft, checking their compatibility once."""
+    tgt = load(target, dtype=dtype)
+    drf = load(draft, dtype=dtype) if draft is not None else None
+    if drf is not None:
+        check_compatible(tgt, drf)
+    return tgt, drf

@@ -1,0 +1,97 @@
+"""Request and method configuration: frozen dataclasses validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Method(str, Enum):
+    """Who proposes draft tokens. ``AR`` is plain autoregressive decoding (no proposer)."""
+
+    AR = "ar"
+    DRAFT = "draft"
+
+    @classmethod
+    def parse(cls, value: "str | Method") -> "Method":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"method {value!r} is not one of {[m.value for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate and how to sample it (the target's distribution is what comes out).
+
+    temperature 0 is greedy decoding. ``top_k`` 0 and ``top_p`` 1 disable those filters.
+    ``repetition_penalty`` follows transformers (CTRL, arXiv:1909.05858): logits of tokens
+    already in the context are divided by it when positive, multiplied when negative.
+    ``eos_token_ids``: None = the model's default EOS ids; () = no EOS at all.
+    ``stop``: strings that end generation (the text is cut before them, like OpenAI/vLLM).
+    ``min_new_tokens``: EOS is masked until that many tokens were generated.
+    ``seed``: per-request seed for sampling; None draws a fresh random seed.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ValueError(f"{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "an integer >= 1")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            bad("min_new_tokens", "an integer >= 0")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0 = off)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            bad("top_p", "a number in (0, 1] (1 = off)")
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0
+                and math.isfinite(self.repetition_penalty)):
+            bad("repetition_penalty", "a finite number > 0 (1 = off)")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "an integer or None")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "non-empty strings")
+        if self.eos_token_ids is not None:
+            ids = (self.eos_token_ids,) if isinstance(self.eos_token_ids, int) else tuple(self.eos_token_ids)
+            if any(not isinstance(i, int) or i < 0 for i in ids):
+                bad("eos_token_ids", "non-negative token ids")
+            object.__setattr__(self, "eos_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed and verified.
+
+    ``num_speculative_tokens`` is the speculation length K (draft tokens per verify pass).
+    """
+
+    method: Method = Method.DRAFT
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", Method.parse(self.method))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 64:
+            raise ValueError(f"num_speculative_tokens (K) = {k!r} is invalid; allowed: an integer 1..64")
