@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .model import SUPPORTED_MODEL_TYPES, Transformer
+from .model import SUPPORTED_MODEL_TYPES, Transformer, quantize_int8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "native", "transformers")
@@ -149,12 +149,13 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32",
 
     ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM)
     or "auto" (native when the architecture allows). ``dtype``: float32 (default; exactness
-    on CPU), bfloat16 or float16. Raises ValueError naming the bad value.
+    on CPU), bfloat16, float16, or int8 (int8 dynamic quantization of the linear layers: fast
+    drafts on CPU). Raises ValueError naming the bad value.
     """
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-        dtype = DTYPES[dtype]
+        if dtype not in DTYPES and dtype != "int8":
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES) + ['int8']}")
+        dtype = DTYPES.get(dtype, dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     path = resolve_model_path(name_or_path)
@@ -166,7 +167,8 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32",
     if backend == "transformers" or not native_ok:
         from transformers import AutoModelForCausalLM
 
-        lm = HFCausalLM(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
+        lm = HFCausalLM(quantize_int8(hf) if dtype == "int8" else hf)
     else:
         lm = Transformer.from_pretrained(path, dtype=dtype)
     tok = None

@@ -119,6 +119,53 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+class PackedLinear(nn.Module):
+    """``nn.Linear`` with its weight reordered once into oneDNN's blocked layout (CPU only).
+
+    PyTorch's default CPU GEMM is slow for the few-row inputs of decoding: on a 2-core AVX-512
+    machine a [5,1536]x[1536,8960] product takes ~2x the time of a single row, which would eat
+    the whole gain of a verify pass. oneDNN's ``mkldnn_linear`` on a prepacked weight keeps it
+    close to one row (measured on Qwen2.5-1.5B fp32: T(1) 0.36 -> 0.23 s, T(5) 0.73 -> 0.31 s).
+    The arithmetic stays fp32 (or bf16 for bf16 weights).
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.packed = linear.weight.detach().to_mkldnn()
+        self.bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._C._nn.mkldnn_linear(x.reshape(-1, shape[-1]).contiguous().to_mkldnn(),
+                                       self.packed, self.bias).to_dense()
+        return y.view(*shape[:-1], self.out_features)
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Dynamic int8 quantization of every ``nn.Linear`` (per-output-channel weight scales,
+    activations quantized per call; fbgemm kernels). About 3x faster than fp32 for one-row
+    decoding on AVX-512 VNNI CPUs; meant for draft models, whose precision never changes the
+    output of speculative decoding, only the acceptance rate."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's notice that the API moves to torchao
+        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
+
+
+def pack_linears(module: nn.Module) -> None:
+    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` (frees the dense
+    weight unless something else, e.g. a tied embedding, still holds it)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child))
+        else:
+            pack_linears(child)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -262,7 +309,7 @@ class Transformer(nn.Module):
         if max_len > self.args.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the model's context of "
                              f"{self.args.max_position_embeddings} tokens")
-        w = self.lm_head.weight
+        w = self.model.embed_tokens.weight
         a = self.args
         if self.max_len < max_len or not self.caches or self.caches[0].k.shape[0] != batch:
             self.caches = [KVCache(batch, a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
@@ -308,9 +355,13 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(x[:, t - n:])).float()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "Transformer":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
+                        pack: bool | None = None) -> "Transformer":
         """Load from a directory holding ``config.json`` and ``*.safetensors`` (transformers layout).
 
+        dtype: a torch dtype, or "int8" for fp32 weights with int8 dynamic quantization of
+        the linear layers (:func:`quantize_int8`; drafts only). pack: reorder linear weights
+        for oneDNN (:class:`PackedLinear`); default: when the dtype is float32 or bfloat16.
         Raises ValueError for an unsupported architecture, FileNotFoundError when files lack.
         """
         from safetensors.torch import load_file
@@ -328,6 +379,8 @@ class Transformer(nn.Module):
             state.update(load_file(f))
         if args.tie_embeddings:
             state.pop("lm_head.weight", None)
+        int8 = dtype == "int8"
+        dtype = torch.float32 if int8 else dtype
         state = {k: v.to(dtype) for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         missing = [m for m in missing if not (args.tie_embeddings and m == "lm_head.weight")]
@@ -335,4 +388,10 @@ class Transformer(nn.Module):
             raise ValueError(f"weights in {path} do not match the {config.get('model_type')} "
                              f"architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.tie_weights()
+        if int8:
+            return quantize_int8(model.eval())
+        if pack is None:
+            pack = dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+        if pack:
+            pack_linears(model)
         return model.eval()

@@ -1,0 +1,155 @@
+"""Command line: ``specdecode generate`` (the main job) and ``specdecode models``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import registry
+from .config import Method
+
+GENERATE_HELP = """\
+Generate a completion with speculative decoding, streaming it as it is produced, then print
+the statistics. Output is identical to the target's own greedy decoding (or, when sampling,
+distributed exactly as the target's sampling).
+
+examples:
+  specdecode generate --prompt "Write a Python function that checks for primes." --chat
+  specdecode generate --prompt "def quicksort(xs):" --k 6 --compare
+  specdecode generate --prompt "Once upon a time" --temperature 0.8 --seed 1 --json
+"""
+
+
+def _k(value: str) -> int:
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k must be an integer >= 1, got {value!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--k must be an integer >= 1, got {k}")
+    return k
+
+
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text (speculative decoding)", description=GENERATE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    p.add_argument("--target", default=registry.DEFAULT_TARGET,
+                   help=f"target model: a name from `specdecode models list`, a model directory, a "
+                        f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                   help=f"draft model for --method draft, same forms as --target "
+                        f"(default: {registry.DEFAULT_DRAFT})")
+    p.add_argument("--method", default=Method.DRAFT.value, choices=[m.value for m in Method],
+                   help="proposer: 'draft' (a draft model proposes) or 'ar' (plain autoregressive "
+                        "decoding, no speculation). Default: draft")
+    p.add_argument("--k", type=_k, default=None,
+                   help="speculation length K: draft tokens per verify pass (default: 6)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (transformers' meaning)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many new tokens (default 256)")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="no EOS before this many new tokens")
+    p.add_argument("--stop", nargs="+", default=None, metavar="STR",
+                   help="stop when any of these strings is generated (cut from the text)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="target weights dtype (default float32: exact on CPU)")
+    p.add_argument("--draft-dtype", default="int8", choices=["int8", "float32", "bfloat16", "float16"],
+                   help="draft weights dtype; never changes the output, only speed and acceptance "
+                        "(default int8: dynamic int8 quantization, ~3x faster drafts on CPU)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain autoregressive decoding of the target and report the speedup "
+                        "and (greedy) whether the outputs are identical")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (last line of stdout) instead of streamed text")
+    p.set_defaults(func=cmd_generate)
+
+
+def _print_stats(label: str, stats: dict, out) -> None:
+    line = (f"[{label}] {stats['num_generated_tokens']} tokens in {stats['total_s']:.2f} s = "
+            f"{stats['tokens_per_second']:.2f} tokens/s")
+    if stats["num_draft_tokens"]:
+        line += (f" | acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
+                 f"{stats['mean_acceptance_length']:.2f} | time: prefill {stats['prefill_s']:.2f} s, "
+                 f"draft {stats['draft_s']:.2f} s, verify {stats['verify_s']:.2f} s, "
+                 f"other {stats['other_s']:.2f} s")
+    print(line, file=out)
+
+
+def cmd_generate(args) -> int:
+    from .api import IncompatibleDraftError, load_pair, stream
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    method = Method(args.method)
+    try:
+        t0 = time.perf_counter()
+        target, draft = load_pair(args.target, args.draft if method is Method.DRAFT else None,
+                                 args.dtype, args.draft_dtype)
+        load_s = time.perf_counter() - t0
+        common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
+                      min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                      seed=args.seed, stop=args.stop)
+        chunks = stream(target, prompt, draft=draft, method=method, num_speculative_tokens=args.k,
+                        **common)
+        info = sys.stderr if args.json else sys.stdout
+        if not args.json:
+            print(f"# loaded {target.name}" + (f" + draft {draft.name}" if draft else "")
+                  + f" in {load_s:.1f} s", file=sys.stderr)
+        result = None
+        for chunk in chunks:
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+            result = chunk.result or result
+        if not args.json:
+            print()
+        _print_stats(method.value, result.stats.to_dict(), info)
+        out = result.to_dict()
+        if args.compare:
+            ar = None
+            for chunk in stream(target, prompt, method=Method.AR, **common):
+                ar = chunk.result or ar
+            speedup = result.stats.tokens_per_second / ar.stats.tokens_per_second
+            identical = ar.token_ids == result.token_ids
+            _print_stats("ar", ar.stats.to_dict(), info)
+            verdict = ("identical to plain decoding" if identical else "DIFFERENT from plain decoding")
+            print(f"speedup {speedup:.2f}x over plain decoding; output "
+                  + (verdict if args.temperature == 0 else "(sampled: not compared)"), file=info)
+            out["ar"] = {"text": ar.text, "token_ids": ar.token_ids,
+                         "tokens_per_second": round(ar.stats.tokens_per_second, 3)}
+            out["speedup"] = round(speedup, 4)
+            out["identical"] = identical
+        if args.json:
+            print(json.dumps(out))
+        return 0
+    except (ValueError, IncompatibleDraftError, registry.ModelFetchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode",
+        description="Lossless speculative decoding: LLM generation 2-3x faster, same output.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate_parser(sub)
+    registry.add_models_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
