@@ -142,7 +142,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     prompt: text, or chat messages [{"role", "content"}]; ``chat=True`` applies the target's
     chat template to text. input_ids: token ids instead of a prompt.
     method: "draft" (default when a draft is given) or "ar" (plain decoding).
-    num_speculative_tokens (alias ``num_assistant_tokens``): K, default 4.
+    num_speculative_tokens (alias ``num_assistant_tokens``): K, default 6.
     temperature 0 / ``do_sample=False`` is greedy (the default); sampling is lossless for
     temperature, top_k, top_p and repetition_penalty (Leviathan et al., arXiv:2211.17192).
     Text is emitted only once it is valid UTF-8 and cannot be the start of a stop string, so

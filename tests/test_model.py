@@ -1,0 +1,151 @@
+"""The native decoder equals transformers (fp32, max abs diff <= 1e-4), its cache rolls back by
+pointer, and the transformers adapter serves the same interface."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from specdecode import registry
+from specdecode.backends import HFCausalLM, load
+from specdecode.model import ModelArgs, Transformer
+
+TOL = 1e-4
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+CONFIGS = {
+    "llama-gqa-untied": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
+    "llama3-rope-scaling": (transformers.LlamaConfig, dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+    "qwen2-bias-tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "llama-mha-head-dim": (transformers.LlamaConfig, dict(num_key_value_heads=4, head_dim=32)),
+}
+
+
+def _hf_model(tmp_path, name):
+    cls, extra = CONFIGS[name]
+    torch.manual_seed(0)
+    config = cls(**{**TINY, **extra})
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so that logits are not ~0
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("pack", [False, True])
+def test_logits_equal_transformers(tmp_path, name, pack):
+    hf = _hf_model(tmp_path, name)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert ref.abs().max() > 1.0  # a meaningful comparison
+    model = Transformer.from_pretrained(tmp_path, pack=pack)
+    assert (model.args.rope_scaling is not None) == (name == "llama3-rope-scaling")
+    model.allocate(1, 64)
+    assert (model(ids) - ref).abs().max() <= TOL
+    # the same positions again, fed as prefill + 1-token steps + (K+1)-token blocks after rollback
+    model.rollback(0)
+    model(ids[:, :10], num_logits=0)
+    for t in range(10, 14):
+        assert (model(ids[:, t:t + 1]) - ref[:, t:t + 1]).abs().max() <= TOL
+    for start, size in [(14, 5), (16, 9), (20, 1), (21, 19)]:
+        model.rollback(start)
+        assert (model(ids[:, start:start + size]) - ref[:, start:start + size]).abs().max() <= TOL
+    assert model.seq_len == 40
+
+
+def test_smollm2_logits_equal_transformers():
+    path = registry.fetch("smollm2-135m-instruct")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    model = load(path, tokenizer=False).lm
+    assert isinstance(model, Transformer)
+    model.allocate(1, 64)
+    model(ids[:, :40], num_logits=0)
+    got = torch.cat([model(ids[:, 40:41]), model(ids[:, 41:48])], 1)
+    assert (got - ref[:, 40:48]).abs().max() <= TOL
+
+
+def test_rollback_and_overflow_errors(tmp_path):
+    _hf_model(tmp_path, "qwen2-bias-tied")
+    model = Transformer.from_pretrained(tmp_path)
+    model.allocate(1, 8)
+    model(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="cannot roll back to 6"):
+        model.rollback(6)
+    with pytest.raises(ValueError, match="overflow"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        model.allocate(1, TINY["max_position_embeddings"] + 1)
+
+
+def test_fork_has_its_own_cache(tmp_path):
+    _hf_model(tmp_path, "llama-gqa-untied")
+    a = Transformer.from_pretrained(tmp_path)
+    b = a.fork()
+    a.allocate(1, 32)
+    b.allocate(1, 32)
+    ids = torch.arange(10)[None]
+    la = a(ids)
+    b(torch.zeros(1, 3, dtype=torch.long))
+    assert a.seq_len == 10 and b.seq_len == 3
+    b.rollback(0)
+    assert torch.equal(b(ids), la)
+    assert b.model is a.model  # weights shared, not copied
+
+
+def test_hf_adapter_matches_native(tmp_path):
+    _hf_model(tmp_path, "qwen2-bias-tied")
+    native = Transformer.from_pretrained(tmp_path, pack=False)
+    adapter = load(tmp_path, backend="transformers", tokenizer=False).lm
+    assert isinstance(adapter, HFCausalLM) and adapter.vocab_size == TINY["vocab_size"]
+    ids = torch.randint(0, TINY["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
+    for m in (native, adapter):
+        m.allocate(1, 64)
+    ref = native.forward(ids)
+    assert adapter.forward(ids[:, :20], num_logits=0).shape == (1, 0, TINY["vocab_size"])
+    adapter.rollback(12)
+    assert (adapter.forward(ids[:, 12:30]) - ref[:, 12:30]).abs().max() <= TOL
+    assert adapter.seq_len == 30
+
+
+def test_int8_draft_is_close_to_fp32(tmp_path):
+    _hf_model(tmp_path, "llama-gqa-untied")
+    fp32 = Transformer.from_pretrained(tmp_path)
+    int8 = Transformer.from_pretrained(tmp_path, dtype="int8")
+    ids = torch.arange(20)[None]
+    for m in (fp32, int8):
+        m.allocate(1, 32)
+    a, b = fp32(ids), int8(ids)
+    assert not torch.equal(a, b)  # really quantized
+    assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.99
+
+
+def test_model_args_errors(tmp_path):
+    with pytest.raises(ValueError, match="not one of the natively supported"):
+        ModelArgs.from_hf_config({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="not a multiple"):
+        ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4,
+                  intermediate_size=8)
+    with pytest.raises(ValueError, match="n_layers must be positive"):
+        ModelArgs(vocab_size=8, dim=8, n_layers=0, n_heads=2, n_kv_heads=2, head_dim=4,
+                  intermediate_size=8)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="backend='transformers'"):
+        load(tmp_path, backend="native", tokenizer=False)
+    with pytest.raises(ValueError, match="dtype 'float64'"):
+        load(tmp_path, dtype="float64")
+    with pytest.raises(ValueError, match="backend 'onnx'"):
+        load(tmp_path, backend="onnx")
