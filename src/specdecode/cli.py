@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate`` (the main job) and ``specdecode models``."""
+"""Command line: ``specdecode generate`` (the main job), ``bench`` and ``models``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 
 from . import registry
+from .bench import add_bench_parser
 from .config import Method
 
 GENERATE_HELP = """\
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding: LLM generation 2-3x faster, same output.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate_parser(sub)
+    add_bench_parser(sub)
     registry.add_models_parser(sub)
     return parser
 
