@@ -1,0 +1,929 @@
+"""Tests of the Python API (specdecode.generate / stream / load / load_pair) with a real
+tokenizer (SmolLM2's byte-level BPE, 49,152 tokens, chat template).
+
+Models: tiny random Llama decoders saved as Hugging Face directories with SmolLM2's tokenizer
+(built once per session, a few MB each), and ``MockLM`` models whose logits force an exact
+token script, so that the output is exactly the tokens of a chosen text (multi-byte UTF-8,
+stop strings, EOS at chosen positions). No real model weights are loaded.
+TESTPACK.md sections covered here: 3 (events inside a block), 6 (vocabularies/tokenizers),
+9 (streaming), plus argument validation and model loading.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdecode
+from specdecode import IncompatibleDraftError, LoadedModel, registry
+from specdecode.api import GenerationResult, StreamChunk
+from specdecode.backends import HFCausalLM, resolve_model_path
+from specdecode.engine import SpecDecodingStats
+
+from helpers import MockLM
+
+
+def _fewer_page_faults() -> None:
+    """Keep freed memory in the heap instead of returning it to the OS after every step.
+
+    Each decode step allocates a few [1, 49152] fp32 tensors; with glibc's default mmap
+    threshold every one of them is a fresh mmap, and on some VMs page faults are so slow that
+    this alone makes a 40-token generation of a 2-layer toy model take seconds. Speed only."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+            libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        except (OSError, AttributeError):
+            pass
+
+
+_fewer_page_faults()
+
+SMOL = "smollm2-135m-instruct"
+VOCAB = 49152  # SmolLM2 tokenizer size == embedding rows of the tiny target
+WIDE_VOCAB = 49280  # same tokenizer, more embedding rows (like Qwen2.5 151,936 vs 152,064)
+EOS = 2  # <|im_end|>
+PROMPT = "Hello there, how are you today?"
+UNICODE_TEXT = ("Xin chào thế giới 🌍🚀 你好世界 naïve café 👩‍👩‍👧 Tiếng Việt có dấu: ổ ữ ặ. "
+                "Emoji 🎉🧪 and CJK 日本語のテキスト end.")
+ASCII_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+              "How vexingly quick daft zebras jump!")
+
+
+# --------------------------------------------------------------------------- fixtures
+
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(registry.fetch(SMOL, progress=False))
+
+
+def _randomize(model, seed: int, std: float = 0.3, final_norm: float = 4.0) -> None:
+    """Weights N(0, std), unit norms, a sharpened final norm: diverse greedy text, no near-ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        model.model.norm.weight.fill_(final_norm)
+
+
+def _llama_config(vocab_size: int, hidden: int = 32):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=EOS,
+                       bos_token_id=1)
+
+
+def _foreign_tokenizer():
+    """A genuinely different byte-level BPE tokenizer (trained here, 300-odd tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator([PROMPT + " " + ASCII_TEXT] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def build_tiny_dirs(root: Path) -> dict[str, Path]:
+    """Tiny model directories that ``specdecode.load`` accepts.
+
+    target: random 2-layer Llama, 49,152 rows, SmolLM2 tokenizer.
+    draft: the target's weights plus noise (another seed): same tokenizer, accepts part of
+        each block, so blocks end at varying positions and rollback is exercised.
+    wide: the target's weights with 128 extra (zero) embedding rows: same tokenizer.
+    wide_draft: the same with large random extra rows (they dominate the draft's raw logits).
+    gpt2: a GPT-2 (not a native architecture), SmolLM2 tokenizer.
+    foreign: a different tokenizer (and vocabulary size).
+    """
+    from transformers import LlamaForCausalLM
+
+    tok = smol_tokenizer()
+    dirs = {name: root / name for name in ("target", "draft", "wide", "wide_draft", "gpt2", "foreign")}
+    target = LlamaForCausalLM(_llama_config(VOCAB))
+    _randomize(target, seed=0)
+    target.save_pretrained(dirs["target"])
+
+    draft = LlamaForCausalLM(_llama_config(VOCAB))
+    draft.load_state_dict(target.state_dict())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    draft.save_pretrained(dirs["draft"])
+
+    wide = LlamaForCausalLM(_llama_config(WIDE_VOCAB))
+    state = dict(target.state_dict())
+    emb = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = torch.cat([emb, torch.zeros(WIDE_VOCAB - VOCAB, emb.shape[1])])
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    wide.load_state_dict(state)
+    wide.save_pretrained(dirs["wide"])
+
+    # as a draft: the same, but its extra rows would win every argmax if the draft's logits
+    # were not cut to the target's width
+    loud = torch.randn(WIDE_VOCAB - VOCAB, emb.shape[1], generator=torch.Generator().manual_seed(4)) * 3.0
+    state["model.embed_tokens.weight"] = state["lm_head.weight"] = torch.cat([emb, loud])
+    wide.load_state_dict(state)
+    wide.save_pretrained(dirs["wide_draft"])
+
+    for name in ("target", "draft", "wide", "wide_draft"):
+        tok.save_pretrained(dirs[name])
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=32, n_layer=2,
+                                      n_head=4, bos_token_id=1, eos_token_id=EOS))
+    gpt2.save_pretrained(dirs["gpt2"])
+    tok.save_pretrained(dirs["gpt2"])
+
+    ftok = _foreign_tokenizer()
+    foreign = LlamaForCausalLM(_llama_config(len(ftok), hidden=16))
+    _randomize(foreign, seed=3)
+    foreign.save_pretrained(dirs["foreign"])
+    ftok.save_pretrained(dirs["foreign"])
+    return dirs
+
+
+_DIRS: dict[str, Path] = {}
+
+
+def tiny_dirs_in(tmp_path_factory) -> dict[str, Path]:
+    """Build the tiny model dirs once per session (shared with test_cli.py)."""
+    if not _DIRS:
+        _DIRS.update(build_tiny_dirs(tmp_path_factory.mktemp("tiny_models")))
+    return _DIRS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+    spinning barriers make them 10x slower; restored for other test modules."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return smol_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def dirs(tmp_path_factory):
+    return tiny_dirs_in(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def target(dirs):
+    return specdecode.load(dirs["target"])
+
+
+@pytest.fixture(scope="module")
+def draft(dirs):
+    return specdecode.load(dirs["draft"])
+
+
+def scripted(tok, script: list[int], prompt_len: int, wrong=lambda i: False, after: int = EOS,
+             name: str = "mock", eos=(EOS,)) -> LoadedModel:
+    """A LoadedModel whose greedy continuation of any ``prompt_len``-token prompt is
+    ``script`` and then ``after`` forever. ``wrong(i)``: position i gets a wrong token
+    instead (for drafts: rejected there)."""
+    def logits_fn(tokens):
+        i = len(tokens) - prompt_len  # index of the token these logits predict
+        nxt = script[i] if 0 <= i < len(script) else after
+        if wrong(i):
+            nxt = (nxt + 7) % VOCAB
+        out = torch.zeros(VOCAB)
+        out[nxt] = 10.0
+        return out
+
+    return LoadedModel(lm=MockLM(VOCAB, logits_fn), tokenizer=tok, name=name, eos_token_ids=eos)
+
+
+def every(n: int, offset: int = 0):
+    return lambda i: i % n == offset
+
+
+def collect(chunks) -> tuple[list[StreamChunk], GenerationResult]:
+    chunks = list(chunks)
+    assert [c.result is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    return chunks, chunks[-1].result
+
+
+def check_stream(chunks: list[StreamChunk], result: GenerationResult) -> None:
+    """The stream's text and token ids concatenate to the result's."""
+    assert "".join(c.text for c in chunks) == result.text
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert all(isinstance(c.text, str) for c in chunks)
+
+
+class Recorder:
+    """Wraps a CausalLM, keeping what its KV cache holds (``cache``) and every forward's input."""
+
+    def __init__(self, lm):
+        self.lm = lm
+        self.cache: list[int] = []
+        self.forwards: list[list[int]] = []
+
+    vocab_size = property(lambda self: self.lm.vocab_size)
+    max_context = property(lambda self: self.lm.max_context)
+    seq_len = property(lambda self: self.lm.seq_len)
+
+    def allocate(self, batch, max_len):
+        self.lm.allocate(batch, max_len)
+        self.cache, self.forwards = [], []
+
+    def forward(self, input_ids, num_logits=None):
+        self.cache += input_ids[0].tolist()
+        self.forwards.append(input_ids[0].tolist())
+        return self.lm.forward(input_ids, num_logits)
+
+    def rollback(self, length):
+        self.lm.rollback(length)
+        del self.cache[length:]
+
+    def fork(self):
+        return Recorder(self.lm.fork())
+
+
+# --------------------------------------------------------------------------- prompts, results
+
+def test_text_prompt_result_fields(target, tok):
+    r = specdecode.generate(target, PROMPT, max_new_tokens=12)
+    assert isinstance(r, GenerationResult)
+    assert r.prompt_token_ids == tok.encode(PROMPT)
+    assert len(r.token_ids) == 12 and all(isinstance(t, int) and 0 <= t < VOCAB for t in r.token_ids)
+    assert r.finish_reason == "length"
+    assert r.text == tok.decode(r.token_ids, skip_special_tokens=True) and r.text
+    assert isinstance(r.stats, SpecDecodingStats)
+    assert r.stats.num_generated_tokens == 12 and r.stats.num_draft_tokens == 0  # no draft: plain decoding
+    d = r.to_dict()
+    assert d["text"] == r.text and d["token_ids"] == r.token_ids and d["finish_reason"] == "length"
+    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+            "mean_acceptance_length", "tokens_per_second"} <= set(d["stats"])
+    json.dumps(d)  # serializable
+
+
+def test_chat_prompt_ids_follow_the_chat_template(target, tok):
+    messages = [{"role": "user", "content": PROMPT}]
+    expected = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.endswith("<|im_start|>assistant\n") and expected == tok.encode(rendered)
+
+    chat_text = specdecode.generate(target, PROMPT, chat=True, max_new_tokens=8)
+    assert chat_text.prompt_token_ids == expected
+    chat_list = specdecode.generate(target, messages, max_new_tokens=8)
+    assert chat_list.prompt_token_ids == expected and chat_list.token_ids == chat_text.token_ids
+    by_ids = specdecode.generate(target, input_ids=expected, max_new_tokens=8)
+    assert by_ids.token_ids == chat_text.token_ids and by_ids.prompt_token_ids == expected
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=8)
+    assert plain.prompt_token_ids == tok.encode(PROMPT) != expected
+
+    system = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    r = specdecode.generate(target, system, max_new_tokens=4)
+    assert r.prompt_token_ids == list(tok.apply_chat_template(system, add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False))
+    assert "You are terse." in tok.decode(r.prompt_token_ids)
+
+
+def test_input_ids_accepts_lists_and_tensors(target, tok):
+    ids = tok.encode(PROMPT)
+    ref = specdecode.generate(target, input_ids=ids, max_new_tokens=6).token_ids
+    assert specdecode.generate(target, input_ids=torch.tensor(ids), max_new_tokens=6).token_ids == ref
+    assert specdecode.generate(target, input_ids=torch.tensor([ids]), max_new_tokens=6).token_ids == ref
+    assert specdecode.generate(target, PROMPT, max_new_tokens=6).token_ids == ref
+    with pytest.raises(ValueError, match="2 prompts"):
+        specdecode.generate(target, input_ids=torch.tensor([ids, ids]), max_new_tokens=6)
+
+
+# --------------------------------------------------------------------------- aliases, greedy equality
+
+def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(target, draft):
+    ar = specdecode.generate(target, PROMPT, method="ar", max_new_tokens=40)
+    assert ar.stats.num_draft_tokens == 0 and len(ar.token_ids) == 40
+    variants = {
+        "draft": dict(draft=draft),
+        "assistant_model": dict(assistant_model=draft),
+        "draft+K3": dict(draft=draft, num_speculative_tokens=3),
+        "assistant+num_assistant_tokens3": dict(assistant_model=draft, num_assistant_tokens=3),
+        "do_sample=False beats temperature": dict(draft=draft, do_sample=False, temperature=0.7, seed=5),
+        "path strings": dict(draft=str(draft.path), method="draft"),
+    }
+    results = {}
+    for name, kwargs in variants.items():
+        r = specdecode.generate(target, PROMPT, max_new_tokens=40, **kwargs)
+        assert r.token_ids == ar.token_ids and r.text == ar.text, name
+        assert r.stats.num_draft_tokens > 0, name  # really speculated
+        assert 0 < r.stats.num_accepted_tokens < r.stats.num_draft_tokens, name  # accepts and rejects
+        results[name] = r
+    for name in ("draft+K3", "assistant+num_assistant_tokens3"):
+        s = results[name].stats
+        assert len(s.accepted_per_position) == 3 and s.num_draft_tokens <= 3 * s.num_drafts
+    assert len(results["draft"].stats.accepted_per_position) == specdecode.api.DEFAULT_K
+    a, b = results["draft+K3"].stats, results["assistant+num_assistant_tokens3"].stats
+    assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == \
+        (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens)
+    # method="ar" ignores a given draft
+    r = specdecode.generate(target, PROMPT, draft=draft, method="ar", max_new_tokens=40)
+    assert r.token_ids == ar.token_ids and r.stats.num_draft_tokens == 0
+    # do_sample=False alone is greedy too
+    assert specdecode.generate(target, PROMPT, do_sample=False, max_new_tokens=40).token_ids == ar.token_ids
+
+
+def test_do_sample_true_samples_like_temperature(target, draft):
+    greedy = specdecode.generate(target, PROMPT, max_new_tokens=30).token_ids
+    t1 = specdecode.generate(target, PROMPT, temperature=1.0, seed=11, max_new_tokens=30).token_ids
+    assert specdecode.generate(target, PROMPT, do_sample=True, seed=11, max_new_tokens=30).token_ids == t1
+    assert t1 != greedy
+    t07 = specdecode.generate(target, PROMPT, temperature=0.7, seed=11, max_new_tokens=30).token_ids
+    assert specdecode.generate(target, PROMPT, do_sample=True, temperature=0.7, seed=11,
+                               max_new_tokens=30).token_ids == t07
+    spec = [specdecode.generate(target, PROMPT, assistant_model=draft, do_sample=True, seed=4,
+                                max_new_tokens=30) for _ in range(2)]
+    assert spec[0].token_ids == spec[1].token_ids and spec[0].token_ids != greedy
+    assert spec[0].stats.num_draft_tokens > 0
+
+
+def test_self_draft_accepts_everything(target):
+    """Draft == target (a forked cache): every round emits K+1 tokens, exactly as many as asked."""
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=41)
+    r = specdecode.generate(target, PROMPT, draft=target, num_speculative_tokens=4, max_new_tokens=41)
+    assert r.token_ids == ar.token_ids and len(r.token_ids) == 41
+    s = r.stats
+    assert s.num_accepted_tokens == s.num_draft_tokens and s.acceptance_rate == 1.0
+    assert s.num_verify_passes == 9  # 8 rounds of 5 tokens, then 1 token (no room to draft)
+
+
+# --------------------------------------------------------------------------- §9 streaming
+
+def _splits_a_character(tok, chunks) -> bool:
+    """Some chunk boundary (not the last) falls inside a multi-byte character."""
+    ids: list[int] = []
+    for c in chunks[:-1]:
+        ids += c.token_ids
+        if c.token_ids and tok.decode(ids, skip_special_tokens=True).endswith("\ufffd"):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_stream_multibyte_utf8_across_tokens_and_blocks(tok, k):
+    script = tok.encode(UNICODE_TEXT)
+    assert tok.decode(script) == UNICODE_TEXT
+    assert sum("\ufffd" in tok.decode([t]) for t in script) >= 10  # many characters span tokens
+    n = len(tok.encode(PROMPT))
+    tgt = scripted(tok, script, n, name="target")
+    plain = specdecode.generate(tgt, PROMPT, max_new_tokens=200)
+    assert plain.text == UNICODE_TEXT and plain.token_ids == script + [EOS]
+    assert plain.finish_reason == "stop"
+    # drafts that are right everywhere, wrong every 3rd token, wrong every 2nd token
+    for wrong in (lambda i: False, every(3, 1), every(2)):
+        drf = scripted(tok, script, n, wrong=wrong, name="draft")
+        chunks, result = collect(specdecode.stream(tgt, PROMPT, draft=drf, num_speculative_tokens=k,
+                                                   max_new_tokens=200))
+        assert result.token_ids == plain.token_ids and result.text == UNICODE_TEXT
+        assert result.finish_reason == "stop"
+        check_stream(chunks, result)
+        assert not any("\ufffd" in c.text for c in chunks)
+        assert _splits_a_character(tok, chunks)  # the case under test really happened
+        assert result.stats.num_accepted_tokens > 0  # multi-token blocks happened
+        # every prefix of the stream is a prefix of the final text (nothing taken back)
+        sent = ""
+        for c in chunks:
+            sent += c.text
+            assert UNICODE_TEXT.startswith(sent)
+        non_streamed = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=k,
+                                           max_new_tokens=200)
+        assert non_streamed.text == result.text and non_streamed.token_ids == result.token_ids
+
+
+def test_stream_cut_inside_a_character_by_max_new_tokens(tok):
+    """Output that ends mid-character: the stream still equals the (lossy) final text."""
+    script = tok.encode(UNICODE_TEXT)
+    first_split = next(i for i, t in enumerate(script) if "\ufffd" in tok.decode([t]))
+    n = len(tok.encode(PROMPT))
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+    chunks, result = collect(specdecode.stream(tgt, PROMPT, draft=drf, num_speculative_tokens=3,
+                                               max_new_tokens=first_split + 1))
+    assert result.token_ids == script[:first_split + 1] and result.finish_reason == "length"
+    assert result.text == tok.decode(script[:first_split + 1])
+    check_stream(chunks, result)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_stream_real_models_equals_non_streamed_and_plain(target, draft, k):
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=32)
+    for drf in (draft, target):
+        chunks, result = collect(specdecode.stream(target, PROMPT, draft=drf, num_speculative_tokens=k,
+                                                   max_new_tokens=32))
+        assert result.token_ids == plain.token_ids and result.text == plain.text
+        check_stream(chunks, result)
+        assert len(chunks) - 1 == result.stats.num_verify_passes  # one chunk per verify pass
+
+
+# --------------------------------------------------------------------------- §3 stop strings, EOS, length
+
+def _first_token_completing(tok, script, stop: str) -> int:
+    return next(j for j in range(len(script)) if stop in tok.decode(script[:j + 1]))
+
+
+@pytest.mark.parametrize("others", [(), ("never appears",)], ids=["one_stop", "two_stops"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_stop_string_inside_blocks(tok, k, others):
+    """Stop strings that end inside a block, span two tokens ("x ju", "dog. Pa") or two
+    blocks (drafts wrong every 3rd token): cut before the stop string, finish "stop", no
+    token after the one that completed it, and the stream never shows any of it."""
+    script = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    tgt = scripted(tok, script, n)
+    for stop in ("lazy", "x ju", "dog. Pa", "k my box"):
+        j = _first_token_completing(tok, script, stop)
+        expected_text = ASCII_TEXT[:ASCII_TEXT.index(stop)]
+        for wrong in (lambda i: False, every(3, 2)):
+            drf = scripted(tok, script, n, wrong=wrong)
+            chunks, r = collect(specdecode.stream(tgt, PROMPT, draft=drf, num_speculative_tokens=k,
+                                                  stop=[stop, *others], max_new_tokens=100))
+            assert r.finish_reason == "stop", stop
+            assert r.text == expected_text, stop
+            assert r.token_ids == script[:j + 1], stop  # nothing after the token that completed it
+            assert r.stats.num_generated_tokens == j + 1
+            sent = ""
+            for c in chunks:
+                sent += c.text
+                assert stop not in sent and expected_text.startswith(sent), (stop, sent)
+            check_stream(chunks, r)
+        plain = specdecode.generate(tgt, PROMPT, stop=stop, max_new_tokens=100)
+        assert plain.text == expected_text and plain.token_ids == script[:j + 1]
+
+
+def test_stop_string_early_in_a_long_accepted_block(tok):
+    """The stop string is completed by the 2nd token of a 9-token accepted block."""
+    script = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    stop = tok.decode(script[1:3])  # " quick brown"
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+    r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=8, stop=stop, max_new_tokens=100)
+    assert r.token_ids == script[:3] and r.text == tok.decode(script[:1])
+    assert r.finish_reason == "stop"
+    assert r.stats.num_verify_passes == 1 and r.stats.num_accepted_tokens == 3
+
+
+def test_stop_string_in_multibyte_text(tok):
+    script = tok.encode(UNICODE_TEXT)
+    n = len(tok.encode(PROMPT))
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n, wrong=every(2))
+    for stop in ("世界", "🚀", "ữ ặ"):
+        chunks, r = collect(specdecode.stream(tgt, PROMPT, draft=drf, num_speculative_tokens=3,
+                                              stop=stop, max_new_tokens=200))
+        assert r.text == UNICODE_TEXT[:UNICODE_TEXT.index(stop)] and r.finish_reason == "stop"
+        check_stream(chunks, r)
+        assert not any("\ufffd" in c.text for c in chunks)
+
+
+def test_stop_string_also_at_max_new_tokens_is_stop(tok):
+    script = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    j = _first_token_completing(tok, script, "lazy")
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+    r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=5, stop="lazy",
+                            max_new_tokens=j + 1)
+    assert r.finish_reason == "stop" and r.token_ids == script[:j + 1]
+    r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=5, stop="lazy",
+                            max_new_tokens=j)
+    assert r.finish_reason == "length" and r.token_ids == script[:j] and "lazy" not in r.text
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_eos_inside_a_block(tok, k):
+    text_ids = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    for j in range(0, 12):
+        script = text_ids[:j] + [EOS] + text_ids[j:]
+        tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+        chunks, r = collect(specdecode.stream(tgt, PROMPT, draft=drf, num_speculative_tokens=k,
+                                              max_new_tokens=60))
+        assert r.token_ids == script[:j + 1] and r.token_ids[-1] == EOS, j
+        assert r.text == tok.decode(text_ids[:j]) and "<|im_end|>" not in r.text
+        assert r.finish_reason == "stop"
+        assert r.stats.num_generated_tokens == j + 1
+        # every draft was right: full rounds of K accepted + bonus, then the cut round
+        full, rest = divmod(j + 1, k + 1)
+        assert r.stats.num_accepted_tokens == full * k + rest
+        check_stream(chunks, r)
+        assert chunks[-1].token_ids == [] and chunks[-2].token_ids[-1] == EOS  # nothing after EOS
+
+
+def test_several_eos_ids_and_no_eos(tok):
+    text_ids = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    a, b = text_ids[7], text_ids[4]  # first occurrences at 7 and 4
+    assert a not in text_ids[:7] and b not in text_ids[:4]
+    script = text_ids[:10] + [EOS] + text_ids[10:]
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+    r = specdecode.generate(tgt, PROMPT, draft=drf, eos_token_id=[a, b], max_new_tokens=60)
+    assert r.token_ids == script[:5] and r.finish_reason == "stop"
+    r = specdecode.generate(tgt, PROMPT, draft=drf, eos_token_id=EOS, max_new_tokens=60)
+    assert r.token_ids == script[:11] and r.finish_reason == "stop"
+    # no EOS at all: <|im_end|> is an ordinary token, generation runs to max_new_tokens
+    r = specdecode.generate(tgt, PROMPT, draft=drf, eos_token_id=[], max_new_tokens=14)
+    assert r.token_ids == script[:14] and r.finish_reason == "length"
+    assert r.text == tok.decode(script[:14], skip_special_tokens=True)
+
+
+def test_custom_eos_text_is_excluded(tok):
+    """An ordinary token declared as EOS ends generation; like the default EOS, its text is
+    not part of the completion (token_ids end with it)."""
+    text_ids = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    (period,) = tok.encode(".")
+    j = text_ids.index(period)
+    tgt, drf = scripted(tok, text_ids, n), scripted(tok, text_ids, n)
+    chunks, r = collect(specdecode.stream(tgt, PROMPT, draft=drf, eos_token_id=period,
+                                          max_new_tokens=60))
+    assert r.token_ids == text_ids[:j + 1] and r.finish_reason == "stop"
+    assert r.text == tok.decode(text_ids[:j]) == "The quick brown fox jumps over the lazy dog"
+    check_stream(chunks, r)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_min_new_tokens_masks_eos_for_exactly_m_tokens(tok, k):
+    """EOS where the script has it at 2 and 6; with min_new_tokens=m it cannot end before m
+    generated tokens, counted in tokens, not rounds."""
+    text_ids = tok.encode(ASCII_TEXT)
+    script = text_ids[:2] + [EOS] + text_ids[2:5] + [EOS] + text_ids[5:]
+    n = len(tok.encode(PROMPT))
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+    for m, end in ((0, 3), (2, 3), (3, 7), (6, 7), (7, len(script) + 1)):
+        r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=k, min_new_tokens=m,
+                                max_new_tokens=40)
+        assert len(r.token_ids) == end and r.token_ids[-1] == EOS and r.finish_reason == "stop", m
+        assert EOS not in r.token_ids[:-1]
+    r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=k, min_new_tokens=8,
+                            max_new_tokens=12)
+    assert EOS not in r.token_ids and len(r.token_ids) == 12 and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_max_new_tokens_exact(tok, target, k):
+    script = tok.encode(ASCII_TEXT)
+    n = len(tok.encode(PROMPT))
+    tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
+    for m in range(1, 3 * k + 2):
+        r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=k, max_new_tokens=m)
+        assert r.token_ids == script[:m] and r.finish_reason == "length"
+        assert r.stats.num_generated_tokens == m
+        assert r.stats.num_draft_tokens <= m - 1  # never drafts past the limit
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=3 * k + 1).token_ids
+    for m in range(1, 3 * k + 2):
+        r = specdecode.generate(target, PROMPT, draft=target, num_speculative_tokens=k, max_new_tokens=m)
+        assert r.token_ids == ar[:m] and r.stats.num_generated_tokens == m
+
+
+# --------------------------------------------------------------------------- §6 vocabularies, tokenizers
+
+def test_draft_with_more_embedding_rows(dirs, target):
+    wide = specdecode.load(dirs["wide_draft"])
+    assert wide.lm.vocab_size == WIDE_VOCAB and target.lm.vocab_size == VOCAB
+    wide.lm.allocate(1, 64)
+    raw = wide.lm.forward(torch.tensor([target.tokenizer.encode(PROMPT)]))
+    assert (raw.argmax(-1) >= VOCAB).all()  # rows the target lacks would win if not cut off
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=40)
+    r = specdecode.generate(target, PROMPT, draft=wide, num_speculative_tokens=4, max_new_tokens=40)
+    assert r.token_ids == ar.token_ids
+    # on the target's rows the wide draft has the target's weights: all drafts accepted
+    assert r.stats.acceptance_rate == 1.0 and r.stats.num_draft_tokens > 0
+    # sampling: the draft's distribution over the target's 49,152 rows
+    s1 = specdecode.generate(target, PROMPT, draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
+    s2 = specdecode.generate(target, PROMPT, draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
+    assert s1.token_ids == s2.token_ids and len(s1.token_ids) == 30
+    assert s1.stats.num_accepted_tokens > 0.5 * s1.stats.num_draft_tokens
+    t, d = specdecode.load_pair(dirs["target"], dirs["wide_draft"])
+    assert d.lm.vocab_size == WIDE_VOCAB
+
+
+def test_target_with_more_embedding_rows_than_draft(dirs, target):
+    wide = specdecode.load(dirs["wide"])
+    ar = specdecode.generate(wide, PROMPT, max_new_tokens=40)
+    assert ar.token_ids == specdecode.generate(target, PROMPT, max_new_tokens=40).token_ids
+    r = specdecode.generate(wide, PROMPT, draft=target, num_speculative_tokens=4, max_new_tokens=40)
+    assert r.token_ids == ar.token_ids and r.stats.acceptance_rate == 1.0
+    # sampling: draft distributions of 49,152 rows against target ones of 49,280 (padded with 0)
+    s1 = specdecode.generate(wide, PROMPT, draft=target, temperature=0.8, seed=2, max_new_tokens=30)
+    s2 = specdecode.generate(wide, PROMPT, draft=target, temperature=0.8, seed=2, max_new_tokens=30)
+    assert s1.token_ids == s2.token_ids and s1.stats.num_accepted_tokens > 0
+    assert all(t < VOCAB for t in s1.token_ids)  # the zero rows are never likely
+
+
+def test_different_tokenizer_is_refused_at_pairing(dirs, target):
+    foreign = specdecode.load(dirs["foreign"])
+    assert len(foreign.tokenizer) < 1000
+    for kwargs in (dict(draft=foreign), dict(assistant_model=foreign), dict(draft=str(dirs["foreign"]))):
+        with pytest.raises(IncompatibleDraftError) as err:
+            specdecode.generate(target, PROMPT, max_new_tokens=5, **kwargs)
+        _check_incompatible_message(str(err.value))
+    with pytest.raises(IncompatibleDraftError) as err:
+        specdecode.load_pair(dirs["target"], dirs["foreign"])
+    _check_incompatible_message(str(err.value))
+    with pytest.raises(IncompatibleDraftError):
+        specdecode.load_pair(dirs["foreign"], dirs["target"])
+    assert isinstance(err.value, ValueError)
+    # refused before anything runs: the target's cache was never touched
+    rec = Recorder(target.lm)
+    with pytest.raises(IncompatibleDraftError):
+        specdecode.generate(LoadedModel(rec, target.tokenizer, "t", target.eos_token_ids), PROMPT, draft=foreign)
+    assert rec.forwards == []
+    # the plain method still works with the would-be draft given
+    assert specdecode.generate(target, PROMPT, draft=foreign, method="ar", max_new_tokens=3).token_ids
+
+
+def _check_incompatible_message(msg: str) -> None:
+    assert "tokenizer" in msg and "'ar'" in msg and "draft" in msg and "\n" not in msg
+
+
+def test_same_size_but_permuted_vocabulary_is_refused(dirs, tmp_path, target):
+    """Same number of tokens and same special tokens, but two ids swapped."""
+    d = tmp_path / "permuted"
+    shutil.copytree(dirs["draft"], d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = "Ġthe", "Ġand"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    perm = specdecode.load(d)
+    assert len(perm.tokenizer) == len(target.tokenizer)
+    with pytest.raises(IncompatibleDraftError):
+        specdecode.generate(target, PROMPT, draft=perm, max_new_tokens=3)
+
+
+def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
+    t, d = Recorder(target.lm), Recorder(draft.lm)
+    tgt = LoadedModel(t, target.tokenizer, "t", target.eos_token_ids)
+    drf = LoadedModel(d, draft.tokenizer, "d", draft.eos_token_ids)
+    for prompt, chat in ((PROMPT, True), (PROMPT, False), ([{"role": "user", "content": "2+2?"}], False)):
+        r = specdecode.generate(tgt, prompt, draft=drf, chat=chat, max_new_tokens=20)
+        ids = r.prompt_token_ids
+        if chat or isinstance(prompt, list):
+            assert ids[:1] == tok.encode("<|im_start|>") and tok.decode(ids).endswith("<|im_start|>assistant\n")
+        assert t.forwards[0] == ids[:-1] == d.forwards[0]  # both prefill the same ids
+        committed = ids + r.token_ids
+        assert t.cache == committed[:len(t.cache)] and len(t.cache) == len(committed) - 1
+        assert d.cache == committed[:len(d.cache)]  # the draft's cache: a prefix of the committed
+        assert r.stats.num_draft_tokens > 0
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=-1), ["temperature", "-1"]),
+    (dict(temperature=float("nan")), ["temperature"]),
+    (dict(top_p=0), ["top_p", "0"]),
+    (dict(top_p=1.5), ["top_p", "1.5"]),
+    (dict(top_k=-2), ["top_k", "-2"]),
+    (dict(max_new_tokens=0), ["max_new_tokens", "0"]),
+    (dict(min_new_tokens=-1), ["min_new_tokens", "-1"]),
+    (dict(repetition_penalty=0), ["repetition_penalty", "0"]),
+    (dict(num_speculative_tokens=0), ["num_speculative_tokens", "0"]),
+    (dict(num_assistant_tokens=0), ["num_speculative_tokens", "0"]),
+    (dict(num_speculative_tokens=65), ["num_speculative_tokens", "65"]),
+    (dict(method="bogus"), ["method", "bogus"]),
+    (dict(stop=[""]), ["stop"]),
+    (dict(eos_token_id=-3), ["eos_token_ids", "-3"]),
+])
+def test_bad_arguments_raise_value_error_naming_the_value(target, draft, kwargs, words):
+    with pytest.raises(ValueError) as err:
+        specdecode.generate(target, PROMPT, draft=draft, **kwargs)
+    msg = str(err.value)
+    assert all(w in msg for w in words), msg
+    assert not isinstance(err.value, IncompatibleDraftError)
+
+
+def test_bad_prompts(target, tok):
+    with pytest.raises(ValueError, match="empty"):
+        specdecode.generate(target, "")
+    with pytest.raises(ValueError, match="empty"):
+        specdecode.generate(target, input_ids=[])
+    with pytest.raises(ValueError, match=f"{VOCAB}"):
+        specdecode.generate(target, input_ids=[5, VOCAB])
+    with pytest.raises(ValueError, match="-1"):
+        specdecode.generate(target, input_ids=[-1, 5])
+    with pytest.raises(ValueError, match="exactly one"):
+        specdecode.generate(target, PROMPT, input_ids=tok.encode(PROMPT))
+    with pytest.raises(ValueError, match="exactly one"):
+        specdecode.generate(target)
+    with pytest.raises(ValueError, match="int"):
+        specdecode.generate(target, 123)
+    with pytest.raises(ValueError, match="needs a draft"):
+        specdecode.generate(target, PROMPT, method="draft")
+    with pytest.raises(ValueError, match="needs a draft"):
+        specdecode.stream(target, PROMPT, method="draft").__next__()
+
+
+def test_chat_without_a_chat_template(dirs):
+    foreign = specdecode.load(dirs["foreign"])
+    assert not getattr(foreign.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        specdecode.generate(foreign, PROMPT, chat=True, max_new_tokens=3)
+    assert len(specdecode.generate(foreign, PROMPT, max_new_tokens=3).token_ids) == 3
+
+
+def test_bad_prompts_tokenizer_free(target, tok):
+    ids_only = LoadedModel(target.lm, None, "no-tokenizer", target.eos_token_ids)
+    with pytest.raises(ValueError, match="input_ids"):
+        specdecode.generate(ids_only, PROMPT)
+    r = specdecode.generate(ids_only, input_ids=tok.encode(PROMPT), max_new_tokens=4)
+    assert len(r.token_ids) == 4
+    with pytest.raises(ValueError, match="tokenizer"):
+        specdecode.generate(ids_only, input_ids=tok.encode(PROMPT), stop="x", max_new_tokens=4)
+
+
+def test_bad_model_references(tmp_path, dirs):
+    with pytest.raises(ValueError) as err:
+        specdecode.load("no-such-model")
+    assert "no-such-model" in str(err.value)
+    assert all(name in str(err.value) for name in registry.KNOWN_MODELS)
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError) as err:
+        specdecode.load(not_gguf)
+    assert str(not_gguf) in str(err.value) and ".gguf" in str(err.value)
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    with pytest.raises(ValueError) as err:
+        specdecode.load(empty)
+    assert str(empty) in str(err.value) and "config.json" in str(err.value)
+    with pytest.raises(ValueError, match="dtype 'float8'"):
+        specdecode.load(dirs["target"], dtype="float8")
+    with pytest.raises(ValueError, match="backend 'onnx'"):
+        specdecode.load(dirs["target"], backend="onnx")
+    with pytest.raises(ValueError) as err:
+        specdecode.load_pair(dirs["target"], "no-such-draft")
+    assert "no-such-draft" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        specdecode.generate(dirs["target"], PROMPT, draft="no-such-draft", max_new_tokens=3)
+    assert "no-such-draft" in str(err.value)
+
+
+# --------------------------------------------------------------------------- loading paths, backends
+
+def test_load_local_dir(dirs, tok):
+    m = specdecode.load(dirs["target"])
+    assert m.path == dirs["target"] and m.name == str(dirs["target"])
+    assert m.lm.vocab_size == VOCAB and m.lm.max_context == 2048
+    assert m.eos_token_ids == (EOS,)
+    assert m.tokenizer.get_vocab() == tok.get_vocab() and m.tokenizer.chat_template
+    no_tok = specdecode.load(dirs["target"], tokenizer=False)
+    assert no_tok.tokenizer is None
+    # a path string, and a directory passed straight to generate
+    r1 = specdecode.generate(str(dirs["target"]), PROMPT, max_new_tokens=8)
+    r2 = specdecode.generate(m, PROMPT, max_new_tokens=8)
+    assert r1.token_ids == r2.token_ids
+
+
+def test_transformers_backend_matches_native(dirs, target, draft):
+    hf_target = specdecode.load(dirs["target"], backend="transformers")
+    hf_draft = specdecode.load(dirs["draft"], backend="transformers")
+    assert isinstance(hf_target.lm, HFCausalLM) and not isinstance(target.lm, HFCausalLM)
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=30)
+    assert specdecode.generate(hf_target, PROMPT, max_new_tokens=30).token_ids == ar.token_ids
+    for tgt, drf in ((target, hf_draft), (hf_target, draft), (hf_target, hf_draft), (hf_target, hf_target)):
+        r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=4, max_new_tokens=30,
+                                debug=True)
+        assert r.token_ids == ar.token_ids
+        assert r.stats.num_draft_tokens > 0
+        if drf is not hf_target:  # rejections happened, so both caches were rolled back
+            assert r.stats.num_accepted_tokens < r.stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("name, backend", [("draft", "native"), ("draft", "transformers"), ("gpt2", "auto")])
+def test_int8_draft_keeps_the_output(dirs, target, name, backend):
+    """The CLI's default draft dtype: only speed and acceptance change, never the output."""
+    q = specdecode.load(dirs[name], backend=backend, dtype="int8")
+    assert q.lm.vocab_size == VOCAB
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=30)
+    r = specdecode.generate(target, PROMPT, draft=q, max_new_tokens=30)
+    assert r.token_ids == ar.token_ids and r.stats.num_draft_tokens > 0
+
+
+def test_other_architecture_goes_through_transformers(dirs, target, tok):
+    """GPT-2 is not a native architecture: backend "auto" uses the transformers adapter; it
+    pairs with a Llama target of the same tokenizer."""
+    g = specdecode.load(dirs["gpt2"])
+    assert isinstance(g.lm, HFCausalLM) and g.lm.vocab_size == VOCAB
+    with pytest.raises(ValueError, match="backend='transformers'"):
+        specdecode.load(dirs["gpt2"], backend="native")
+    own = specdecode.generate(g, PROMPT, max_new_tokens=12)
+    assert len(own.token_ids) == 12 and own.prompt_token_ids == tok.encode(PROMPT)
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=24)
+    assert specdecode.generate(target, PROMPT, draft=g, max_new_tokens=24, debug=True).token_ids == ar.token_ids
+    assert specdecode.generate(g, PROMPT, draft=target, max_new_tokens=12).token_ids == own.token_ids
+
+
+def _write_tiny_gguf(src: Path, out: Path) -> None:
+    """Write the tiny HF model in ``src`` as an F32 GGUF file, as llama.cpp's converter would
+    (q/k rows permuted for its rope layout; tokenizer, merges and chat template included)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    tj = json.loads((src / "tokenizer.json").read_text())
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("tiny")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // nh)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(0)  # all F32
+    tokens = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
+    special = {a["id"] for a in tj["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(EOS)
+    w.add_add_bos_token(False)
+    w.add_chat_template((src / "chat_template.jinja").read_text())
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    for key, t in load_file(src / "model.safetensors").items():
+        a = t.float().numpy()
+        if key in names:
+            name = names[key]
+        else:
+            parts = key.split(".")
+            module = ".".join(parts[3:-1])
+            name = f"blk.{parts[2]}.{per_layer[module]}.weight"
+            if module == "self_attn.q_proj":
+                a = permute(a, nh)
+            elif module == "self_attn.k_proj":
+                a = permute(a, nkv)
+        w.add_tensor(name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_file_is_converted_once_and_matches(dirs, target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny model.gguf"
+    _write_tiny_gguf(dirs["target"], gguf_file)
+    t0 = time.perf_counter()
+    converted = resolve_model_path(gguf_file)
+    first_s = time.perf_counter() - t0
+    assert converted.parent == tmp_path / "cache" / "converted" and converted.name.startswith("tiny model-")
+    assert (converted / "config.json").is_file() and list(converted.glob("*.safetensors"))
+    assert first_s < 60
+    t0 = time.perf_counter()
+    assert resolve_model_path(str(gguf_file)) == converted
+    assert time.perf_counter() - t0 < 1.0  # cached: no second conversion
+    m = specdecode.load(gguf_file)
+    assert m.path == converted and m.lm.vocab_size == VOCAB and EOS in m.eos_token_ids
+    assert m.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    ar = specdecode.generate(target, PROMPT, max_new_tokens=20)
+    r = specdecode.generate(m, PROMPT, max_new_tokens=20)
+    assert r.prompt_token_ids == ar.prompt_token_ids and r.token_ids == ar.token_ids
+    # the GGUF model and the directory pair as target and draft (same tokenizer)
+    r = specdecode.generate(target, PROMPT, draft=m, max_new_tokens=20)
+    assert r.token_ids == ar.token_ids and r.stats.acceptance_rate == 1.0

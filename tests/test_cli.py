@@ -1,0 +1,248 @@
+"""Tests of the command line (``specdecode generate``, ``specdecode models list``), run
+in-process through ``specdecode.cli.main`` on tiny model directories (see test_api.py), plus
+one subprocess run of ``--help``."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+import specdecode
+from specdecode import cli, registry
+
+from test_api import PROMPT, VOCAB, one_thread, smol_tokenizer, tiny_dirs_in  # noqa: F401 (fixture)
+
+STATS_KEYS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+              "mean_acceptance_length", "tokens_per_second"}
+
+
+@pytest.fixture(scope="session")
+def dirs(tmp_path_factory):
+    return tiny_dirs_in(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return smol_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(dirs):
+    return specdecode.load(dirs["target"])
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(capsys, dirs, *extra, max_new_tokens: int = 20) -> dict:
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--json", "--max-new-tokens", max_new_tokens, *extra)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines, err
+    obj = json.loads(lines[-1])
+    assert isinstance(obj, dict)
+    return obj
+
+
+def test_generate_json(capsys, dirs, tok, target):
+    obj = run_json(capsys, dirs)
+    assert {"text", "token_ids", "finish_reason", "stats"} <= set(obj)
+    assert len(obj["token_ids"]) == 20 and obj["finish_reason"] == "length"
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in obj["token_ids"])
+    assert obj["text"] == tok.decode(obj["token_ids"], skip_special_tokens=True)
+    s = obj["stats"]
+    assert STATS_KEYS <= set(s)
+    assert s["num_draft_tokens"] > 0 and 0 < s["num_accepted_tokens"] <= s["num_draft_tokens"]
+    assert s["num_drafts"] >= 1
+    assert s["acceptance_rate"] == pytest.approx(s["num_accepted_tokens"] / s["num_draft_tokens"], abs=1e-4)
+    assert 1.0 <= s["mean_acceptance_length"] <= 1 + 6
+    assert s["tokens_per_second"] > 0
+    # greedy: the target's own plain output
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=20)
+    assert obj["token_ids"] == plain.token_ids and obj["text"] == plain.text
+
+
+def test_generate_json_compare(capsys, dirs):
+    obj = run_json(capsys, dirs, "--compare", "--k", 3)
+    ar = obj["ar"]
+    assert set(ar) >= {"text", "token_ids", "tokens_per_second"}
+    assert ar["token_ids"] == obj["token_ids"] and ar["text"] == obj["text"]
+    assert obj["identical"] is True
+    assert isinstance(obj["speedup"], float) and obj["speedup"] > 0 and ar["tokens_per_second"] > 0
+    assert obj["stats"]["num_draft_tokens"] <= 3 * obj["stats"]["num_drafts"]
+
+
+def test_method_ar_loads_no_draft(capsys, dirs):
+    ref = run_json(capsys, dirs)
+    # --draft is not even loaded with --method ar
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", "no-such-model",
+                         "--method", "ar", "--prompt", PROMPT, "--json", "--max-new-tokens", 20)
+    assert code == 0, err
+    obj = json.loads(out.strip().splitlines()[-1])
+    assert obj["token_ids"] == ref["token_ids"]
+    assert obj["stats"]["num_draft_tokens"] == 0 and obj["stats"]["num_drafts"] == 0
+    assert obj["stats"]["mean_acceptance_length"] == 1.0
+
+
+def test_chat_flag(capsys, dirs, target):
+    obj = run_json(capsys, dirs, "--chat", max_new_tokens=12)
+    api = specdecode.generate(target, PROMPT, chat=True, max_new_tokens=12)
+    assert obj["token_ids"] == api.token_ids
+    assert obj["token_ids"] != specdecode.generate(target, PROMPT, max_new_tokens=12).token_ids
+
+
+def test_stop_flag(capsys, dirs, tok, target):
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=30)
+    # a stop string made of the text of generated tokens 5 and 6 (spans two tokens)
+    prefix = tok.decode(plain.token_ids[:5])
+    stop = tok.decode(plain.token_ids[:7])[len(prefix):]
+    assert plain.text.startswith(prefix) and len(stop) >= 2 and "\ufffd" not in stop
+    cut = plain.text.index(stop)
+    obj = run_json(capsys, dirs, "--stop", stop, "never-there", max_new_tokens=30)
+    assert obj["finish_reason"] == "stop"
+    assert obj["text"] == plain.text[:cut] and stop not in obj["text"]
+    assert obj["token_ids"] == plain.token_ids[:len(obj["token_ids"])] and len(obj["token_ids"]) <= 7
+
+
+def test_seeded_sampling_is_reproducible(capsys, dirs):
+    a = run_json(capsys, dirs, "--temperature", 0.8, "--seed", 3)
+    b = run_json(capsys, dirs, "--temperature", 0.8, "--seed", 3)
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+    c = run_json(capsys, dirs, "--temperature", 0.8, "--seed", 4)
+    greedy = run_json(capsys, dirs)
+    assert c["token_ids"] != a["token_ids"]
+    assert a["token_ids"] != greedy["token_ids"]
+
+
+@pytest.mark.parametrize("dtype", [None, "int8", "float32"])
+def test_draft_dtype_never_changes_the_output(capsys, dirs, dtype):
+    extra = [] if dtype is None else ["--draft-dtype", dtype]
+    obj = run_json(capsys, dirs, "--compare", *extra)
+    assert obj["identical"] is True and obj["token_ids"] == obj["ar"]["token_ids"]
+    assert obj["stats"]["num_draft_tokens"] > 0
+
+
+def test_prompt_from_stdin(capsys, dirs, monkeypatch):
+    ref = run_json(capsys, dirs, max_new_tokens=8)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", "-", "--json", "--max-new-tokens", 8)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == ref["token_ids"]
+
+
+def test_streaming_mode_prints_text_then_stats(capsys, dirs, target):
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=20)
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--max-new-tokens", 20)
+    assert code == 0, err
+    assert out[:out.index("\n[draft] ")] == plain.text
+    stats = out[len(plain.text) + 1:]
+    assert "acceptance rate" in stats and "tokens/s" in stats and "20 tokens" in stats
+    assert "speedup" not in out
+
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--max-new-tokens", 20, "--compare")
+    assert code == 0, err
+    assert out.startswith(plain.text + "\n")
+    tail = out[len(plain.text) + 1:]
+    assert "acceptance rate" in tail and "speedup" in tail and "identical" in tail
+    assert "DIFFERENT" not in tail
+
+
+def test_streaming_mode_with_stop_prints_only_the_cut_text(capsys, dirs, tok, target):
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=30)
+    prefix = tok.decode(plain.token_ids[:5])
+    stop = tok.decode(plain.token_ids[:7])[len(prefix):]
+    expected = plain.text[:plain.text.index(stop)]
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--max-new-tokens", 30, "--stop", stop)
+    assert code == 0, err
+    assert out[:out.index("\n[draft] ")] == expected
+
+
+def test_unknown_target_is_a_one_line_error(capsys, dirs):
+    code, out, err = run(capsys, "generate", "--target", "no-such-model", "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--json")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "no-such-model" in lines[0] and all(n in lines[0] for n in registry.KNOWN_MODELS)
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--temperature", "-1"], ["temperature", "-1"]),
+    (["--top-p", "0"], ["top_p", "0"]),
+    (["--max-new-tokens", "0"], ["max_new_tokens", "0"]),
+])
+def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, *argv)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error:") and all(w in line for w in words), err
+    assert "Traceback" not in err
+
+
+def test_k_zero_is_an_argparse_error(capsys, dirs):
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["generate", "--target", str(dirs["target"]), "--prompt", PROMPT, "--k", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--k must be an integer >= 1" in err and bad in err
+
+
+def test_incompatible_draft_is_a_clear_error(capsys, dirs):
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["foreign"],
+                         "--prompt", PROMPT, "--json")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "tokenizer" in lines[0] and "'ar'" in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_non_native_draft_with_default_int8(capsys, dirs):
+    """A draft the native decoder cannot load (GPT-2) goes through transformers, with the
+    default --draft-dtype int8."""
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["gpt2"],
+                         "--prompt", PROMPT, "--json", "--max-new-tokens", 12, "--compare")
+    assert code == 0, err
+    obj = json.loads(out.strip().splitlines()[-1])
+    assert obj["identical"] is True
+
+
+def test_models_list(capsys):
+    code, out, err = run(capsys, "models", "list")
+    assert code == 0
+    for name in registry.KNOWN_MODELS:
+        assert any(line.startswith(name + " ") for line in out.splitlines()), out
+    assert set(registry.KNOWN_MODELS) == {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
+                                          "smollm2-135m-instruct"}
+
+
+def test_generate_help_in_process(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--target", "--draft", "--k", "--json", "--compare", "--stop", "--draft-dtype", "--chat"):
+        assert flag in out
+    assert "examples:" in out
+
+
+def test_help_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "specdecode.cli", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "generate" in proc.stdout and "models" in proc.stdout and "usage: specdecode" in proc.stdout
