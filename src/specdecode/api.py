@@ -157,20 +157,29 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         num_speculative_tokens if num_speculative_tokens is not None else num_assistant_tokens,
         dtype, debug)
     tok = tgt.tokenizer
+    eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
+
+    def completion() -> str:
+        """Text so far: an EOS that ended the request is not text (like vLLM); cut at stop."""
+        ids = gen.token_ids
+        if gen.finish_reason == "stop" and ids and ids[-1] in eos:
+            ids = ids[:-1]
+        return _cut_at_stop(_decode(tok, ids), params.stop)
+
     sent = 0
     hold = max((len(s) for s in params.stop), default=1) - 1
     for new in gen:
         if tok is None:
             yield StreamChunk("", new)
             continue
-        text = _decode(tok, gen.token_ids)
-        stable = len(text) - hold
+        text = completion()
+        stable = len(text) if gen.finish_reason else len(text) - hold
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
             stable = min(stable, len(text.rstrip("\ufffd")) - hold)
         delta = text[sent:stable] if stable > sent else ""
         sent += len(delta)
         yield StreamChunk(delta, new)
-    text = _cut_at_stop(_decode(tok, gen.token_ids), params.stop) if tok is not None else ""
+    text = completion() if tok is not None else ""
     result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids)
     yield StreamChunk(text[sent:], [], result)
 

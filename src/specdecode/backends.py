@@ -58,7 +58,7 @@ class HFCausalLM:
     def __init__(self, hf_model):
         self.hf = hf_model.eval()
         cfg = hf_model.config
-        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = hf_model.get_output_embeddings().out_features  # also when int8-quantized
         self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
         self.seq_len = 0
         self._cache = None
