@@ -179,9 +179,9 @@ class Engine:
         Raises ValueError for an empty or out-of-vocabulary prompt, a prompt that fills the
         target's context, or stop strings without ``decode``.
         """
-        prompt = [int(t) for t in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
         if torch.is_tensor(input_ids) and input_ids.dim() > 1:
             raise ValueError(f"input_ids must be one prompt (1-D), got shape {tuple(input_ids.shape)}")
+        prompt = [int(t) for t in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         v = self.target.vocab_size
