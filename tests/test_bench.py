@@ -1,0 +1,179 @@
+"""The benchmark harness: workloads, method parsing, interleaving, records, ratios, the lossless
+check, the forward-time ceiling, and the CLI end to end on tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import MockLM, hashed_logits
+from specdecode import bench, cli
+from specdecode.bench import Output, Record, Task
+from test_api import one_thread, smol_tokenizer, tiny_dirs_in  # noqa: F401 (fixture)
+
+
+class FakeTokenizer:
+    def encode(self, text):
+        return [ord(c) % 50 for c in text]
+
+    def apply_chat_template(self, messages, **kwargs):
+        return [len(m["content"]) % 50 for m in messages] + [1]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def three_tokens(ids):
+    return [(sum(ids) + i) % 50 for i in range(3)]
+
+
+def fake_runner(log, label, tokens_per_second, output=three_tokens):
+    def run(prompt_ids, max_new_tokens):
+        log.append((label, tuple(prompt_ids)))
+        ids = output(prompt_ids)
+        return Output(ids, len(ids) / tokens_per_second,
+                      {"num_verify_passes": 2, "num_draft_tokens": 4, "num_accepted_tokens": 1,
+                       "draft_s": 0.1, "verify_s": 0.2} if label == "draft" else None)
+    return run
+
+
+TASKS = [Task("qa", "1", ("what?",)), Task("mt_bench", "2", ("first", "second turn")),
+         Task("humaneval", "H/0", ("def f():",), chat=False)]
+
+
+def test_interleaved_records_ratios_and_multi_turn():
+    log = []
+    runners = {"ar": (fake_runner(log, "ar", 2.0), None),
+               "draft": (fake_runner(log, "draft", 5.0), "ar"),
+               "hf-ar": (fake_runner(log, "hf-ar", 4.0), None)}
+    records = bench.run_bench(TASKS, runners, FakeTokenizer(), 16, progress=False)
+    # A B C A B C ...: each prompt (and turn) goes through every method before the next one
+    assert [label for label, _ in log] == ["ar", "draft", "hf-ar"] * 4
+    assert len(records) == 12 and all(r.new_tokens == 3 for r in records)
+    # turn 2 of the MT-Bench task is asked after the method's own first answer
+    turn2 = [ids for label, ids in log[6:9]]
+    assert all(len(ids) == 4 for ids in turn2)  # user, assistant, user + generation prompt
+    assert all(r.identical for r in records if r.method == "draft")
+    summary = bench.summarize(records, {"ar": None, "draft": "ar", "hf-ar": None})
+    overall = summary["draft"]["overall"]
+    assert overall["speedup_vs_ar"] == pytest.approx(2.5)
+    assert overall["speedup_vs_hf-ar"] == pytest.approx(1.25)
+    assert overall["tokens_per_second_median"] == pytest.approx(5.0)
+    assert overall["mean_acceptance_length"] == pytest.approx(1 + 4 / 8)  # pooled: Σaccepted/Σpasses
+    assert overall["acceptance_rate"] == pytest.approx(4 / 16)
+    assert overall["mismatches"] == 0
+    assert summary["ar"]["qa"]["speedup_vs_ar"] == 1.0
+    assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "overall"}
+    table = bench.markdown_table(summary, {"draft": 3.0})
+    assert "| draft | 5.00 | 2.50× | 1.25× | 3.00× |" in table
+
+
+def test_lossless_check_reports_a_planted_mismatch():
+    log, seen = [], []
+    planted = lambda ids: three_tokens(ids)[:2] + [99]  # noqa: E731 - differs at index 2
+    runners = {"ar": (fake_runner(log, "ar", 2.0), None),
+               "draft": (fake_runner(log, "draft", 5.0, planted), "ar")}
+    records = bench.run_bench(TASKS[:1], runners, FakeTokenizer(), 16, progress=False,
+                              on_mismatch=lambda rec, ref: seen.append((rec.method, ref, rec.first_difference)))
+    bad = [r for r in records if r.method == "draft"][0]
+    assert bad.identical is False and bad.first_difference == 2
+    assert seen == [("draft", "ar", 2)]
+    assert bench.summarize(records, {})["draft"]["overall"]["mismatches"] == 1
+
+
+def test_first_difference():
+    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_interrupt_keeps_results_so_far():
+    log = []
+
+    def interrupting(prompt_ids, max_new_tokens):
+        if len(log) >= 2:
+            raise KeyboardInterrupt
+        log.append(1)
+        return Output([1, 2], 1.0)
+
+    records = bench.run_bench(TASKS, {"ar": (interrupting, None)}, FakeTokenizer(), 8, progress=False)
+    assert len(records) == 2
+
+
+def test_forward_times_and_ceiling():
+    lm = MockLM(50, hashed_logits(50))
+    times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2)
+    assert len(times) == 6 and all(t > 0 for t in times)
+    # context prefill, a warm-up step, then each n twice
+    assert lm.forward_sizes == [20, 1] + [n for n in range(1, 7) for _ in range(2)]
+    assert lm.seq_len == 20  # rolled back after every measurement
+    # a perfect, free proposer: (K+1) tokens for the price of T(K+1)
+    assert bench.ceiling([0.1, 0.12, 0.15, 0.2], 3) == pytest.approx(4 * 0.1 / 0.2)
+    assert bench.ceiling([0.1, 0.1, 0.1], 2) == pytest.approx(3.0)
+
+
+def test_parse_methods():
+    assert bench.parse_methods("ar, draft:k=4:dtype=float32,hf-pld") == [
+        ("ar", "ar", {}), ("draft:k=4:dtype=float32", "draft", {"k": "4", "dtype": "float32"}),
+        ("hf-pld", "hf-pld", {})]
+    with pytest.raises(ValueError, match="unknown method 'medusa'; available: ar, draft"):
+        bench.parse_methods("ar,medusa")
+    with pytest.raises(ValueError, match="key=value"):
+        bench.parse_methods("draft:4")
+    with pytest.raises(ValueError, match="twice"):
+        bench.parse_methods("ar,ar")
+
+
+def test_spec_bench_subtasks_limit_and_seed(tmp_path):
+    tasks = bench.load_spec_bench(bench.SPEC_BENCH_PATH)
+    counts = {}
+    for t in tasks:
+        counts[t.subtask] = counts.get(t.subtask, 0) + 1
+    assert counts == {"mt_bench": 80, "translation": 80, "summarization": 80, "qa": 80,
+                      "math_reasoning": 80, "rag": 80}
+    assert all(len(t.turns) == 2 for t in tasks if t.subtask == "mt_bench")
+    a = bench.load_spec_bench(bench.SPEC_BENCH_PATH, limit=3, seed=7)
+    assert a == bench.load_spec_bench(bench.SPEC_BENCH_PATH, limit=3, seed=7)
+    assert a != bench.load_spec_bench(bench.SPEC_BENCH_PATH, limit=3, seed=8)
+    assert len(a) == 18
+    with pytest.raises(FileNotFoundError, match="--dataset"):
+        bench.load_spec_bench(tmp_path / "missing.jsonl")
+
+
+def test_humaneval_workload():
+    tasks = bench.load_humaneval()
+    assert len(tasks) == 164 and not tasks[0].chat
+    assert tasks[0].prompt_id == "HumanEval/0" and "def " in tasks[0].turns[0]
+    assert len(bench.load_humaneval(limit=20, seed=1)) == 20
+
+
+def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys):
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                     "--methods", "ar,draft:k=3:dtype=float32,hf-ar,hf-assisted:k=3",
+                     "--workloads", "humaneval", "--limit", "2", "--max-new-tokens", "6",
+                     "--out", str(out)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    last = json.loads(stdout.strip().splitlines()[-1])
+    assert set(last["methods"]) == {"ar", "draft:k=3:dtype=float32", "hf-ar", "hf-assisted:k=3"}
+    assert last["mismatches"] == 0
+    assert last["ceiling"]["draft:k=3:dtype=float32"] > 0
+    assert "| draft:k=3:dtype=float32 |" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["records"]) == 8
+    assert {r["method"] for r in results["records"] if r["identical"] is not None} == {
+        "draft:k=3:dtype=float32", "hf-assisted:k=3"}
+    assert len(results["limit"]["forward_seconds"]) == 16
+    assert (out / "speedup.png").stat().st_size > 1000
+    assert "## Overall" in (out / "report.md").read_text()
+
+
+def test_bench_cli_errors(capsys):
+    assert cli.main(["bench", "--methods", "ar,bogus"]) == 2
+    assert "unknown method 'bogus'" in capsys.readouterr().err
+    assert cli.main(["bench", "--workloads", "imagenet"]) == 2
+    assert "unknown workload" in capsys.readouterr().err
