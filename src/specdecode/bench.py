@@ -502,11 +502,17 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target dtype for every method (default float32)")
     p.add_argument("--out", default=None, help="write results.json, report.md and speedup.png here")
+    from .cli import add_threads_argument
+
+    add_threads_argument(p)
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> int:
+    from .cli import apply_threads
+
     try:
+        apply_threads(args)
         methods = parse_methods(args.methods)
         workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
         bad = [w for w in workloads if w not in WORKLOADS]
