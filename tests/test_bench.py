@@ -67,7 +67,7 @@ def test_interleaved_records_ratios_and_multi_turn():
     assert summary["ar"]["qa"]["speedup_vs_ar"] == 1.0
     assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "overall"}
     table = bench.markdown_table(summary, {"draft": 3.0})
-    assert "| draft | 5.00 | 2.50× | 1.25× | 3.00× |" in table
+    assert "| draft | 5.00 | 2.50× | 1.25× | 3.00× |" in table and "paired" in table
 
 
 def test_lossless_check_reports_a_planted_mismatch():
@@ -104,10 +104,10 @@ def test_interrupt_keeps_results_so_far():
 
 def test_forward_times_and_ceiling():
     lm = MockLM(50, hashed_logits(50))
-    times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2)
+    times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2, warmup=1)
     assert len(times) == 6 and all(t > 0 for t in times)
-    # context prefill, a warm-up step, then each n twice
-    assert lm.forward_sizes == [20, 1] + [n for n in range(1, 7) for _ in range(2)]
+    # context prefill, then round-robin over n: one warm-up round and two timed ones
+    assert lm.forward_sizes == [20] + [1, 2, 3, 4, 5, 6] * 3
     assert lm.seq_len == 20  # rolled back after every measurement
     # a perfect, free proposer: (K+1) tokens for the price of T(K+1)
     assert bench.ceiling([0.1, 0.12, 0.15, 0.2], 3) == pytest.approx(4 * 0.1 / 0.2)

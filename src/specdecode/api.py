@@ -70,8 +70,9 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise IncompatibleDraftError(
             f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
             f"({len(dt)} vs {len(tt)} tokens, or different special tokens). Draft-model "
-            "speculation needs the same tokenizer: pick a draft of the target's family (e.g. "
-            "qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), or use method 'ar'.")
+            "speculation needs the same tokenizer: pick a draft of the target's own family "
+            "(CLI --draft NAME|PATH, Python draft=...; the model itself works too), or decode "
+            "without a draft (CLI --method ar, Python method='ar').")
 
 
 def _as_model(m, dtype: str) -> LoadedModel:
@@ -98,17 +99,25 @@ def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text or chat messages) and input_ids")
     if input_ids is not None:
+        if isinstance(input_ids, (str, bytes)):
+            raise ValueError("input_ids must be token ids (a list of ints or a tensor); pass text as prompt=")
         ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
         if ids and isinstance(ids[0], list):
             if len(ids) != 1:
                 raise ValueError(f"input_ids holds {len(ids)} prompts; generate takes one")
             ids = ids[0]
-        return [int(i) for i in ids]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"input_ids must be integer token ids, got {ids[:5]!r}...")
+        return ids
     tok = target.tokenizer
     if tok is None:
         raise ValueError(f"target {target.name!r} was loaded without a tokenizer; pass input_ids")
     if chat or isinstance(prompt, list):
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError(f"chat message {m!r} must be a dict with string 'role' and 'content'")
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"target {target.name!r} has no chat template; drop --chat / pass plain text")
         return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -149,6 +158,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     the concatenated chunks equal the non-streamed text. Raises ValueError on bad arguments,
     IncompatibleDraftError when the draft's tokenizer differs.
     """
+    if num_speculative_tokens is not None and num_assistant_tokens is not None:
+        raise ValueError("give num_speculative_tokens or its alias num_assistant_tokens, not both")
     gen, tgt, params, prompt_ids = _start(
         target, prompt, input_ids, draft if draft is not None else assistant_model, method, chat,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
@@ -164,7 +175,9 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         ids = gen.token_ids
         if gen.finish_reason == "stop" and ids and ids[-1] in eos:
             ids = ids[:-1]
-        return _cut_at_stop(_decode(tok, ids), params.stop)
+        text = _cut_at_stop(_decode(tok, ids), params.stop)
+        # a request cut inside a multi-byte character leaves U+FFFD: drop the partial bytes
+        return text.rstrip("\ufffd") if gen.finish_reason == "length" else text
 
     sent = 0
     hold = max((len(s) for s in params.stop), default=1) - 1

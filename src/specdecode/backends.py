@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+from safetensors import SafetensorError
 
 from .model import SUPPORTED_MODEL_TYPES, Transformer, quantize_int8
 
@@ -116,6 +117,9 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     from . import registry
 
     s = str(name_or_path)
+    if not s.strip():
+        raise ValueError("the model name/path is empty; give one of " + ", ".join(registry.KNOWN_MODELS)
+                         + ", a model directory, a .gguf file or a hub id")
     if s in registry.KNOWN_MODELS:
         return registry.fetch(s) if not registry.is_present(s) else registry.model_dir(s)
     p = Path(s).expanduser()
@@ -164,18 +168,24 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32",
     if backend == "native" and not native_ok:
         raise ValueError(f"{name_or_path}: model_type {config.get('model_type')!r} with these weights "
                          f"is not supported natively ({SUPPORTED_MODEL_TYPES}); use backend='transformers'")
-    if backend == "transformers" or not native_ok:
-        from transformers import AutoModelForCausalLM
+    try:
+        if backend == "transformers" or not native_ok:
+            from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
-        lm = HFCausalLM(quantize_int8(hf) if dtype == "int8" else hf)
-    else:
-        lm = Transformer.from_pretrained(path, dtype=dtype)
-    tok = None
-    if tokenizer:
-        from transformers import AutoTokenizer
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
+            lm = HFCausalLM(quantize_int8(hf) if dtype == "int8" else hf)
+        else:
+            lm = Transformer.from_pretrained(path, dtype=dtype)
+        tok = None
+        if tokenizer:
+            from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, RuntimeError, KeyError, SafetensorError) as e:
+        raise ValueError(
+            f"could not load the model in {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
+            "The files may be missing, truncated or corrupt: re-copy them (for a known model, "
+            "delete that directory and run `specdecode models fetch NAME`)") from e
     return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
                        eos_token_ids=_default_eos(path, tok), path=path)
 

@@ -48,16 +48,17 @@ def _add_generate_parser(sub) -> None:
                    help="proposer: 'draft' (a draft model proposes) or 'ar' (plain autoregressive "
                         "decoding, no speculation). Default: draft")
     p.add_argument("--k", type=_k, default=None,
-                   help="speculation length K: draft tokens per verify pass (default: 6)")
+                   help="speculation length K: draft tokens per verify pass, 1..64 (default: 6)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (transformers' meaning)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many new tokens (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
     p.add_argument("--min-new-tokens", type=int, default=0, help="no EOS before this many new tokens")
     p.add_argument("--stop", nargs="+", default=None, metavar="STR",
-                   help="stop when any of these strings is generated (cut from the text)")
+                   help="stop when any of these strings is generated (cut from the text); taken "
+                        "literally: use $'\\n' in bash for a newline")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="target weights dtype (default float32: exact on CPU)")
     p.add_argument("--draft-dtype", default="int8", choices=["int8", "float32", "bfloat16", "float16"],
@@ -87,9 +88,9 @@ def apply_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _print_stats(label: str, stats: dict, out) -> None:
+def _print_stats(label: str, stats: dict, finish: str, out) -> None:
     line = (f"[{label}] {stats['num_generated_tokens']} tokens in {stats['total_s']:.2f} s = "
-            f"{stats['tokens_per_second']:.2f} tokens/s")
+            f"{stats['tokens_per_second']:.2f} tokens/s, finish: {finish}")
     if stats["num_draft_tokens"]:
         line += (f" | acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
                  f"{stats['mean_acceptance_length']:.2f} | time: prefill {stats['prefill_s']:.2f} s, "
@@ -99,12 +100,22 @@ def _print_stats(label: str, stats: dict, out) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .api import IncompatibleDraftError, load_pair, stream
+    from .api import IncompatibleDraftError, _sampling_params, load_pair, stream
+    from .config import SpeculativeConfig
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     method = Method(args.method)
     try:
         apply_threads(args)
+        # check every value before spending seconds on loading models
+        _sampling_params(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                         temperature=args.temperature, do_sample=None, top_k=args.top_k,
+                         top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                         seed=args.seed, stop=args.stop, eos_token_id=None)
+        if args.k is not None:
+            SpeculativeConfig(method, args.k)
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
         t0 = time.perf_counter()
         target, draft = load_pair(args.target, args.draft if method is Method.DRAFT else None,
                                  args.dtype, args.draft_dtype)
@@ -126,7 +137,7 @@ def cmd_generate(args) -> int:
             result = chunk.result or result
         if not args.json:
             print()
-        _print_stats(method.value, result.stats.to_dict(), info)
+        _print_stats(method.value, result.stats.to_dict(), result.finish_reason, info)
         out = result.to_dict()
         if args.compare:
             ar = None
@@ -134,7 +145,7 @@ def cmd_generate(args) -> int:
                 ar = chunk.result or ar
             speedup = result.stats.tokens_per_second / ar.stats.tokens_per_second
             identical = ar.token_ids == result.token_ids
-            _print_stats("ar", ar.stats.to_dict(), info)
+            _print_stats("ar", ar.stats.to_dict(), ar.finish_reason, info)
             verdict = ("identical to plain decoding" if identical else "DIFFERENT from plain decoding")
             print(f"speedup {speedup:.2f}x over plain decoding; output "
                   + (verdict if args.temperature == 0 else "(sampled: not compared)"), file=info)

@@ -48,30 +48,35 @@ class SamplingParams:
         def bad(name, allowed):
             raise ValueError(f"{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "an integer >= 1")
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            bad("min_new_tokens", "an integer >= 0")
+        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             bad("temperature", "a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0 = off)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             bad("top_p", "a number in (0, 1] (1 = off)")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0
                 and math.isfinite(self.repetition_penalty)):
             bad("repetition_penalty", "a finite number > 0 (1 = off)")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "an integer or None")
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**63):
+            bad("seed", "an integer from 0 to 2**63-1, or None")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (tuple, list)):
+            bad("stop", "a string or a list of non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "non-empty strings")
         if self.eos_token_ids is not None:
             ids = (self.eos_token_ids,) if isinstance(self.eos_token_ids, int) else tuple(self.eos_token_ids)
-            if any(not isinstance(i, int) or i < 0 for i in ids):
+            if any(not is_int(i) or i < 0 for i in ids):
                 bad("eos_token_ids", "non-negative token ids")
             object.__setattr__(self, "eos_token_ids", ids)
 
@@ -93,5 +98,5 @@ class SpeculativeConfig:
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method))
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= 64:
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
             raise ValueError(f"num_speculative_tokens (K) = {k!r} is invalid; allowed: an integer 1..64")

@@ -9,7 +9,9 @@ with no proposer (k = 0 every round), so both share every line of stop handling.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -47,7 +49,7 @@ class SpecDecodingStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens (0 when nothing was proposed); never above 1."""
+        """Accepted / proposed draft tokens (0 when nothing was proposed; None in to_dict)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
@@ -95,7 +97,7 @@ class SpecDecodingStats:
             "accepted_per_position": list(self.accepted_per_position),
             "num_verify_passes": self.num_verify_passes,
             "num_generated_tokens": self.num_generated_tokens,
-            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4) if self.num_draft_tokens else None,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "prefill_s": round(self.prefill_s, 4),
@@ -104,6 +106,18 @@ class SpecDecodingStats:
             "other_s": round(self.other_s, 4),
             "total_s": round(self.total_s, 4),
         }
+
+
+_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _busy_lock(model) -> threading.Lock:
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.Lock()
+        return lock
 
 
 class StopStrings:
@@ -190,6 +204,9 @@ class Engine:
         if len(prompt) >= self.target.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens but the target's context is "
                              f"{self.target.max_context}; shorten it to leave room for new tokens")
+        bad_eos = [e for e in (params.eos_token_ids or ()) if e >= v]
+        if bad_eos:
+            raise ValueError(f"eos_token_ids {bad_eos} are outside the target's vocabulary [0, {v})")
         if params.stop and decode is None:
             raise ValueError("stop strings need a tokenizer (decode) to be checked")
         eos = params.eos_token_ids if params.eos_token_ids is not None else tuple(eos_token_ids)
@@ -198,7 +215,27 @@ class Engine:
         gen._steps = self._loop(prompt, params, frozenset(eos), decode, stats, gen)
         return gen
 
-    def _loop(self, prompt, params: SamplingParams, eos: frozenset, decode, stats, gen):
+    def _loop(self, *args):
+        """Hold each model's KV cache for the whole request: one request at a time per loaded
+        model (a second one would silently corrupt the first one's cache)."""
+        held = []
+        try:
+            for lm in (self.target, getattr(self.proposer, "draft", None)):
+                if lm is None:
+                    continue
+                lock = _busy_lock(lm)
+                if not lock.acquire(blocking=False):
+                    raise RuntimeError(
+                        "this model is already generating another request (its KV cache is in "
+                        "use): finish or close() the other generation/stream first, or load a "
+                        "second copy of the model for concurrent requests")
+                held.append(lock)
+            yield from self._rounds(*args)
+        finally:
+            for lock in held:
+                lock.release()
+
+    def _rounds(self, prompt, params: SamplingParams, eos: frozenset, decode, stats, gen):
         t0 = time.perf_counter()
         generator = torch.Generator()
         if params.seed is None:
