@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.model import ModelArgs, Transformer
 from specdecode.proposers import DraftOutput, RequestState
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+    barriers make them 10x slower; modules that import this run on one thread (restored
+    afterwards, so the real-model tests keep every core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_args(**overrides) -> ModelArgs:

@@ -11,7 +11,8 @@ import torch
 from helpers import MockLM, hashed_logits
 from specdecode import bench, cli
 from specdecode.bench import Output, Record, Task
-from test_api import one_thread, smol_tokenizer, tiny_dirs_in  # noqa: F401 (fixture)
+from helpers import one_thread  # noqa: F401 (autouse fixture)
+from test_api import smol_tokenizer, tiny_dirs_in  # noqa: F401
 
 
 class FakeTokenizer:

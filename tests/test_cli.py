@@ -14,7 +14,8 @@ import pytest
 import specdecode
 from specdecode import cli, registry
 
-from test_api import PROMPT, VOCAB, one_thread, smol_tokenizer, tiny_dirs_in  # noqa: F401 (fixture)
+from helpers import one_thread  # noqa: F401 (autouse fixture)
+from test_api import PROMPT, VOCAB, smol_tokenizer, tiny_dirs_in  # noqa: F401
 
 STATS_KEYS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
               "mean_acceptance_length", "tokens_per_second"}

@@ -17,18 +17,12 @@ import torch
 from helpers import MockLM, ScriptedProposer, hashed_logits, reference, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine, SpecDecodingStats
+from helpers import one_thread  # noqa: F401 (autouse fixture)
 from specdecode.proposers import DraftModelProposer, DraftOutput
 
 V = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: thread fan-out only costs time (badly so on a loaded 2-core machine).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------------------
@@ -675,6 +669,10 @@ def test_cancel_at_every_round_near_the_limit_then_reuse():
             if i + 1 == r:
                 break
         assert gen.token_ids == g[: len(gen.token_ids)]
+        if r < rounds:  # paused, not closed: the models are still its own
+            with pytest.raises(RuntimeError, match="already generating"):
+                engine.generate(prompt[:-2], params).run()
+        gen.close()
         again = engine.generate(prompt[:-2], params).run()
         assert again.token_ids == list(ref(tuple(prompt[:-2]), SamplingParams(max_new_tokens=CTX)))[
             : CTX - len(prompt) + 2]

@@ -32,17 +32,11 @@ from transformers.generation.logits_process import (
 from helpers import MockLM, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
+from helpers import one_thread  # noqa: F401 (autouse fixture)
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import process_logits, rejection_sample, to_probs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: thread fan-out only costs time (badly so on a loaded 2-core machine).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------------------

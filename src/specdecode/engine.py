@@ -159,6 +159,11 @@ class Generation:
             self.token_ids += new
             yield new
 
+    def close(self) -> None:
+        """Cancel the request: stops it and frees the models for the next one (idempotent).
+        A paused, unclosed generation keeps its models busy (their KV caches are its)."""
+        self._steps.close()
+
     def run(self) -> "Generation":
         """Consume the whole generation; returns self."""
         for _ in self:
