@@ -256,8 +256,6 @@ def test_same_tiny_model_draft_sampled_keeps_accepting():
 def test_one_token_forward_equals_first_row_of_verify_forward(prompt_name, k, pack):
     """Logits for position t: a 1-token forward vs row 0 of a (K+1)-token forward (the verify
     pass), at many cache offsets; every row of the block vs its own 1-token forward."""
-    if pack and not torch.backends.mkldnn.is_available():
-        pytest.skip("no oneDNN")  # pragma: no cover
     model = tiny_model(0, pack=pack)
     prompt = PROMPTS[prompt_name]
     seq = list(prompt) + list(ref(tuple(prompt), GREEDY128))
