@@ -29,7 +29,10 @@ from .config import SamplingParams
 from .engine import Engine
 from .proposers import DraftModelProposer
 
-SPEC_BENCH_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+# ../shared beside the checkout (the project's layout), else shared/ inside it
+_SPEC_BENCH_CANDIDATES = [Path(__file__).resolve().parents[i] / "shared" / "data" / "spec_bench"
+                          / "question.jsonl" for i in (3, 2)]
+SPEC_BENCH_PATH = next((p for p in _SPEC_BENCH_CANDIDATES if p.exists()), _SPEC_BENCH_CANDIDATES[0])
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 WORKLOADS = ("humaneval", "spec-bench")
