@@ -374,7 +374,7 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
     return records
 
 
-def summarize(records: list[Record], ref_labels: dict[str, str | None]) -> dict:
+def summarize(records: list[Record]) -> dict:
     """Per method × subtask (and "overall"): tokens/s median and mean, speedup vs ar and vs
     hf-ar (median of per-generation ratios), mean acceptance length, acceptance rate, time
     shares, mismatches."""
@@ -570,8 +570,7 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
               file=sys.stderr)
 
     records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud)
-    refs = {label: ref for label, (_, ref) in runners.items()}
-    summary = summarize(records, refs)
+    summary = summarize(records)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     limit = {"context_tokens": context, "forward_seconds": times, "weight_bytes": wbytes,
              "bandwidth_gb_per_s": wbytes / times[0] / 1e9,
@@ -607,12 +606,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
 
 
 def _k_of(label: str) -> int | None:
-    name, *opts = label.split(":")
-    if name != "draft":
-        return None
+    """Speculation length K of a draft method label (its k= option or the default)."""
     from .api import DEFAULT_K
 
-    for o in opts:
-        if o.startswith("k="):
-            return int(o[2:])
-    return DEFAULT_K
+    _, name, options = parse_methods(label)[0]
+    return int(options.get("k", DEFAULT_K)) if name == "draft" else None
