@@ -103,6 +103,26 @@ def test_interrupt_keeps_results_so_far():
     assert len(records) == 2
 
 
+def test_resume_skips_finished_prompts_and_reruns_a_partial_one(tmp_path):
+    log, written = [], []
+    runners = {"ar": (fake_runner(log, "ar", 2.0), None),
+               "draft": (fake_runner(log, "draft", 5.0), "ar")}
+    first = bench.run_bench(TASKS, runners, FakeTokenizer(), 16, progress=False,
+                            on_task_done=written.append)
+    assert [len(w) for w in written] == [2, 4, 2]  # per task: methods × turns
+    path = tmp_path / "records.jsonl"
+    # a run killed during task 2: task 1 complete, task 2 only its first turn, a torn last line
+    lines = [json.dumps(bench.asdict(r)) for r in written[0] + written[1][:2]]
+    path.write_text("\n".join(lines) + '\n{"method": "ar", "subt')
+    previous = bench.read_records(path)
+    assert len(previous) == 4
+    log.clear()
+    again = bench.run_bench(TASKS, runners, FakeTokenizer(), 16, progress=False, previous=previous)
+    assert [label for label, _ in log] == ["ar", "draft"] * 3  # task 1 skipped, task 2 whole, task 3
+    assert [(r.method, r.prompt_id, r.turn) for r in again] == [
+        (r.method, r.prompt_id, r.turn) for r in first]
+
+
 def test_forward_times_and_ceiling():
     lm = MockLM(50, hashed_logits(50))
     times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2, warmup=1)
@@ -185,6 +205,18 @@ def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys)
     assert len(results["limit"]["forward_seconds"]) == 16
     assert (out / "speedup.png").stat().st_size > 1000
     assert "## Overall" in (out / "report.md").read_text()
+    assert len(bench.read_records(out / "records.jsonl")) == 8
+    # the same --out again is refused (it would overwrite); --resume reuses every prompt
+    args = ["bench", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+            "--methods", "ar,hf-ar", "--workloads", "humaneval", "--limit", "2",
+            "--max-new-tokens", "6", "--out", str(out)]
+    assert cli.main(args) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert cli.main(args + ["--resume"]) == 0
+    assert "resuming: 8 generations" in capsys.readouterr().err
+    resumed = json.loads((out / "results.json").read_text())
+    assert [r["seconds"] for r in resumed["records"]] == [
+        r["seconds"] for r in results["records"] if r["method"] in ("ar", "hf-ar")]
 
 
 def test_bench_cli_errors(capsys):
@@ -192,3 +224,5 @@ def test_bench_cli_errors(capsys):
     assert "unknown method 'bogus'" in capsys.readouterr().err
     assert cli.main(["bench", "--workloads", "imagenet"]) == 2
     assert "unknown workload" in capsys.readouterr().err
+    assert cli.main(["bench", "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err

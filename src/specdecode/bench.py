@@ -330,6 +330,21 @@ def _prompt_ids(tokenizer, task: Task, turn: int, answers: list[str]) -> list[in
                                               return_dict=False))
 
 
+RECORDS_LOG = "records.jsonl"
+
+
+def read_records(path: Path) -> list[Record]:
+    """Records of ``path`` (one JSON object per line, as written during a run); a last line cut
+    short by a killed run is ignored."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(Record(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return out
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """First index where two token lists differ (or the shorter length); None if equal."""
     if a == b:
@@ -338,14 +353,27 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
-              progress: bool = True, on_mismatch=None) -> list[Record]:
-    """Run every task with every method, interleaved; Ctrl-C stops and keeps what is done."""
+              progress: bool = True, on_mismatch=None, previous: list[Record] = (),
+              on_task_done=None) -> list[Record]:
+    """Run every task with every method, interleaved; Ctrl-C stops and keeps what is done.
+
+    ``previous``: records of an interrupted run; a task whose every method × turn is among
+    them is not run again (a partly done task is run again whole, so that its methods stay
+    back to back). ``on_task_done(records)`` is called with each finished task's records."""
     from tqdm import tqdm
 
+    have = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in previous}
     records: list[Record] = []
     bar = tqdm(total=len(tasks) * len(runners), desc="bench", unit="gen", disable=not progress)
     try:
         for task in tasks:
+            keys = [(label, task.subtask, task.prompt_id, turn)
+                    for turn in range(len(task.turns)) for label in runners]
+            if all(k in have for k in keys):
+                records += [have[k] for k in keys]
+                bar.update(len(runners))
+                continue
+            start = len(records)
             answers: dict[str, list[str]] = {label: [] for label in runners}
             for turn in range(len(task.turns)):
                 done: dict[str, Record] = {}
@@ -367,6 +395,8 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                     answers[label].append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
                     if turn == len(task.turns) - 1:
                         bar.update(1)
+            if on_task_done is not None:
+                on_task_done(records[start:])
     except KeyboardInterrupt:
         print("\ninterrupted: reporting the results so far", file=sys.stderr)
     finally:
@@ -507,7 +537,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target dtype for every method (default float32)")
-    p.add_argument("--out", default=None, help="write results.json, report.md and speedup.png here")
+    p.add_argument("--out", default=None,
+                   help="write results.json, report.md and speedup.png here; every finished "
+                        "prompt is also appended to records.jsonl as the run goes")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out: prompts already in its "
+                        "records.jsonl are not run again")
     from .cli import add_threads_argument
 
     add_threads_argument(p)
@@ -536,6 +571,11 @@ def cmd_bench(args) -> int:
             tasks = [t for t in tasks if t.subtask in keep]
             if not tasks:
                 raise ValueError(f"no prompts left for subtasks {sorted(keep)}")
+        if args.out and not args.resume and (Path(args.out) / RECORDS_LOG).exists():
+            raise ValueError(f"{Path(args.out) / RECORDS_LOG} holds an earlier run: pass --resume "
+                             "to continue it, or choose another --out")
+        if args.resume and not args.out:
+            raise ValueError("--resume needs --out DIR (the directory of the run to continue)")
         models = BenchModels(args.target, args.draft, args.dtype)
         runners = build_runners(models, methods)
     except (ValueError, FileNotFoundError, registry.ModelFetchError) as e:
@@ -569,7 +609,23 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
               f"{rec.prompt_id} turn {rec.turn} at generated token {rec.first_difference}",
               file=sys.stderr)
 
-    records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud)
+    previous, on_task_done = [], None
+    if args is not None and getattr(args, "out", None):
+        log = Path(args.out) / RECORDS_LOG
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if getattr(args, "resume", False) and log.exists():
+            previous = read_records(log)
+            print(f"resuming: {len(previous)} generations already in {log}", file=sys.stderr)
+        else:
+            log.write_text("")
+
+        def on_task_done(task_records):
+            with log.open("a") as f:
+                for r in task_records:
+                    f.write(json.dumps(asdict(r)) + "\n")
+
+    records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud,
+                        previous=previous, on_task_done=on_task_done)
     summary = summarize(records)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     limit = {"context_tokens": context, "forward_seconds": times, "weight_bytes": wbytes,
