@@ -331,7 +331,7 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     for name in ("draft+K3", "assistant+num_assistant_tokens3"):
         s = results[name].stats
         assert len(s.accepted_per_position) == 3 and s.num_draft_tokens <= 3 * s.num_drafts
-    assert len(results["draft"].stats.accepted_per_position) == specdecode.api.DEFAULT_K
+    assert len(results["draft"].stats.accepted_per_position) == specdecode.api.DEFAULT_K[specdecode.Method.DRAFT]
     a, b = results["draft+K3"].stats, results["assistant+num_assistant_tokens3"].stats
     assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == \
         (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens)

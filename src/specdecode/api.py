@@ -8,7 +8,8 @@
 
 Code written for transformers' assisted generation ports by renaming the call:
 ``assistant_model=``, ``do_sample=``, ``num_assistant_tokens=`` and ``eos_token_id=`` are
-accepted with transformers' meaning.
+accepted with transformers' meaning, and so are ``prompt_lookup_num_tokens=``,
+``max_matching_ngram_size=`` and ``assistant_confidence_threshold=``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from pathlib import Path
 from typing import Iterator
 
 from .backends import LoadedModel, load
-from .config import Method, SamplingParams, SpeculativeConfig
+from .config import DEFAULT_K, KSchedule, Method, SamplingParams, SpeculativeConfig
 from .engine import Engine, Generation, SpecDecodingStats
-from .proposers import DraftModelProposer
-
-DEFAULT_K = 6
+from .proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, SuffixProposer
+from .schedule import AutoK, FixedK, HeuristicK, verify_profile
 
 
 class IncompatibleDraftError(ValueError):
@@ -73,6 +73,41 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             "speculation needs the same tokenizer: pick a draft of the target's own family "
             "(CLI --draft NAME|PATH, Python draft=...; the model itself works too), or decode "
             "without a draft (CLI --method ar, Python method='ar').")
+
+
+def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None):
+    """The proposer of ``spec.method`` (None for plain decoding). A draft model that is the
+    target itself gets its own KV cache (a fork sharing the weights). Raises ValueError when
+    the method needs a draft model and none is given, IncompatibleDraftError when the draft's
+    tokenizer differs."""
+    method = spec.method
+    if method is Method.AR:
+        return None
+    drafter = None
+    if method.needs_draft_model:
+        if draft is None:
+            raise ValueError(f"method {method.value!r} needs a draft model (draft= or assistant_model=)")
+        check_compatible(target, draft)
+        drafter = DraftModelProposer(draft.lm.fork() if draft.lm is target.lm else draft.lm,
+                                     p_min=spec.draft_p_min)
+    if method is Method.DRAFT:
+        return drafter
+    if method is Method.PROMPT_LOOKUP:
+        return PromptLookupProposer(spec.max_ngram, spec.min_ngram)
+    suffix = SuffixProposer(cache=spec.suffix_cache)
+    if method is Method.SUFFIX:
+        return suffix
+    return HybridProposer(suffix, drafter, spec.min_lookup_tokens)
+
+
+def build_schedule(spec: SpeculativeConfig, target: LoadedModel):
+    """The K schedule of ``spec``: fixed K, transformers' heuristic, or auto (which profiles
+    the target's forward times once, see :func:`specdecode.schedule.verify_profile`)."""
+    if spec.schedule is KSchedule.HEURISTIC:
+        return HeuristicK(spec.num_speculative_tokens, spec.max_speculative_tokens)
+    if spec.schedule is KSchedule.AUTO:
+        return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens)
+    return FixedK(spec.num_speculative_tokens)
 
 
 def _as_model(m, dtype: str) -> LoadedModel:
@@ -141,8 +176,12 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
            top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
            seed: int | None = None, stop: str | list[str] | None = None,
-           eos_token_id: int | list[int] | None = None, num_speculative_tokens: int | None = None,
-           num_assistant_tokens: int | None = None, dtype: str = "float32",
+           eos_token_id: int | list[int] | None = None,
+           num_speculative_tokens: int | str | None = None, num_assistant_tokens: int | None = None,
+           max_speculative_tokens: int = 16, draft_p_min: float | None = None,
+           assistant_confidence_threshold: float | None = None,
+           prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
+           suffix_cache: str = "request", dtype: str = "float32",
            debug: bool = False) -> Iterator[StreamChunk]:
     """Generate, yielding :class:`StreamChunk` pieces as each verify pass commits tokens.
 
@@ -150,23 +189,54 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     :func:`specdecode.load`) or anything :func:`load` accepts (name, directory, GGUF, hub id).
     prompt: text, or chat messages [{"role", "content"}]; ``chat=True`` applies the target's
     chat template to text. input_ids: token ids instead of a prompt.
-    method: "draft" (default when a draft is given) or "ar" (plain decoding).
-    num_speculative_tokens (alias ``num_assistant_tokens``): K, default 6.
+    method: "draft" (default when a draft is given, else "ar": plain decoding),
+    "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft).
+    num_speculative_tokens (alias ``num_assistant_tokens``): K, an integer (default 6 for
+    draft models, 8 for lookups), "heuristic" (transformers' schedule: +2 after a fully
+    accepted round, −1 otherwise) or "auto" (K chosen each round from measured costs and
+    acceptance); ``max_speculative_tokens`` caps the last two.
+    draft_p_min (alias ``assistant_confidence_threshold``): stop drafting where the draft's
+    top probability is below it. ``prompt_lookup_num_tokens=N`` (transformers) selects
+    prompt lookup with K = N; ``max_matching_ngram_size``: its longest n-gram (default 3).
+    suffix_cache: "request", or "session" to also match the outputs of earlier requests of
+    the same loaded target (the suffix and hybrid methods).
     temperature 0 / ``do_sample=False`` is greedy (the default); sampling is lossless for
     temperature, top_k, top_p and repetition_penalty (Leviathan et al., arXiv:2211.17192).
     Text is emitted only once it is valid UTF-8 and cannot be the start of a stop string, so
     the concatenated chunks equal the non-streamed text. Raises ValueError on bad arguments,
     IncompatibleDraftError when the draft's tokenizer differs.
     """
-    if num_speculative_tokens is not None and num_assistant_tokens is not None:
-        raise ValueError("give num_speculative_tokens or its alias num_assistant_tokens, not both")
+    def one_of(a, a_name, b, b_name):
+        if a is not None and b is not None:
+            raise ValueError(f"give {a_name} or its alias {b_name}, not both")
+        return a if a is not None else b
+
+    k = one_of(num_speculative_tokens, "num_speculative_tokens", num_assistant_tokens,
+               "num_assistant_tokens")
+    if prompt_lookup_num_tokens is not None:
+        if method not in (None, Method.PROMPT_LOOKUP, Method.PROMPT_LOOKUP.value):
+            raise ValueError(f"prompt_lookup_num_tokens selects prompt lookup; method={method!r} conflicts")
+        method = Method.PROMPT_LOOKUP
+        k = one_of(k, "num_speculative_tokens", prompt_lookup_num_tokens, "prompt_lookup_num_tokens")
+    draft = one_of(draft, "draft", assistant_model, "assistant_model")
+    method = Method.parse(method) if method is not None else (Method.DRAFT if draft is not None else Method.AR)
+    schedule = KSchedule.FIXED
+    if isinstance(k, str):
+        if k not in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64, "
+                             "'heuristic' or 'auto'")
+        schedule, k = KSchedule(k), None
+    spec = SpeculativeConfig(
+        method, k, schedule, max_speculative_tokens,
+        one_of(draft_p_min, "draft_p_min", assistant_confidence_threshold,
+               "assistant_confidence_threshold"),
+        max_ngram=3 if max_matching_ngram_size is None else max_matching_ngram_size,
+        suffix_cache=suffix_cache)
     gen, tgt, params, prompt_ids = _start(
-        target, prompt, input_ids, draft if draft is not None else assistant_model, method, chat,
+        target, prompt, input_ids, draft, spec, chat,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-             seed=seed, stop=stop, eos_token_id=eos_token_id),
-        num_speculative_tokens if num_speculative_tokens is not None else num_assistant_tokens,
-        dtype, debug)
+             seed=seed, stop=stop, eos_token_id=eos_token_id), dtype, debug)
     tok = tgt.tokenizer
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
 
@@ -206,24 +276,31 @@ def generate(target, prompt=None, **kwargs) -> GenerationResult:
     raise RuntimeError("generation ended without a result")  # unreachable: stream always ends with one
 
 
-def _start(target, prompt, input_ids, draft, method, chat, sampling: dict, k, dtype, debug
-           ) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
+def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, sampling: dict,
+           dtype, debug) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
     params = _sampling_params(**sampling)
-    method = Method.parse(method) if method is not None else (Method.DRAFT if draft is not None else Method.AR)
-    if method is Method.DRAFT and draft is None:
-        raise ValueError("method 'draft' needs a draft model (draft= or assistant_model=)")
-    spec = SpeculativeConfig(method, DEFAULT_K if k is None else k)
+    if spec.method.needs_draft_model and draft is None:
+        raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype)
-    proposer = None
-    if method is Method.DRAFT:
-        drf = _as_model(draft, dtype)
-        check_compatible(tgt, drf)
-        proposer = DraftModelProposer(drf.lm.fork() if drf.lm is tgt.lm else drf.lm)
+    drf = _as_model(draft, dtype) if spec.method.needs_draft_model else None
+    proposer = _session_proposer(tgt, spec) or build_proposer(spec, tgt, drf)
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
-    engine = Engine(tgt.lm, proposer, spec.num_speculative_tokens, debug=debug)
+    schedule = build_schedule(spec, tgt) if proposer is not None else None
+    engine = Engine(tgt.lm, proposer, schedule, debug=debug)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
     gen = engine.generate(prompt_ids, params, tgt.eos_token_ids, decode)
     return gen, tgt, params, prompt_ids
+
+
+def _session_proposer(target: LoadedModel, spec: SpeculativeConfig):
+    """The suffix proposer with ``suffix_cache="session"`` lives as long as the loaded target,
+    so that later requests match the outputs of earlier ones."""
+    if spec.method is not Method.SUFFIX or spec.suffix_cache != "session":
+        return None
+    proposer = getattr(target, "_session_suffix", None)
+    if proposer is None:
+        proposer = target._session_suffix = SuffixProposer(cache="session")
+    return proposer
 
 
 def load_pair(target: str | Path, draft: str | Path | None, dtype: str = "float32",

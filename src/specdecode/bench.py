@@ -28,6 +28,7 @@ from .backends import LoadedModel, load, resolve_model_path
 from .config import SamplingParams
 from .engine import Engine
 from .proposers import DraftModelProposer
+from .schedule import measure_forward_times
 
 # ../shared beside the checkout (the project's layout), else shared/ inside it
 _SPEC_BENCH_CANDIDATES = [Path(__file__).resolve().parents[i] / "shared" / "data" / "spec_bench"
@@ -268,28 +269,6 @@ def build_runners(models: BenchModels, methods) -> dict[str, tuple[Runner, str]]
 
 
 # ---------------------------------------------------------------- the limit
-
-def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 5,
-                          warmup: int = 3) -> list[float]:
-    """T(n) in seconds for n = 1..max_n new tokens after ``context_len`` cached tokens.
-
-    Sizes are measured round-robin (1, 2, ..., max_n, 1, 2, ...) after ``warmup`` untimed
-    rounds, and each T(n) is the median of ``repeats``, so that drift and a cold first call
-    hit every n alike. Returns [T(1), ..., T(max_n)]."""
-    lm.allocate(1, context_len + max_n)
-    g = torch.Generator().manual_seed(0)
-    lm.forward(torch.randint(0, lm.vocab_size, (1, context_len), generator=g), num_logits=0)
-    ids = torch.randint(0, lm.vocab_size, (1, max_n), generator=g)
-    samples: list[list[float]] = [[] for _ in range(max_n)]
-    for r in range(warmup + repeats):
-        for n in range(1, max_n + 1):
-            t0 = time.perf_counter()
-            lm.forward(ids[:, :n])
-            if r >= warmup:
-                samples[n - 1].append(time.perf_counter() - t0)
-            lm.rollback(context_len)
-    return [statistics.median(s) for s in samples]
-
 
 def ceiling(times: list[float], k: int) -> float:
     """Speedup of a perfect, free proposer at speculation length K: (K+1)·T(1)/T(K+1)."""

@@ -8,10 +8,20 @@ from enum import Enum
 
 
 class Method(str, Enum):
-    """Who proposes draft tokens. ``AR`` is plain autoregressive decoding (no proposer)."""
+    """Who proposes draft tokens. ``AR`` is plain autoregressive decoding (no proposer);
+    ``DRAFT`` a draft model; ``PROMPT_LOOKUP`` n-gram lookup in the context; ``SUFFIX``
+    suffix matching with continuation frequencies; ``HYBRID`` a lookup when it matches well,
+    the draft model otherwise."""
 
     AR = "ar"
     DRAFT = "draft"
+    PROMPT_LOOKUP = "prompt-lookup"
+    SUFFIX = "suffix"
+    HYBRID = "hybrid"
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self in (Method.DRAFT, Method.HYBRID)
 
     @classmethod
     def parse(cls, value: "str | Method") -> "Method":
@@ -85,18 +95,64 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class KSchedule(str, Enum):
+    """How the speculation length K is chosen each round (:mod:`specdecode.schedule`)."""
+
+    FIXED = "fixed"
+    HEURISTIC = "heuristic"
+    AUTO = "auto"
+
+
+# K when none is given: a draft model pays per drafted token, lookups almost nothing
+DEFAULT_K = {Method.DRAFT: 6, Method.HYBRID: 6, Method.PROMPT_LOOKUP: 8, Method.SUFFIX: 8}
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How drafts are proposed and verified.
 
-    ``num_speculative_tokens`` is the speculation length K (draft tokens per verify pass).
+    ``num_speculative_tokens`` is the speculation length K (draft tokens per verify pass;
+    None = the method's default, :data:`DEFAULT_K`): fixed, or the starting K of the
+    heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
+    schedules. ``draft_p_min``: a draft model stops drafting below this top probability.
+    ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes. ``suffix_cache``: "request"
+    or "session" (also match earlier outputs). ``min_lookup_tokens``: a hybrid uses its lookup
+    when the lookup proposes at least this many tokens.
     """
 
     method: Method = Method.DRAFT
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
+    schedule: KSchedule = KSchedule.FIXED
+    max_speculative_tokens: int = 16
+    draft_p_min: float | None = None
+    max_ngram: int = 3
+    min_ngram: int = 1
+    suffix_cache: str = "request"
+    min_lookup_tokens: int = 2
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method))
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
-            raise ValueError(f"num_speculative_tokens (K) = {k!r} is invalid; allowed: an integer 1..64")
+        try:
+            object.__setattr__(self, "schedule", KSchedule(self.schedule))
+        except ValueError:
+            raise ValueError(f"speculation length schedule {self.schedule!r} is invalid; allowed: "
+                             f"{[s.value for s in KSchedule]}") from None
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_K.get(self.method, 1))
+        for name in ("num_speculative_tokens", "max_speculative_tokens"):
+            k = getattr(self, name)
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
+                raise ValueError(f"{name} (K) = {k!r} is invalid; allowed: an integer 1..64")
+        p = self.draft_p_min
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
+            raise ValueError(f"draft_p_min = {p!r} is invalid; allowed: a number in [0, 1), or None")
+        if p is not None and not self.method.needs_draft_model:
+            raise ValueError(f"draft_p_min applies to a draft model; method {self.method.value!r} has none")
+        if not (isinstance(self.min_ngram, int) and isinstance(self.max_ngram, int)
+                and 1 <= self.min_ngram <= self.max_ngram <= 32):
+            raise ValueError(f"n-gram sizes min_ngram={self.min_ngram!r} max_ngram={self.max_ngram!r} "
+                             "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")
+        if self.suffix_cache not in ("request", "session"):
+            raise ValueError(f"suffix_cache = {self.suffix_cache!r} is invalid; allowed: 'request', 'session'")
+        if not isinstance(self.min_lookup_tokens, int) or self.min_lookup_tokens < 1:
+            raise ValueError(f"min_lookup_tokens = {self.min_lookup_tokens!r} is invalid; allowed: an integer >= 1")

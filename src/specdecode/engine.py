@@ -21,6 +21,7 @@ from .backends import CausalLM
 from .config import SamplingParams
 from .proposers import Proposer, RequestState
 from .sampling import process_logits, rejection_sample, to_probs
+from .schedule import FixedK
 
 
 @dataclass
@@ -32,6 +33,9 @@ class SpecDecodingStats:
         output (tokens after a stop inside a block are not counted as accepted).
     accepted_per_position[i]: drafts accepted at position i of their block.
     num_verify_passes: target forward passes after prefill (each emits >= 1 token).
+    by_proposer: per proposer that supplied drafts (a hybrid has several):
+        {name: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}}.
+    speculation_lengths: K asked of the proposer each round (to see a K schedule at work).
     Times in seconds: prefill_s (target + draft prefill), draft_s, verify_s (target forward +
     acceptance rule), total_s (wall time of the whole request).
     """
@@ -40,6 +44,8 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
+    speculation_lengths: list[int] = field(default_factory=list)
     num_verify_passes: int = 0
     num_generated_tokens: int = 0
     prefill_s: float = 0.0
@@ -66,12 +72,17 @@ class SpecDecodingStats:
     def other_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
 
-    def record_round(self, proposed: int, accepted: int) -> None:
+    def record_round(self, proposed: int, accepted: int, source: str = "") -> None:
         self.num_verify_passes += 1
         if proposed:
             self.num_drafts += 1
             self.num_draft_tokens += proposed
             self.num_accepted_tokens += accepted
+            mine = self.by_proposer.setdefault(source or "draft", {
+                "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})
+            mine["num_drafts"] += 1
+            mine["num_draft_tokens"] += proposed
+            mine["num_accepted_tokens"] += accepted
             if len(self.accepted_per_position) < proposed:
                 self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
             for i in range(accepted):
@@ -87,6 +98,12 @@ class SpecDecodingStats:
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
         out.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position),
                                                            pad(other.accepted_per_position))]
+        for src in (self.by_proposer, other.by_proposer):
+            for name, counts in src.items():
+                mine = out.by_proposer.setdefault(name, dict.fromkeys(counts, 0))
+                for key, v in counts.items():
+                    mine[key] += v
+        out.speculation_lengths = self.speculation_lengths + other.speculation_lengths
         return out
 
     def to_dict(self) -> dict:
@@ -95,6 +112,10 @@ class SpecDecodingStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "by_proposer": {name: dict(c) for name, c in self.by_proposer.items()},
+            "mean_speculation_length": (round(sum(self.speculation_lengths)
+                                              / len(self.speculation_lengths), 3)
+                                        if self.speculation_lengths else None),
             "num_verify_passes": self.num_verify_passes,
             "num_generated_tokens": self.num_generated_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4) if self.num_draft_tokens else None,
@@ -175,16 +196,19 @@ class Engine:
     """Runs requests on a target with an optional proposer.
 
     target: a :class:`~specdecode.backends.CausalLM`; proposer: None for plain decoding.
-    num_speculative_tokens: K, the most draft tokens per verify pass.
+    num_speculative_tokens: K, the most draft tokens per verify pass, or a K schedule
+    (:mod:`specdecode.schedule`: reset / next_k / update) that picks K each round.
     debug: assert the cache invariant after every round (target cache length == committed
     tokens − 1; the proposer's cache a prefix of it).
     """
 
     def __init__(self, target: CausalLM, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 4, debug: bool = False):
+                 num_speculative_tokens=4, debug: bool = False):
         self.target = target
         self.proposer = proposer
-        self.k = num_speculative_tokens if proposer is not None else 0
+        k = num_speculative_tokens
+        self.schedule = (None if proposer is None else
+                         FixedK(k) if isinstance(k, int) and not isinstance(k, bool) else k)
         self.debug = debug
 
     def generate(self, input_ids: list[int], params: SamplingParams,
@@ -256,15 +280,19 @@ class Engine:
         target.allocate(1, limit)
         if len(prompt) > 1:
             target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
+        schedule = self.schedule
         if proposer is not None:
             proposer.reset(state, limit)
+            schedule.reset()
         stats.prefill_s = time.perf_counter() - t0
         try:
             while True:
                 n = len(state.tokens)
-                k = min(self.k, limit - n - 1)
+                k = min(schedule.next_k(), limit - n - 1) if proposer is not None else 0
+                if k > 0:
+                    stats.speculation_lengths.append(k)
                 t1 = time.perf_counter()
-                draft = proposer.propose(state, k) if proposer is not None and k > 0 else None
+                draft = proposer.propose(state, k) if k > 0 else None
                 drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
                 t2 = time.perf_counter()
                 k = drafts.shape[1]
@@ -276,8 +304,11 @@ class Engine:
                     drafts, draft.probs if draft is not None else None, probs, generator)
                 accepted = int(num_accepted[0])
                 block = out[0, :accepted + 1].tolist()
+                t3 = time.perf_counter()
                 stats.draft_s += t2 - t1
-                stats.verify_s += time.perf_counter() - t2
+                stats.verify_s += t3 - t2
+                if k > 0:
+                    schedule.update(k, accepted, t2 - t1, t3 - t2)
 
                 emitted = []
                 for tok in block:
@@ -288,7 +319,7 @@ class Engine:
                                       and stopper.hit(state.tokens[len(prompt):])):
                         gen.finish_reason = "stop"
                         break
-                stats.record_round(k, min(accepted, len(emitted)))
+                stats.record_round(k, min(accepted, len(emitted)), draft.source if k else "")
                 stats.num_generated_tokens += len(emitted)
                 if gen.finish_reason is None and len(state.tokens) >= limit:
                     gen.finish_reason = "length"

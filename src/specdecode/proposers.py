@@ -23,14 +23,21 @@ class DraftOutput:
     token_ids: [B,k] int64, k >= 0 (k == 0: no draft this round).
     probs: [B,k,V] the distributions the tokens were sampled from, or None when each token
         is a point mass (greedy drafts, lookups) — the verifier must know exactly which.
+    source: which proposer supplied the tokens (a hybrid's stats count accepted tokens per source).
     """
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None = None
+    source: str = ""
 
     @classmethod
     def empty(cls, batch: int = 1) -> "DraftOutput":
         return cls(torch.empty(batch, 0, dtype=torch.long))
+
+    @classmethod
+    def point_mass(cls, tokens: list[int], source: str) -> "DraftOutput":
+        """Deterministic proposals (lookups): [1,k] ids, no distribution."""
+        return cls(torch.tensor([tokens], dtype=torch.long).reshape(1, len(tokens)), None, source)
 
 
 @dataclass
@@ -72,10 +79,18 @@ class DraftModelProposer:
     accepted draft + the bonus token), and ``on_accept`` rolls back the rejected tail.
     Speculation turns off for the request (empty drafts, nothing counted) when the draft's
     context is full or a committed token lies beyond the draft's embedding rows.
+
+    p_min: stop drafting at the first position where the draft's most likely token (after the
+    request's processing) has probability below p_min; that token is not proposed (llama.cpp
+    ``--draft-p-min``; transformers' ``assistant_confidence_threshold``). None = always K.
+    Raises ValueError for p_min outside [0, 1).
     """
 
-    def __init__(self, draft: CausalLM):
+    def __init__(self, draft: CausalLM, p_min: float | None = None):
+        if p_min is not None and not (isinstance(p_min, (int, float)) and 0 <= p_min < 1):
+            raise ValueError(f"draft p_min={p_min!r} is invalid; allowed: a number in [0, 1), or None")
         self.draft = draft
+        self.p_min = p_min
         self.enabled = False
         self._limit = 0
 
@@ -106,17 +121,236 @@ class DraftModelProposer:
             logits = self.draft.forward(feed, num_logits=1)[..., :v]
             logits = process_logits(logits, params, context, None, state.num_generated + i,
                                     state.eos_token_ids)[:, 0]
-            if params.greedy:
+            probs = None if params.greedy else to_probs(logits, params)
+            if self.p_min is not None:
+                top = (torch.softmax(logits.float(), -1) if probs is None else probs).max()
+                if float(top) < self.p_min:
+                    break
+            if probs is None:
                 tok = logits.argmax(-1)
             else:
-                probs = to_probs(logits, params)
                 tok = sample(probs, state.generator)
                 dists.append(probs)
             ids.append(tok)
             feed = tok[:, None]
             context = torch.cat([context, feed], 1)
-        return DraftOutput(torch.stack(ids, 1), torch.stack(dists, 1) if dists else None)
+        if not ids:
+            return DraftOutput.empty()
+        return DraftOutput(torch.stack(ids, 1), torch.stack(dists, 1) if dists else None, "draft")
 
     def on_accept(self, state: RequestState) -> None:
         if self.enabled:
             self.draft.rollback(min(self.draft.seq_len, len(state.tokens) - 1))
+
+
+class PromptLookupProposer:
+    """Prompt lookup decoding (Saxena 2023; transformers ``prompt_lookup_num_tokens``, vLLM
+    ``ngram``): find the last n committed tokens, n from ``max_ngram`` down to ``min_ngram``,
+    earlier in the prompt + generated text, and propose the k tokens that followed them.
+
+    The index maps each n-gram to where its continuation starts and is updated incrementally
+    as tokens are committed (each token is indexed once; a round costs O(max_ngram), never a
+    rescan of the context). ``match="recent"`` keeps the latest occurrence of an n-gram,
+    ``"first"`` the earliest (transformers' choice); recent is the default because the text
+    being copied is usually the one just quoted or just written (BENCHMARKS.md measures both).
+    A continuation that runs into the end of the text keeps copying its own proposed tokens
+    (an overlapping copy), so a repeating pattern is proposed for all k tokens.
+    Proposals are point masses (probs None): lossless for greedy and sampling alike.
+    Raises ValueError for n-gram sizes outside 1 <= min_ngram <= max_ngram <= 32 or an
+    unknown ``match``.
+    """
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "recent"):
+        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)
+                and 1 <= min_ngram <= max_ngram <= 32):
+            raise ValueError(f"prompt lookup n-gram sizes min={min_ngram!r} max={max_ngram!r} are "
+                             "invalid; allowed: integers with 1 <= min <= max <= 32")
+        if match not in ("recent", "first"):
+            raise ValueError(f"prompt lookup match={match!r} is invalid; allowed: 'recent', 'first'")
+        self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+
+    def reset(self, state: RequestState, max_total_len: int) -> None:
+        self._index = {}
+        self._indexed = 0
+        self._update(state.tokens)
+
+    def _update(self, tokens: list[int]) -> None:
+        # index the n-grams ending at p for every p whose continuation (p + 1) is committed
+        recent = self.match == "recent"
+        for p in range(self._indexed, len(tokens) - 1):
+            for n in range(self.min_ngram, min(self.max_ngram, p + 1) + 1):
+                key = tuple(tokens[p + 1 - n:p + 1])
+                if recent:
+                    self._index[key] = p + 1
+                else:
+                    self._index.setdefault(key, p + 1)
+        self._indexed = max(self._indexed, len(tokens) - 1)
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k proposed tokens, length of the matched n-gram; 0 = no match)."""
+        self._update(tokens)
+        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
+            pos = self._index.get(tuple(tokens[-n:]))
+            if pos is not None:
+                out: list[int] = []
+                for j in range(pos, pos + k):
+                    out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+                return out, n
+        return [], 0
+
+    def propose(self, state: RequestState, k: int) -> DraftOutput:
+        out, _ = self.lookup(state.tokens, k)
+        return DraftOutput.point_mass(out, self.name) if out else DraftOutput.empty()
+
+    def on_accept(self, state: RequestState) -> None:
+        self._update(state.tokens)
+
+
+class ContinuationCounts:
+    """How often each token followed each context of 1..depth tokens: the counts a suffix
+    tree of bounded depth holds (SuffixDecoding, arXiv:2411.04975; llama.cpp's n-gram cache).
+
+    ``add(tokens, start)`` counts the continuations at positions start..len-1 (contexts may
+    reach back before ``start``); ``longest(seq)`` returns the longest suffix of ``seq`` seen
+    as a context and its continuation counts.
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.table: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def add(self, tokens: list[int], start: int = 0) -> None:
+        for p in range(max(start, 1), len(tokens)):
+            nxt = tokens[p]
+            for m in range(1, min(self.depth, p) + 1):
+                counts = self.table.setdefault(tuple(tokens[p - m:p]), {})
+                counts[nxt] = counts.get(nxt, 0) + 1
+
+    def longest(self, seq: list[int]) -> tuple[int, dict[int, int] | None]:
+        for m in range(min(self.depth, len(seq)), 0, -1):
+            counts = self.table.get(tuple(seq[-m:]))
+            if counts:
+                return m, counts
+        return 0, None
+
+
+class SuffixProposer:
+    """Suffix matching over the request (prompt + generated text) and, with
+    ``cache="session"``, over the outputs of this proposer's earlier requests, in the spirit
+    of SuffixDecoding (Oliaro et al., arXiv:2411.04975) and llama.cpp's n-gram cache.
+
+    Each proposed token is the most frequent continuation of the longest context (up to
+    ``depth`` tokens) that was seen before; its confidence is the empirical frequency of that
+    continuation times m/(m+1) for a match of m tokens (a one-token match is a weak hint, a
+    long one nearly a copy). The speculation length follows from the confidence: drafting
+    stops when the product of confidences falls below ``min_confidence`` or at k tokens.
+    The request's counts are updated incrementally as tokens are committed.
+    Proposals are point masses (probs None). Raises ValueError for depth outside 1..64,
+    min_confidence outside [0, 1) or an unknown cache.
+    """
+
+    name = "suffix"
+
+    def __init__(self, depth: int = 16, min_confidence: float = 0.1, cache: str = "request"):
+        if not (isinstance(depth, int) and 1 <= depth <= 64):
+            raise ValueError(f"suffix depth={depth!r} is invalid; allowed: an integer 1..64")
+        if not (isinstance(min_confidence, (int, float)) and 0 <= min_confidence < 1):
+            raise ValueError(f"suffix min_confidence={min_confidence!r} is invalid; allowed: [0, 1)")
+        if cache not in ("request", "session"):
+            raise ValueError(f"suffix cache={cache!r} is invalid; allowed: 'request', 'session'")
+        self.depth, self.min_confidence, self.cache = depth, min_confidence, cache
+        self.session = ContinuationCounts(depth)
+        self._request = ContinuationCounts(depth)
+        self._counted = 0
+        self._previous: tuple[list[int], int] | None = None  # (tokens, prompt length)
+
+    def reset(self, state: RequestState, max_total_len: int) -> None:
+        if self.cache == "session" and self._previous is not None:
+            tokens, prompt_len = self._previous
+            self.session.add(tokens[prompt_len:])
+        self._previous = (state.tokens, len(state.tokens))
+        self._request = ContinuationCounts(self.depth)
+        self._counted = 0
+        self._update(state.tokens)
+
+    def _update(self, tokens: list[int]) -> None:
+        self._request.add(tokens, self._counted)
+        self._counted = len(tokens)
+
+    def continuation(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
+        """Up to k tokens and the confidence of each prefix (non-increasing)."""
+        self._update(tokens)
+        tables = (self._request, self.session) if self.cache == "session" else (self._request,)
+        seq = tokens[-self.depth:]
+        out: list[int] = []
+        conf: list[float] = []
+        c = 1.0
+        for _ in range(k):
+            best = None
+            for table in tables:
+                m, counts = table.longest(seq)
+                if counts and (best is None or m > best[0]):
+                    best = (m, counts)
+            if best is None:
+                break
+            m, counts = best
+            tok, n = max(counts.items(), key=lambda kv: kv[1])
+            c *= n / sum(counts.values()) * m / (m + 1)
+            if c < self.min_confidence:
+                break
+            out.append(tok)
+            conf.append(c)
+            seq = seq[1:] + [tok] if len(seq) == self.depth else seq + [tok]
+        return out, conf
+
+    def propose(self, state: RequestState, k: int) -> DraftOutput:
+        out, _ = self.continuation(state.tokens, k)
+        return DraftOutput.point_mass(out, self.name) if out else DraftOutput.empty()
+
+    def on_accept(self, state: RequestState) -> None:
+        self._update(state.tokens)
+
+
+class HybridProposer:
+    """A lookup proposer (prompt lookup or suffix matching) when it has a good match, the draft
+    model otherwise: the lookup's proposal is used when it has at least ``min_lookup_tokens``
+    tokens (a lookup stops at weak matches, so a long proposal is a confident one), else the
+    draft model drafts this round. The draft's cache catches up on the committed tokens it
+    skipped the next time it drafts. ``DraftOutput.source`` tells the engine's stats which
+    proposer supplied each round. Raises ValueError for min_lookup_tokens < 1."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup: "PromptLookupProposer | SuffixProposer", draft: DraftModelProposer,
+                 min_lookup_tokens: int = 2):
+        if not (isinstance(min_lookup_tokens, int) and min_lookup_tokens >= 1):
+            raise ValueError(f"hybrid min_lookup_tokens={min_lookup_tokens!r} is invalid; "
+                             "allowed: an integer >= 1")
+        self.lookup, self.drafter, self.min_lookup_tokens = lookup, draft, min_lookup_tokens
+
+    @property
+    def draft(self) -> CausalLM:
+        return self.drafter.draft
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter.enabled
+
+    def reset(self, state: RequestState, max_total_len: int) -> None:
+        self.lookup.reset(state, max_total_len)
+        self.drafter.reset(state, max_total_len)
+
+    def propose(self, state: RequestState, k: int) -> DraftOutput:
+        out = self.lookup.propose(state, k)
+        if out.token_ids.shape[1] >= min(k, self.min_lookup_tokens):
+            return out
+        drafted = self.drafter.propose(state, k)
+        return drafted if drafted.token_ids.shape[1] or not out.token_ids.shape[1] else out
+
+    def on_accept(self, state: RequestState) -> None:
+        self.lookup.on_accept(state)
+        self.drafter.on_accept(state)
