@@ -195,12 +195,13 @@ def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):
 
 
 def test_k_zero_is_an_argparse_error(capsys, dirs):
-    for bad in ("0", "-2", "two"):
+    for bad in ("0", "-2", "two", "65"):
         with pytest.raises(SystemExit) as exc:
             cli.main(["generate", "--target", str(dirs["target"]), "--prompt", PROMPT, "--k", bad])
         assert exc.value.code == 2
         err = capsys.readouterr().err
-        assert "--k must be an integer >= 1" in err and bad in err
+        assert "--k must be an integer 1..64" in err and bad in err
+    assert "'heuristic' or 'auto'" in err or "65" in err
 
 
 def test_incompatible_draft_is_a_clear_error(capsys, dirs):

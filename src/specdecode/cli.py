@@ -23,13 +23,16 @@ examples:
 """
 
 
-def _k(value: str) -> int:
+def _k(value: str) -> int | str:
+    if value in ("heuristic", "auto"):
+        return value
     try:
         k = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--k must be an integer >= 1, got {value!r}") from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"--k must be an integer >= 1, got {k}")
+        raise argparse.ArgumentTypeError(
+            f"--k must be an integer 1..64, 'heuristic' or 'auto', got {value!r}") from None
+    if not 1 <= k <= 64:
+        raise argparse.ArgumentTypeError(f"--k must be an integer 1..64, got {k}")
     return k
 
 
@@ -45,10 +48,22 @@ def _add_generate_parser(sub) -> None:
                    help=f"draft model for --method draft, same forms as --target "
                         f"(default: {registry.DEFAULT_DRAFT})")
     p.add_argument("--method", default=Method.DRAFT.value, choices=[m.value for m in Method],
-                   help="proposer: 'draft' (a draft model proposes) or 'ar' (plain autoregressive "
-                        "decoding, no speculation). Default: draft")
+                   help="proposer: 'draft' (a draft model), 'prompt-lookup' (copy what followed the "
+                        "last n-gram earlier in the text), 'suffix' (most frequent continuation of "
+                        "the longest matching suffix), 'hybrid' (suffix when it matches well, else "
+                        "the draft model) or 'ar' (plain decoding, no speculation). Default: draft")
     p.add_argument("--k", type=_k, default=None,
-                   help="speculation length K: draft tokens per verify pass, 1..64 (default: 6)")
+                   help="speculation length K: draft tokens per verify pass, 1..64 (default: 6 with "
+                        "a draft model, 8 for lookups); 'heuristic': +2 after a fully accepted round, "
+                        "-1 otherwise (transformers); 'auto': K chosen each round from this machine's "
+                        "measured forward times and the acceptance so far")
+    p.add_argument("--max-k", type=_k, default=16,
+                   help="largest K for --k heuristic/auto (default 16)")
+    p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                   help="stop drafting where the draft model's top probability is below P "
+                        "(llama.cpp --draft-p-min; default: off)")
+    p.add_argument("--max-ngram", type=int, default=3,
+                   help="prompt lookup: longest n-gram matched (default 3)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
@@ -96,6 +111,12 @@ def _print_stats(label: str, stats: dict, finish: str, out) -> None:
                  f"{stats['mean_acceptance_length']:.2f} | time: prefill {stats['prefill_s']:.2f} s, "
                  f"draft {stats['draft_s']:.2f} s, verify {stats['verify_s']:.2f} s, "
                  f"other {stats['other_s']:.2f} s")
+        if stats["mean_speculation_length"] is not None:
+            line += f" | mean K {stats['mean_speculation_length']}"
+        if len(stats["by_proposer"]) > 1:
+            line += " | accepted by proposer: " + ", ".join(
+                f"{name} {c['num_accepted_tokens']}/{c['num_draft_tokens']}"
+                for name, c in stats["by_proposer"].items())
     print(line, file=out)
 
 
@@ -112,20 +133,24 @@ def cmd_generate(args) -> int:
                          temperature=args.temperature, do_sample=None, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                          seed=args.seed, stop=args.stop, eos_token_id=None)
-        if args.k is not None:
-            SpeculativeConfig(method, args.k)
+        spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k,
+                         draft_p_min=args.draft_p_min, max_matching_ngram_size=args.max_ngram)
+        if isinstance(args.max_k, str):
+            raise ValueError(f"--max-k must be an integer 1..64, got {args.max_k!r}")
+        SpeculativeConfig(method, None if isinstance(args.k, str) else args.k,
+                          max_speculative_tokens=args.max_k, draft_p_min=args.draft_p_min,
+                          max_ngram=args.max_ngram)
         if not prompt.strip():
             raise ValueError("the prompt is empty")
         t0 = time.perf_counter()
-        target, draft = load_pair(args.target, args.draft if method is Method.DRAFT else None,
+        target, draft = load_pair(args.target, args.draft if method.needs_draft_model else None,
                                  args.dtype, args.draft_dtype)
         load_s = time.perf_counter() - t0
         common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
                       min_new_tokens=args.min_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
                       seed=args.seed, stop=args.stop)
-        chunks = stream(target, prompt, draft=draft, method=method, num_speculative_tokens=args.k,
-                        **common)
+        chunks = stream(target, prompt, draft=draft, method=method, **spec_args, **common)
         info = sys.stderr if args.json else sys.stdout
         if not args.json:
             print(f"# loaded {target.name}" + (f" + draft {draft.name}" if draft else "")

@@ -307,7 +307,7 @@ class Engine:
                 t3 = time.perf_counter()
                 stats.draft_s += t2 - t1
                 stats.verify_s += t3 - t2
-                if k > 0:
+                if proposer is not None:
                     schedule.update(k, accepted, t2 - t1, t3 - t2)
 
                 emitted = []

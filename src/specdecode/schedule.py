@@ -1,8 +1,9 @@
 """Speculation length K per round: fixed, transformers' heuristic, or chosen from a cost model.
 
-A schedule has ``reset()`` (start of a request), ``next_k()`` (K for the next round, >= 1)
-and ``update(proposed, accepted, draft_s, verify_s)`` (after each verify pass). The engine
-caps K further by the room left in the context; a proposer may propose fewer tokens.
+A schedule has ``reset()`` (start of a request), ``next_k()`` (K for the next round; 0 =
+no speculation this round) and ``update(proposed, accepted, draft_s, verify_s)`` (after each
+verify pass, with the number of draft tokens actually proposed, possibly 0). The engine caps
+K further by the room left in the context; a proposer may propose fewer tokens.
 """
 
 from __future__ import annotations
@@ -82,20 +83,24 @@ class AutoK:
     α_i is estimated online from exponentially decayed counts (``decay`` per round, ≈ the
     last 1/(1−decay) rounds) of how often position i was reached and accepted, shrunk toward
     α_{i−1} with weight ``prior_weight`` — so a position never tried yet inherits the rate of
-    the one before it, and K can grow when drafts keep being accepted. Raises ValueError for
+    the one before it, and K can grow when drafts keep being accepted. K = 0 (no speculation,
+    E = 1, C = T(1)) is chosen when no K pays for itself — text a lookup cannot predict;
+    then one draft token is tried every ``probe_every`` rounds to notice when that changes.
+    Raises ValueError for
     a profile shorter than 2 sizes or max_k outside 1..64.
     """
 
     name = "auto"
 
     def __init__(self, forward_seconds: list[float], max_k: int = 16, decay: float = 0.9,
-                 prior_weight: float = 1.0, first_alpha: float = 0.6):
+                 prior_weight: float = 1.0, first_alpha: float = 0.6, probe_every: int = 8):
         _check_k("max K", max_k)
         if len(forward_seconds) < 2 or min(forward_seconds) <= 0:
             raise ValueError("AutoK needs forward times T(1), T(2), ... (positive seconds)")
         self.times = list(forward_seconds)
         self.max_k = min(max_k, len(self.times) - 1)
         self.decay, self.prior_weight, self.first_alpha = decay, prior_weight, first_alpha
+        self.probe_every = probe_every
         self.reset()
 
     def reset(self) -> None:
@@ -104,6 +109,7 @@ class AutoK:
         self.draft_per_token = 0.0
         self.scale = 1.0
         self._seen_draft = False
+        self._idle = 0
 
     def alphas(self) -> list[float]:
         """[α_1, ..., α_max_k] under the current counts."""
@@ -129,12 +135,19 @@ class AutoK:
 
     def next_k(self) -> int:
         alphas = self.alphas()
-        return max(range(1, self.max_k + 1), key=lambda k: self.expected_tokens(k, alphas) / self.cost(k))
+        k = max(range(0, self.max_k + 1), key=lambda k: self.expected_tokens(k, alphas) / self.cost(k))
+        if k == 0:
+            self._idle += 1
+            if self._idle >= self.probe_every:  # look again: the text may have changed
+                self._idle, k = 0, 1
+        return k
 
     def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        d = self.decay
-        self.reached = [r * d for r in self.reached]
-        self.accepted = [a * d for a in self.accepted]
+        if proposed:
+            self._idle = 0
+            d = self.decay
+            self.reached = [r * d for r in self.reached]
+            self.accepted = [a * d for a in self.accepted]
         for i in range(1, min(proposed, accepted + 1, self.max_k) + 1):
             self.reached[i] += 1
             if i <= accepted:

@@ -1,0 +1,115 @@
+"""Replay recorded greedy outputs through the lookup proposers, without running any model.
+
+For greedy decoding, whether a proposed token is accepted depends only on the target's own
+greedy continuation, which a bench run records (``ar`` in results.json / records.jsonl). So a
+lookup proposer's verify passes, mean acceptance length and — with the T(n) a bench run
+measured — its speedup over plain decoding can be computed exactly for those prompts, and
+proposer settings compared in seconds. Usage:
+
+    python benchmarks/simulate_lookup.py benchmarks/<run>/results.json [more runs...]
+
+Prints, per subtask and setting: τ (tokens per verify pass) and the predicted speedup
+Σ T(1) / Σ T(k_round + 1) (lookup drafting cost ignored: it is microseconds).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from specdecode import bench, registry
+from specdecode.proposers import PromptLookupProposer, RequestState, SuffixProposer
+from specdecode.config import SamplingParams
+from specdecode.schedule import AutoK, FixedK, HeuristicK
+
+
+def replay(proposer, prompt: list[int], output: list[int], k, times: list[float]):
+    """k: an int (fixed K) or a schedule (reset / next_k / update)."""
+    schedule = FixedK(k) if isinstance(k, int) else k
+    schedule.reset()
+    state = RequestState(list(prompt), 0, SamplingParams(), (), None, 1 << 30)
+    proposer.reset(state, len(prompt) + len(output) + 65)
+    passes, cost, i = 0, 0.0, 0
+    while i < len(output):
+        kr = min(schedule.next_k(), len(output) - i)
+        draft = proposer.propose(state, kr).token_ids[0].tolist() if kr else []
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output[i + accepted]:
+            accepted += 1
+        n = min(accepted + 1, len(output) - i)
+        state.tokens += output[i:i + n]
+        state.num_generated += n
+        proposer.on_accept(state)
+        i += n
+        passes += 1
+        t = times[min(len(draft), len(times) - 1)]
+        cost += t
+        schedule.update(len(draft), accepted, 0.0, t)
+    return passes, len(output) * times[0] / cost
+
+
+def main(paths: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(registry.fetch(registry.DEFAULT_TARGET))
+    records, times = [], None
+    for p in paths:
+        p = Path(p)
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+            records += data["records"]
+            times = data["limit"]["forward_seconds"]
+        else:
+            records += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    if times is None:
+        raise SystemExit("give at least one results.json (for T(n))")
+    tasks = {(t.subtask, t.prompt_id): t for t in
+             bench.load_spec_bench(bench.SPEC_BENCH_PATH) + bench.load_humaneval()}
+    ar = [r for r in records if r["method"] == "ar"]
+    answers = {}
+    cases = []
+    for r in sorted(ar, key=lambda r: r["turn"]):
+        task = tasks[(r["subtask"], r["prompt_id"])]
+        key = (r["subtask"], r["prompt_id"])
+        prompt = bench._prompt_ids(tok, task, r["turn"], answers.get(key, []))
+        answers.setdefault(key, []).append(tok.decode(r["token_ids"], skip_special_tokens=True))
+        cases.append((r["subtask"], prompt, r["token_ids"]))
+    settings = {
+        "lookup recent n=1..3 k=8": lambda: (PromptLookupProposer(3, 1, "recent"), 8),
+        "lookup first n=1..3 k=8": lambda: (PromptLookupProposer(3, 1, "first"), 8),
+        "lookup recent n=2..3 k=8": lambda: (PromptLookupProposer(3, 2, "recent"), 8),
+        "lookup recent n=1..5 k=8": lambda: (PromptLookupProposer(5, 1, "recent"), 8),
+        "lookup first n=1..2 k=10 (hf-pld)": lambda: (PromptLookupProposer(2, 1, "first"), 10),
+        "lookup recent n=1..3 k=4": lambda: (PromptLookupProposer(3, 1, "recent"), 4),
+        "lookup recent n=1..3 k=12": lambda: (PromptLookupProposer(3, 1, "recent"), 12),
+        "lookup recent n=1..3 heuristic": lambda: (PromptLookupProposer(3, 1), HeuristicK(8)),
+        "lookup recent n=1..3 auto": lambda: (PromptLookupProposer(3, 1), AutoK(times)),
+        "suffix c=0.1 auto": lambda: (SuffixProposer(16, 0.1), AutoK(times)),
+        "suffix c=0.1 k=8": lambda: (SuffixProposer(16, 0.1), 8),
+        "suffix c=0.3 k=8": lambda: (SuffixProposer(16, 0.3), 8),
+        "suffix c=0.02 k=8": lambda: (SuffixProposer(16, 0.02), 8),
+        "suffix c=0.1 k=12": lambda: (SuffixProposer(16, 0.1), 12),
+    }
+    subtasks = sorted({c[0] for c in cases})
+    print(f"{len(cases)} recorded generations; T(1) = {times[0] * 1e3:.0f} ms")
+    print("| setting | " + " | ".join(subtasks) + " | all |")
+    print("|---" * (len(subtasks) + 2) + "|")
+    for name, make in settings.items():
+        cells, allr = [], []
+        for sub in subtasks:
+            rs = []
+            for s, prompt, out in cases:
+                if s == sub and out:
+                    proposer, k = make()
+                    passes, speedup = replay(proposer, prompt, out, k, times)
+                    rs.append((len(out) / passes, speedup))
+            allr += rs
+            cells.append(f"{statistics.median(x[0] for x in rs):.2f} / {statistics.median(x[1] for x in rs):.2f}×")
+        cells.append(f"{statistics.median(x[0] for x in allr):.2f} / {statistics.median(x[1] for x in allr):.2f}×")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
