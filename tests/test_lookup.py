@@ -1,0 +1,410 @@
+"""Proposers that need no model (prompt lookup, suffix matching), the hybrid, draft p_min and
+the K schedules (TESTPACK §1, 3, 5, 7, 10 for each). Expected outputs always come from plain
+decoding of the same target; every engine asserts the cache invariant (debug=True)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from helpers import MockLM, hashed_logits, one_thread  # noqa: F401 (autouse fixture)
+from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.proposers import (ContinuationCounts, DraftModelProposer, HybridProposer,
+                                  PromptLookupProposer, RequestState, SuffixProposer)
+from specdecode.schedule import AutoK, FixedK, HeuristicK
+from test_engine import PROMPTS, V, noisy_draft, random_draft, ref, run, target
+from test_sampling import EV, N_RUNS, _mock_target, _probs, assert_lossless
+
+GREEDY128 = SamplingParams(max_new_tokens=128)
+
+
+def lookup(kind: str):
+    if kind == "lookup-recent":
+        return PromptLookupProposer(3, 1, "recent")
+    if kind == "lookup-first":
+        return PromptLookupProposer(3, 1, "first")
+    if kind == "lookup-2-5":
+        return PromptLookupProposer(5, 2)
+    if kind == "suffix":
+        return SuffixProposer(8, 0.05)
+    if kind == "hybrid":
+        return HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy_draft()))
+    raise ValueError(kind)
+
+
+KINDS = ["lookup-recent", "lookup-first", "lookup-2-5", "suffix", "hybrid"]
+
+
+# ----------------------------------------------------------------------------------------
+# §1 greedy equality, on the tiny random decoder (rarely repeats) and a copying target
+# ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equality(kind, prompt_name, k):
+    prompt = PROMPTS[prompt_name]
+    expected = ref(tuple(prompt), GREEDY128)
+    gen, _ = run(target(), lookup(kind), k, prompt, GREEDY128)
+    assert gen.token_ids == list(expected) and gen.finish_reason == "length"
+    if prompt_name == "repetitive" and kind != "hybrid":
+        assert gen.stats.num_draft_tokens > 0  # the lookup really proposed
+
+
+@pytest.mark.parametrize("schedule", ["heuristic", "auto"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equality_with_k_schedules(kind, schedule):
+    prompt = PROMPTS["repetitive"]
+    sched = HeuristicK(3, 12) if schedule == "heuristic" else AutoK(_linear_times(17), 16)
+    gen, _ = run(target(), lookup(kind), sched, prompt, GREEDY128)
+    assert gen.token_ids == list(ref(tuple(prompt), GREEDY128))
+    assert max(gen.stats.speculation_lengths) <= (12 if schedule == "heuristic" else 16)
+
+
+def _linear_times(n, t1=0.2, slope=0.02):
+    return [t1 + slope * i for i in range(n)]
+
+
+PERIOD = 7
+
+
+def copying_logits(vocab: int, period: int = PERIOD, scale: float = 8.0):
+    """A target that continues a text by repeating it with the given period (what a model
+    does when it quotes its prompt): the next token is the one ``period`` positions back."""
+    def fn(tokens):
+        out = torch.zeros(vocab)
+        out[tokens[-period] if len(tokens) >= period else (len(tokens) * 31) % vocab] = scale
+        return out
+    return fn
+
+
+COPY_PROMPT = [5, 9, 13, 2, 40, 41, 7] * 3 + [11, 12]
+
+
+def test_lookup_on_copied_text_accepts_nearly_everything():
+    """Guard on the proposers themselves: when the target copies its context, a lookup that
+    works proposes the right tokens (a broken index would still be lossless, only slow).
+    The text changed after its first occurrences (the prompt ends with two new tokens that
+    the copy then repeats): the most recent match follows the change, the first one lags —
+    why ``match="recent"`` is the default."""
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=100)
+    expected = Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+    rates = {}
+    for kind in ("lookup-recent", "lookup-first", "suffix"):
+        gen, blocks = run(tgt, lookup(kind), 8, COPY_PROMPT, params)
+        assert gen.token_ids == expected
+        rates[kind] = gen.stats.acceptance_rate
+        if kind != "lookup-first":
+            assert gen.stats.acceptance_rate > 0.9 and gen.stats.mean_acceptance_length > 7
+    assert rates["lookup-first"] < rates["lookup-recent"] - 0.1
+
+
+def test_no_match_proposes_nothing_and_counts_no_drafts():
+    """A prompt with no repeated token and a target that only emits new tokens: nothing to
+    look up, so no draft is proposed or counted (§10), and the output is plain decoding's."""
+    vocab = 400
+    fresh = lambda tokens: torch.nn.functional.one_hot(  # noqa: E731
+        torch.tensor(max(tokens) + 1), vocab).float() * 5
+    tgt = MockLM(vocab, fresh)
+    prompt = list(range(20))
+    params = SamplingParams(max_new_tokens=60)
+    expected = Engine(tgt).generate(prompt, params).run().token_ids
+    for kind in ("lookup-recent", "suffix"):
+        gen, blocks = run(tgt, lookup(kind), 5, prompt, params)
+        assert gen.token_ids == expected
+        assert gen.stats.num_draft_tokens == 0 and gen.stats.num_drafts == 0
+        assert gen.stats.by_proposer == {} and len(blocks) == 60
+
+
+# ----------------------------------------------------------------------------------------
+# §3 EOS inside a block copied from the prompt; no EOS configured
+# ----------------------------------------------------------------------------------------
+
+EOS_PROMPT = [5, 9, 13, 2, 40, 41, 7] * 2 + [5, 9, 13]
+
+
+@pytest.mark.parametrize("kind", ["lookup-recent", "suffix", "lookup-first"])
+@pytest.mark.parametrize("eos_token", [2, 40, 41, 7])
+def test_eos_inside_a_copied_block(kind, eos_token):
+    """The copying target emits the prompt's period again; declaring one of its tokens EOS
+    puts the EOS in the middle of a block the lookup proposes (it is in the prompt): output
+    == plain decoding cut at the EOS, finish "stop", nothing after it."""
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=64)
+    plain = Engine(tgt).generate(EOS_PROMPT, params, ()).run().token_ids
+    j = plain.index(eos_token)
+    gen, blocks = run(tgt, lookup(kind), 8, EOS_PROMPT, params, eos=(eos_token,))
+    assert gen.token_ids == plain[:j + 1]
+    assert gen.finish_reason == "stop"
+    assert gen.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["lookup-recent", "suffix"])
+def test_no_eos_configured_runs_to_max_new_tokens(kind):
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=77, eos_token_ids=())
+    gen, _ = run(tgt, lookup(kind), 8, EOS_PROMPT, params, eos=(2,))
+    assert gen.token_ids == Engine(tgt).generate(EOS_PROMPT, params).run().token_ids
+    assert len(gen.token_ids) == 77 and gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("n", range(1, 20))
+def test_max_new_tokens_exact_with_long_copied_blocks(n):
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=n)
+    gen, _ = run(tgt, lookup("lookup-recent"), 8, COPY_PROMPT, params)
+    assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+    assert len(gen.token_ids) == n
+
+
+# ----------------------------------------------------------------------------------------
+# §7 context limit: K clamped, lookups never run past the cache
+# ----------------------------------------------------------------------------------------
+
+def test_target_context_limit_with_lookup():
+    tgt = MockLM(50, copying_logits(50), max_context=60)
+    params = SamplingParams(max_new_tokens=100)
+    gen, _ = run(tgt, lookup("lookup-recent"), 8, COPY_PROMPT, params)
+    assert len(COPY_PROMPT) + len(gen.token_ids) == 60 and gen.finish_reason == "length"
+    assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+
+
+# ----------------------------------------------------------------------------------------
+# §5 sampling with point-mass proposals is exactly the target's distribution
+# ----------------------------------------------------------------------------------------
+
+L_PROMPT = [2, 3, 1, 2, 3]  # the last token occurred before: the lookups propose [1, 2, ...]
+
+
+def _joint(params, prompt):
+    fn = _mock_target().logits_fn
+    p1 = _probs(fn(prompt)[None, None], params, torch.tensor([prompt]), None)[0, 0]
+    rows = [_probs(fn(prompt + [a])[None, None], params, torch.tensor([prompt + [a]]), None)[0, 0]
+            for a in range(EV)]
+    return p1[:, None] * torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind,params", [
+    ("lookup-recent", SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, repetition_penalty=1.2)),
+    ("suffix", SamplingParams(max_new_tokens=3, temperature=0.6, top_p=0.9)),
+], ids=["lookup-T1-top_k4-rep1.2", "suffix-T0.6-top_p0.9"])
+def test_sampled_output_with_point_mass_proposals_follows_target(kind, params):
+    engine = Engine(_mock_target(), lookup(kind), 3, debug=True)
+    counts = torch.zeros(EV * EV, dtype=torch.long)
+    proposed = accepted = 0
+    for seed in range(N_RUNS):
+        gen = engine.generate(L_PROMPT, dataclasses.replace(params, seed=seed)).run()
+        a, b = gen.token_ids[:2]
+        counts[a * EV + b] += 1
+        proposed += gen.stats.num_draft_tokens
+        accepted += gen.stats.num_accepted_tokens
+    assert proposed >= N_RUNS and 0 < accepted < proposed  # speculation ran, both outcomes
+    assert_lossless(counts.reshape(EV, EV), _joint(params, L_PROMPT))
+
+
+# ----------------------------------------------------------------------------------------
+# the index and the counts are what a full rescan would give
+# ----------------------------------------------------------------------------------------
+
+def _naive_lookup(tokens, k, max_n, min_n, match):
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        key = tokens[-n:]
+        starts = [p for p in range(len(tokens) - n) if tokens[p:p + n] == key]
+        if starts:
+            pos = (max(starts) if match == "recent" else min(starts)) + n
+            out = []
+            for j in range(pos, pos + k):
+                out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+            return out
+    return []
+
+
+@pytest.mark.parametrize("match", ["recent", "first"])
+@pytest.mark.parametrize("ngram", [(1, 3), (2, 4), (1, 1)])
+def test_incremental_index_equals_a_rescan(match, ngram):
+    rng = random.Random(hash((match, ngram)) % 1000)
+    tokens = [rng.randrange(6) for _ in range(5)]
+    p = PromptLookupProposer(ngram[1], ngram[0], match)
+    state = RequestState(tokens, 0, SamplingParams(), (), None, 10)
+    p.reset(state, 10**6)
+    for _ in range(300):
+        k = rng.randrange(1, 9)
+        assert p.propose(state, k).token_ids[0].tolist() == _naive_lookup(tokens, k, ngram[1], ngram[0], match)
+        tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]  # commit 1..3 tokens
+        p.on_accept(state)
+
+
+def test_continuation_counts_equal_a_rescan_and_pick_the_most_frequent():
+    rng = random.Random(3)
+    tokens = [rng.randrange(5) for _ in range(200)]
+    counts = ContinuationCounts(4)
+    counts.add(tokens[:50])
+    counts.add(tokens, 50)  # incremental, as commits arrive
+    for m in range(1, 5):
+        for p in range(m, len(tokens)):
+            ctx = tuple(tokens[p - m:p])
+            naive = sum(1 for q in range(m, len(tokens)) if tuple(tokens[q - m:q]) == ctx
+                        and tokens[q] == tokens[p])
+            assert counts.table[ctx][tokens[p]] == naive
+    s = SuffixProposer(4, 0.0)
+    state = RequestState([1, 2, 9, 1, 2, 9, 1, 2, 7, 1, 2], 0, SamplingParams(), (), None, 10)
+    s.reset(state, 100)
+    # "1 2" was followed by 9 twice and 7 once: 9 is proposed, then the copy goes on
+    assert s.propose(state, 1).token_ids.tolist() == [[9]]
+    out, conf = s.continuation(state.tokens, 4)
+    assert out[0] == 9 and all(a >= b for a, b in zip(conf, conf[1:]))
+
+
+def test_suffix_confidence_sets_the_speculation_length():
+    state = RequestState([4, 5, 6, 7, 8, 1, 4, 5], 0, SamplingParams(), (), None, 10)
+    strict, loose = SuffixProposer(8, 0.6), SuffixProposer(8, 0.01)
+    strict.reset(state, 100)
+    loose.reset(state, 100)
+    assert 0 < strict.propose(state, 8).token_ids.shape[1] < loose.propose(state, 8).token_ids.shape[1]
+
+
+def test_suffix_session_cache_uses_earlier_outputs():
+    """The second identical request is proposed its own earlier output (not in its prompt)."""
+    tgt = target()
+    prompt = PROMPTS["twenty"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    first = SuffixProposer(16, 0.05, cache="session")
+    engine = Engine(tgt, first, 8, debug=True)
+    one = engine.generate(prompt, GREEDY128).run()
+    two = engine.generate(prompt, GREEDY128).run()
+    assert one.token_ids == two.token_ids == expected
+    assert two.stats.num_accepted_tokens > one.stats.num_accepted_tokens + 60
+    per_request = Engine(tgt, SuffixProposer(16, 0.05), 8).generate(prompt, GREEDY128).run()
+    assert per_request.stats.num_accepted_tokens == one.stats.num_accepted_tokens
+
+
+# ----------------------------------------------------------------------------------------
+# hybrid: stats per proposer
+# ----------------------------------------------------------------------------------------
+
+def test_hybrid_uses_both_and_reports_each():
+    tgt = MockLM(50, copying_logits(50))
+    # a draft that knows the copying rule only sometimes: a noisy version of the same logits
+    noisy = MockLM(50, lambda toks: copying_logits(50)(toks) + hashed_logits(50, "n", 3.0)(toks))
+    prompt = [30 + i for i in range(12)]  # no repeats: the copying target begins to repeat
+    params = SamplingParams(max_new_tokens=60)
+    gen, _ = run(tgt, HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy)), 4,
+                 prompt, params)
+    assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
+    by = gen.stats.by_proposer
+    assert set(by) == {"suffix", "draft"}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(c[key] for c in by.values()) == getattr(gen.stats, key)
+    assert gen.stats.to_dict()["by_proposer"] == by
+
+
+def test_hybrid_rejects_bad_threshold():
+    with pytest.raises(ValueError, match="min_lookup_tokens=0"):
+        HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), 0)
+
+
+# ----------------------------------------------------------------------------------------
+# draft p_min
+# ----------------------------------------------------------------------------------------
+
+def test_draft_p_min_stops_drafting_and_stays_lossless():
+    prompt = PROMPTS["twenty"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    free, _ = run(target(), DraftModelProposer(noisy_draft()), 6, prompt, GREEDY128)
+    strict, _ = run(target(), DraftModelProposer(noisy_draft(), p_min=0.9), 6, prompt, GREEDY128)
+    assert free.token_ids == strict.token_ids == expected
+    assert strict.stats.num_draft_tokens < free.stats.num_draft_tokens
+    assert strict.stats.acceptance_rate > free.stats.acceptance_rate
+    # every proposed token had top probability >= p_min: with p_min ~1 nothing is proposed
+    never, _ = run(target(), DraftModelProposer(noisy_draft(), p_min=0.999999), 6, prompt, GREEDY128)
+    assert never.token_ids == expected and never.stats.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, "0.5", float("nan")])
+def test_draft_p_min_validation(bad):
+    with pytest.raises(ValueError, match="p_min"):
+        DraftModelProposer(random_draft(), p_min=bad)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: PromptLookupProposer(2, 3), "min=3 max=2"),
+    (lambda: PromptLookupProposer(3, 0), "min=0"),
+    (lambda: PromptLookupProposer(3, 1, "frequent"), "match='frequent'"),
+    (lambda: SuffixProposer(0), "depth=0"),
+    (lambda: SuffixProposer(8, 1.0), "min_confidence=1.0"),
+    (lambda: SuffixProposer(8, 0.1, "global"), "cache='global'"),
+])
+def test_lookup_options_are_validated(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# ----------------------------------------------------------------------------------------
+# K schedules
+# ----------------------------------------------------------------------------------------
+
+def test_heuristic_schedule_follows_transformers():
+    h = HeuristicK(5, max_k=9)
+    seq = []
+    for proposed, accepted in [(5, 5), (7, 7), (9, 9), (9, 9), (9, 3), (8, 0), (0, 0), (7, 0),
+                               (6, 0), (5, 0), (4, 0), (3, 0), (2, 0), (1, 0), (1, 1)]:
+        seq.append(h.next_k())
+        h.update(proposed, accepted, 0.0, 0.0)
+    assert seq == [5, 7, 9, 9, 9, 8, 7, 7, 6, 5, 4, 3, 2, 1, 1]
+    assert h.next_k() == 3
+    h.reset()
+    assert h.next_k() == 5
+
+
+def test_auto_expected_tokens_is_leviathans_formula():
+    a = AutoK(_linear_times(9), 8, first_alpha=0.7)
+    for k in range(9):  # no data: every α_i is the prior 0.7
+        assert a.expected_tokens(k) == pytest.approx((1 - 0.7 ** (k + 1)) / (1 - 0.7))
+
+
+def test_auto_grows_k_when_everything_is_accepted_and_shrinks_when_nothing_is():
+    times = _linear_times(17, 0.2, 0.03)
+    a = AutoK(times, 16)
+    for _ in range(40):
+        k = a.next_k()
+        a.update(k, k, 0.0, times[k])
+    assert a.next_k() == 16
+    seen = []
+    for _ in range(40):
+        k = a.next_k()
+        seen.append(k)
+        a.update(k, 0, 0.0, times[k])
+    # nothing accepted: K falls to 0 (no speculation), probing one token every 8 rounds
+    assert seen[-16:].count(0) >= 14 and set(seen[-16:]) <= {0, 1}
+
+
+def test_auto_k_accounts_for_draft_cost():
+    """Each draft accepted with probability 0.7 (given the ones before): a free proposer is
+    worth about 6 tokens a round on this cost curve, a draft costing a quarter of T(1) per
+    token about 2."""
+    times = _linear_times(17, 0.2, 0.005)
+    rng = random.Random(0)
+    picks = {}
+    for per_token in (0.0, 0.05):
+        a = AutoK(times, 16)
+        for _ in range(400):
+            k = a.next_k()
+            accepted = 0
+            while accepted < k and rng.random() < 0.7:
+                accepted += 1
+            a.update(k, accepted, per_token * k, times[k])
+        picks[per_token] = a.next_k()
+    assert 4 <= picks[0.0] <= 9 and 1 <= picks[0.05] <= 3
+
+
+def test_schedules_validate():
+    for bad in (0, 65, 2.5, True):
+        with pytest.raises(ValueError, match="K"):
+            FixedK(bad)
+    with pytest.raises(ValueError, match="forward times"):
+        AutoK([0.1], 4)
