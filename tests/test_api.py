@@ -342,6 +342,56 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     assert specdecode.generate(target, PROMPT, do_sample=False, max_new_tokens=40).token_ids == ar.token_ids
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(method="prompt-lookup"),
+    dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=2),
+    dict(method="suffix", num_speculative_tokens="heuristic"),
+    dict(method="hybrid", draft_p_min=0.2),
+    dict(method="draft", num_speculative_tokens="heuristic", max_speculative_tokens=5),
+    dict(method="draft", assistant_confidence_threshold=0.3),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_every_method_and_k_option_equals_plain_decoding(target, draft, kwargs):
+    prompt = "one two three one two three one two three one two"
+    ar = specdecode.generate(target, prompt, method="ar", max_new_tokens=40)
+    r = specdecode.generate(target, prompt, draft=draft, max_new_tokens=40, debug=True, **kwargs)
+    assert r.token_ids == ar.token_ids and r.text == ar.text
+    if kwargs.get("method") != "hybrid":
+        assert r.stats.num_draft_tokens > 0
+    if "max_speculative_tokens" in kwargs:
+        assert max(r.stats.speculation_lengths) <= 5
+    if "prompt_lookup_num_tokens" in kwargs:
+        assert set(r.stats.by_proposer) == {"prompt-lookup"} and max(r.stats.speculation_lengths) <= 3
+
+
+def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    target = specdecode.load(dirs["target"])
+    ar = specdecode.generate(target, PROMPT, method="ar", max_new_tokens=30)
+    r = specdecode.generate(target, PROMPT, method="prompt-lookup", num_speculative_tokens="auto",
+                            max_new_tokens=30, debug=True)
+    assert r.token_ids == ar.token_ids
+    profiles = list((tmp_path / "cache" / "profiles").glob("*.json"))
+    assert len(profiles) == 1
+    times = json.loads(profiles[0].read_text())["forward_seconds"]
+    assert len(times) == 17 and all(t > 0 for t in times)
+    # a fresh load of the same model reads the profile instead of measuring again
+    again = specdecode.load(dirs["target"])
+    import specdecode.schedule as schedule
+
+    monkeypatch.setattr(schedule, "measure_forward_times", lambda *a, **k: pytest.fail("measured twice"))
+    assert schedule.verify_profile(again) == times
+
+
+def test_suffix_session_cache_lives_with_the_loaded_target(target):
+    ids = list(range(40, 60))
+    one = specdecode.generate(target, input_ids=ids, method="suffix", suffix_cache="session",
+                              max_new_tokens=40)
+    two = specdecode.generate(target, input_ids=ids, method="suffix", suffix_cache="session",
+                              max_new_tokens=40)
+    assert one.token_ids == two.token_ids
+    assert two.stats.num_accepted_tokens > one.stats.num_accepted_tokens + 20
+
+
 def test_do_sample_true_samples_like_temperature(target, draft):
     greedy = specdecode.generate(target, PROMPT, max_new_tokens=30).token_ids
     t1 = specdecode.generate(target, PROMPT, temperature=1.0, seed=11, max_new_tokens=30).token_ids
@@ -703,6 +753,14 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     (dict(method="bogus"), ["method", "bogus"]),
     (dict(stop=[""]), ["stop"]),
     (dict(eos_token_id=-3), ["eos_token_ids", "-3"]),
+    (dict(num_speculative_tokens="heuristics"), ["num_speculative_tokens", "heuristics", "auto"]),
+    (dict(num_speculative_tokens="auto", max_speculative_tokens=0), ["max_speculative_tokens", "0"]),
+    (dict(draft_p_min=1.5), ["draft_p_min", "1.5"]),
+    (dict(method="prompt-lookup", draft_p_min=0.5), ["draft_p_min", "prompt-lookup"]),
+    (dict(prompt_lookup_num_tokens=4, method="draft"), ["prompt_lookup_num_tokens", "draft"]),
+    (dict(method="prompt-lookup", max_matching_ngram_size=0), ["max_ngram=0"]),
+    (dict(method="suffix", suffix_cache="forever"), ["suffix_cache", "forever"]),
+    (dict(draft_p_min=0.5, assistant_confidence_threshold=0.5), ["draft_p_min", "alias"]),
 ])
 def test_bad_arguments_raise_value_error_naming_the_value(target, draft, kwargs, words):
     with pytest.raises(ValueError) as err:

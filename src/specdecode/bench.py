@@ -211,10 +211,12 @@ def _hf(models: BenchModels, **generate_kwargs) -> Runner:
 
 
 def _int(opts: dict, key: str, default: int) -> int:
+    value = opts.pop(key, default)
     try:
-        return int(opts.pop(key, default))
+        return int(value)
     except ValueError:
-        raise ValueError(f"option {key}={opts.get(key)!r} must be an integer") from None
+        allowed = "an integer, 'heuristic' or 'auto'" if key == "k" else "an integer"
+        raise ValueError(f"option {key}={value!r} is invalid; allowed: {allowed}") from None
 
 
 def make_ar(models, opts):
