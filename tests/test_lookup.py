@@ -268,6 +268,25 @@ def test_suffix_confidence_sets_the_speculation_length():
     assert 0 < strict.propose(state, 8).token_ids.shape[1] < loose.propose(state, 8).token_ids.shape[1]
 
 
+def test_suffix_confidence_is_learned_from_outcomes():
+    """Proposals that keep failing lower the confidence of their kind of match until none is
+    proposed; proposals that keep succeeding raise it (longer proposals)."""
+    def rounds(right: bool) -> list[int]:
+        s = SuffixProposer(8, 0.2)
+        lengths = []
+        for _ in range(12):
+            state = RequestState([5, 6, 7, 8, 5, 6], 0, SamplingParams(), (), None, 10)
+            s.reset(state, 100)
+            out = s.propose(state, 6).token_ids[0].tolist()
+            lengths.append(len(out))
+            state.tokens += out if right else [40]  # the target agrees, or not
+            s.on_accept(state)
+        return lengths
+    failing, succeeding = rounds(False), rounds(True)
+    assert failing[0] > 0 and failing[-1] == 0
+    assert succeeding[-1] >= succeeding[0] and succeeding[-1] == 6 > failing[0] - 1
+
+
 def test_suffix_session_cache_uses_earlier_outputs():
     """The second identical request is proposed its own earlier output (not in its prompt)."""
     tgt = target()
@@ -303,9 +322,9 @@ def test_hybrid_uses_both_and_reports_each():
     assert gen.stats.to_dict()["by_proposer"] == by
 
 
-def test_hybrid_rejects_bad_threshold():
-    with pytest.raises(ValueError, match="min_lookup_tokens=0"):
-        HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), 0)
+def test_hybrid_rejects_bad_slope():
+    with pytest.raises(ValueError, match="verify_slope=-1"):
+        HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), -1)
 
 
 # ----------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
     suffix = SuffixProposer(cache=spec.suffix_cache)
     if method is Method.SUFFIX:
         return suffix
-    return HybridProposer(suffix, drafter, spec.min_lookup_tokens)
+    return HybridProposer(suffix, drafter)
 
 
 def build_schedule(spec: SpeculativeConfig, target: LoadedModel):

@@ -226,7 +226,7 @@ def make_ar(models, opts):
 def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
     """The SpeculativeConfig of method ``name`` with bench options (consumed from ``opts``):
     k=N|heuristic|auto, max_k=N, p_min=P (draft models), ngram=MIN-MAX (prompt lookup),
-    cache=request|session (suffix, hybrid), min_lookup=N (hybrid)."""
+    cache=request|session (suffix, hybrid)."""
     k = opts.pop("k", None)
     schedule = KSchedule.FIXED
     if k in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
@@ -250,8 +250,6 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
             raise ValueError("option ngram must look like MIN-MAX, e.g. ngram=1-3") from None
     if "cache" in opts:
         kwargs["suffix_cache"] = opts.pop("cache")
-    if "min_lookup" in opts:
-        kwargs["min_lookup_tokens"] = _int(opts, "min_lookup", 2)
     return SpeculativeConfig(Method(name), k, schedule, **kwargs)
 
 
@@ -549,7 +547,7 @@ methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=
   draft         draft-model speculative decoding (dtype=int8|float32|bfloat16, p_min=P)
   prompt-lookup n-gram lookup in prompt + output (ngram=MIN-MAX, default 1-3)
   suffix        suffix matching with continuation counts (cache=request|session)
-  hybrid        suffix matching when it matches well, else the draft model (min_lookup=N)
+  hybrid        suffix matching when it promises more than the draft model, else the draft
   (each of ours also takes k=N|heuristic|auto and max_k=N)
   hf-ar         transformers generate, greedy, same weights
   hf-assisted   transformers assisted generation with the same draft (k=num_assistant_tokens)

@@ -116,8 +116,7 @@ class SpeculativeConfig:
     heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
     schedules. ``draft_p_min``: a draft model stops drafting below this top probability.
     ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes. ``suffix_cache``: "request"
-    or "session" (also match earlier outputs). ``min_lookup_tokens``: a hybrid uses its lookup
-    when the lookup proposes at least this many tokens.
+    or "session" (also match earlier outputs).
     """
 
     method: Method = Method.DRAFT
@@ -128,7 +127,6 @@ class SpeculativeConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     suffix_cache: str = "request"
-    min_lookup_tokens: int = 2
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -154,5 +152,3 @@ class SpeculativeConfig:
                              "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")
         if self.suffix_cache not in ("request", "session"):
             raise ValueError(f"suffix_cache = {self.suffix_cache!r} is invalid; allowed: 'request', 'session'")
-        if not isinstance(self.min_lookup_tokens, int) or self.min_lookup_tokens < 1:
-            raise ValueError(f"min_lookup_tokens = {self.min_lookup_tokens!r} is invalid; allowed: an integer >= 1")

@@ -6,6 +6,7 @@ each round, ``on_accept`` after verification. "No draft this round" is an empty 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -238,22 +239,33 @@ class ContinuationCounts:
         return 0, None
 
 
+_M_BUCKETS = (1, 2, 3, 5, 8, 16, 64)  # match lengths: 1, 2, 3, 4-5, 6-8, 9-16, 17+
+
+
+def _cell(m: int, freq: float) -> tuple[int, int]:
+    return (next(i for i, top in enumerate(_M_BUCKETS) if m <= top),
+            0 if freq >= 0.999 else 1 if freq >= 0.5 else 2)
+
+
 class SuffixProposer:
     """Suffix matching over the request (prompt + generated text) and, with
     ``cache="session"``, over the outputs of this proposer's earlier requests, in the spirit
     of SuffixDecoding (Oliaro et al., arXiv:2411.04975) and llama.cpp's n-gram cache.
 
     Each proposed token is the most frequent continuation of the longest context (up to
-    ``depth`` tokens) that was seen before; its confidence is the empirical frequency of that
-    continuation times m/(m+1) for a match of m tokens (a one-token match is a weak hint, a
-    long one nearly a copy). The speculation length follows from the confidence: drafting
-    stops when the product of confidences falls below ``min_confidence`` or at k tokens.
-    The request's counts are updated incrementally as tokens are committed.
+    ``depth`` tokens) seen before. Its confidence — the probability it is accepted given the
+    ones before it were — is learned online per (match length, empirical frequency) cell
+    from how this proposer's past proposals fared against the committed tokens, starting from
+    the prior frequency·m/(m+1) (a one-token match is a weak hint, a long one nearly a copy).
+    The speculation length follows from the confidence: drafting stops when the product of
+    confidences falls below ``min_confidence``, or at k tokens. Counts are updated
+    incrementally as tokens are committed; the calibration lives as long as the proposer.
     Proposals are point masses (probs None). Raises ValueError for depth outside 1..64,
     min_confidence outside [0, 1) or an unknown cache.
     """
 
     name = "suffix"
+    PRIOR_WEIGHT = 2.0
 
     def __init__(self, depth: int = 16, min_confidence: float = 0.1, cache: str = "request"):
         if not (isinstance(depth, int) and 1 <= depth <= 64):
@@ -264,9 +276,11 @@ class SuffixProposer:
             raise ValueError(f"suffix cache={cache!r} is invalid; allowed: 'request', 'session'")
         self.depth, self.min_confidence, self.cache = depth, min_confidence, cache
         self.session = ContinuationCounts(depth)
+        self.calibration: dict[tuple[int, int], list[float]] = {}  # cell -> [accepted, reached]
         self._request = ContinuationCounts(depth)
         self._counted = 0
         self._previous: tuple[list[int], int] | None = None  # (tokens, prompt length)
+        self._pending: tuple[int, list[int], list[tuple[int, int]]] | None = None
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         if self.cache == "session" and self._previous is not None:
@@ -275,11 +289,18 @@ class SuffixProposer:
         self._previous = (state.tokens, len(state.tokens))
         self._request = ContinuationCounts(self.depth)
         self._counted = 0
+        self._pending = None
         self._update(state.tokens)
 
     def _update(self, tokens: list[int]) -> None:
         self._request.add(tokens, self._counted)
         self._counted = len(tokens)
+
+    def _probability(self, m: int, freq: float) -> tuple[float, tuple[int, int]]:
+        cell = _cell(m, freq)
+        acc, reached = self.calibration.get(cell, (0.0, 0.0))
+        prior = freq * m / (m + 1)
+        return (acc + self.PRIOR_WEIGHT * prior) / (reached + self.PRIOR_WEIGHT), cell
 
     def continuation(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
         """Up to k tokens and the confidence of each prefix (non-increasing)."""
@@ -288,6 +309,7 @@ class SuffixProposer:
         seq = tokens[-self.depth:]
         out: list[int] = []
         conf: list[float] = []
+        cells: list[tuple[int, int]] = []
         c = 1.0
         for _ in range(k):
             best = None
@@ -299,12 +321,15 @@ class SuffixProposer:
                 break
             m, counts = best
             tok, n = max(counts.items(), key=lambda kv: kv[1])
-            c *= n / sum(counts.values()) * m / (m + 1)
+            p, cell = self._probability(m, n / sum(counts.values()))
+            c *= p
             if c < self.min_confidence:
                 break
             out.append(tok)
             conf.append(c)
+            cells.append(cell)
             seq = seq[1:] + [tok] if len(seq) == self.depth else seq + [tok]
+        self._pending = (len(tokens), out, cells)
         return out, conf
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
@@ -312,25 +337,48 @@ class SuffixProposer:
         return DraftOutput.point_mass(out, self.name) if out else DraftOutput.empty()
 
     def on_accept(self, state: RequestState) -> None:
+        """Learn from the last proposal: each token is scored against the committed token at
+        its position (for a proposal not verified — a hybrid's unused one — this is whether
+        it would have been accepted under greedy decoding, and has the same probability under
+        sampling) up to the first miss."""
+        if self._pending is not None:
+            start, out, cells = self._pending
+            committed = state.tokens[start:]
+            for tok, got, cell in zip(out, committed, cells):
+                stats = self.calibration.setdefault(cell, [0.0, 0.0])
+                stats[1] += 1
+                if tok != got:
+                    break
+                stats[0] += 1
+            self._pending = None
         self._update(state.tokens)
 
 
 class HybridProposer:
-    """A lookup proposer (prompt lookup or suffix matching) when it has a good match, the draft
-    model otherwise: the lookup's proposal is used when it has at least ``min_lookup_tokens``
-    tokens (a lookup stops at weak matches, so a long proposal is a confident one), else the
-    draft model drafts this round. The draft's cache catches up on the committed tokens it
-    skipped the next time it drafts. ``DraftOutput.source`` tells the engine's stats which
-    proposer supplied each round. Raises ValueError for min_lookup_tokens < 1."""
+    """Suffix matching when its proposal promises more tokens per second than the draft
+    model, the draft model otherwise.
+
+    Each round the lookup proposes first (free); with c_i its calibrated confidences it
+    promises E_lookup = 1 + Σ c_i tokens for a verify pass of L+1 tokens. The draft model's
+    promise is what its rounds delivered so far (an average of tokens committed per draft
+    round, E_draft) for a verify pass of K+1 tokens plus its drafting time, measured as a
+    ratio r to the verify time (timed between ``propose`` and ``on_accept``). With verify
+    cost T(n) ∝ 1 + ``verify_slope``·(n−1) (0.08 fits this project's CPUs, BENCHMARKS.md),
+    the lookup is used when E_lookup/T(L+1) >= E_draft/(T(K+1)·(1+r)).
+    ``DraftOutput.source`` tells the engine's stats which proposer supplied each round; the
+    draft's cache catches up on the committed tokens it skipped the next time it drafts.
+    Raises ValueError for a negative verify_slope.
+    """
 
     name = "hybrid"
 
-    def __init__(self, lookup: "PromptLookupProposer | SuffixProposer", draft: DraftModelProposer,
-                 min_lookup_tokens: int = 2):
-        if not (isinstance(min_lookup_tokens, int) and min_lookup_tokens >= 1):
-            raise ValueError(f"hybrid min_lookup_tokens={min_lookup_tokens!r} is invalid; "
-                             "allowed: an integer >= 1")
-        self.lookup, self.drafter, self.min_lookup_tokens = lookup, draft, min_lookup_tokens
+    def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer, verify_slope: float = 0.08):
+        if not (isinstance(verify_slope, (int, float)) and verify_slope >= 0):
+            raise ValueError(f"hybrid verify_slope={verify_slope!r} is invalid; allowed: a number >= 0")
+        self.lookup, self.drafter, self.verify_slope = lookup, draft, verify_slope
+        self.draft_tokens_per_round: float | None = None  # E_draft, learned
+        self.draft_time_ratio = 0.3  # r, learned
+        self._round: tuple[str, int, float, float] | None = None  # source, start, t_draft, t_verify0
 
     @property
     def draft(self) -> CausalLM:
@@ -343,14 +391,36 @@ class HybridProposer:
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self.lookup.reset(state, max_total_len)
         self.drafter.reset(state, max_total_len)
+        self._round = None
+
+    def _t(self, n: int) -> float:
+        return 1 + self.verify_slope * (n - 1)
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
-        out = self.lookup.propose(state, k)
-        if out.token_ids.shape[1] >= min(k, self.min_lookup_tokens):
-            return out
+        out, conf = self.lookup.continuation(state.tokens, k)
+        e_draft = self.draft_tokens_per_round if self.draft_tokens_per_round is not None else 1 + k / 2
+        use_lookup = out and (1 + sum(conf)) / self._t(len(out) + 1) >= (
+            e_draft / (self._t(k + 1) * (1 + self.draft_time_ratio)))
+        if use_lookup or not self.drafter.enabled:
+            self._round = ("lookup", len(state.tokens), 0.0, time.perf_counter())
+            return DraftOutput.point_mass(out, self.lookup.name) if out else DraftOutput.empty()
+        t0 = time.perf_counter()
         drafted = self.drafter.propose(state, k)
-        return drafted if drafted.token_ids.shape[1] or not out.token_ids.shape[1] else out
+        t1 = time.perf_counter()
+        self._round = ("draft", len(state.tokens), t1 - t0, t1)
+        return drafted
 
     def on_accept(self, state: RequestState) -> None:
+        if self._round is not None and self._round[0] == "draft":
+            _, start, t_draft, t_verify0 = self._round
+            emitted = len(state.tokens) - start
+            t_verify = time.perf_counter() - t_verify0
+            if self.draft_tokens_per_round is None:
+                self.draft_tokens_per_round = float(emitted)
+            else:
+                self.draft_tokens_per_round = 0.8 * self.draft_tokens_per_round + 0.2 * emitted
+            if t_verify > 0:
+                self.draft_time_ratio = 0.8 * self.draft_time_ratio + 0.2 * (t_draft / t_verify)
+        self._round = None
         self.lookup.on_accept(state)
         self.drafter.on_accept(state)
