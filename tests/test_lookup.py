@@ -17,7 +17,7 @@ from specdecode.proposers import (ContinuationCounts, DraftModelProposer, Hybrid
                                   PromptLookupProposer, RequestState, SuffixProposer)
 from specdecode.schedule import AutoK, FixedK, HeuristicK
 from test_engine import PROMPTS, V, noisy_draft, random_draft, ref, run, target
-from test_sampling import EV, N_RUNS, _mock_target, _probs, assert_lossless
+from test_sampling import EV, N_RUNS, _mock_target, assert_lossless, engine_joint
 
 GREEDY128 = SamplingParams(max_new_tokens=128)
 
@@ -181,14 +181,6 @@ def test_target_context_limit_with_lookup():
 L_PROMPT = [2, 3, 1, 2, 3]  # the last token occurred before: the lookups propose [1, 2, ...]
 
 
-def _joint(params, prompt):
-    fn = _mock_target().logits_fn
-    p1 = _probs(fn(prompt)[None, None], params, torch.tensor([prompt]), None)[0, 0]
-    rows = [_probs(fn(prompt + [a])[None, None], params, torch.tensor([prompt + [a]]), None)[0, 0]
-            for a in range(EV)]
-    return p1[:, None] * torch.stack(rows)
-
-
 @pytest.mark.parametrize("kind,params", [
     ("lookup-recent", SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, repetition_penalty=1.2)),
     ("suffix", SamplingParams(max_new_tokens=3, temperature=0.6, top_p=0.9)),
@@ -204,7 +196,7 @@ def test_sampled_output_with_point_mass_proposals_follows_target(kind, params):
         proposed += gen.stats.num_draft_tokens
         accepted += gen.stats.num_accepted_tokens
     assert proposed >= N_RUNS and 0 < accepted < proposed  # speculation ran, both outcomes
-    assert_lossless(counts.reshape(EV, EV), _joint(params, L_PROMPT))
+    assert_lossless(counts.reshape(EV, EV), engine_joint(params, L_PROMPT))
 
 
 # ----------------------------------------------------------------------------------------

@@ -419,10 +419,11 @@ def _mock_draft(vocab=EV):
     return MockLM(vocab, _table_logits(vocab, 2))
 
 
-def engine_joint(params):
+def engine_joint(params, prompt=E_PROMPT):
+    """The target's joint distribution of the first two tokens after ``prompt``."""
     fn = _mock_target().logits_fn
-    p1 = _probs(fn(E_PROMPT)[None, None], params, torch.tensor([E_PROMPT]), None)[0, 0]
-    rows = [_probs(fn(E_PROMPT + [a])[None, None], params, torch.tensor([E_PROMPT + [a]]), None)[0, 0]
+    p1 = _probs(fn(prompt)[None, None], params, torch.tensor([prompt]), None)[0, 0]
+    rows = [_probs(fn(prompt + [a])[None, None], params, torch.tensor([prompt + [a]]), None)[0, 0]
             for a in range(EV)]
     return p1[:, None] * torch.stack(rows)
 
