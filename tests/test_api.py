@@ -382,14 +382,16 @@ def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_pat
     assert schedule.verify_profile(again) == times
 
 
-def test_suffix_session_cache_lives_with_the_loaded_target(target):
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_suffix_session_cache_lives_with_the_loaded_target(dirs, draft, method):
+    target = specdecode.load(dirs["target"])  # a fresh session
     ids = list(range(40, 60))
-    one = specdecode.generate(target, input_ids=ids, method="suffix", suffix_cache="session",
-                              max_new_tokens=40)
-    two = specdecode.generate(target, input_ids=ids, method="suffix", suffix_cache="session",
-                              max_new_tokens=40)
-    assert one.token_ids == two.token_ids
-    assert two.stats.num_accepted_tokens > one.stats.num_accepted_tokens + 20
+    kw = dict(input_ids=ids, draft=draft, method=method, suffix_cache="session", max_new_tokens=40)
+    one = specdecode.generate(target, **kw)
+    two = specdecode.generate(target, **kw)
+    assert one.token_ids == two.token_ids == specdecode.generate(target, input_ids=ids, max_new_tokens=40).token_ids
+    by_suffix = [r.stats.by_proposer.get("suffix", {}).get("num_accepted_tokens", 0) for r in (one, two)]
+    assert by_suffix[1] > by_suffix[0] + 20
 
 
 def test_do_sample_true_samples_like_temperature(target, draft):

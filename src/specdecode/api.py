@@ -75,11 +75,13 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             "without a draft (CLI --method ar, Python method='ar').")
 
 
-def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None):
+def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None,
+                   suffix: SuffixProposer | None = None):
     """The proposer of ``spec.method`` (None for plain decoding). A draft model that is the
-    target itself gets its own KV cache (a fork sharing the weights). Raises ValueError when
-    the method needs a draft model and none is given, IncompatibleDraftError when the draft's
-    tokenizer differs."""
+    target itself gets its own KV cache (a fork sharing the weights). ``suffix``: the suffix
+    proposer to use (suffix, hybrid) instead of a new one. Raises ValueError when the method
+    needs a draft model and none is given, IncompatibleDraftError when the draft's tokenizer
+    differs."""
     method = spec.method
     if method is Method.AR:
         return None
@@ -94,7 +96,7 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
         return drafter
     if method is Method.PROMPT_LOOKUP:
         return PromptLookupProposer(spec.max_ngram, spec.min_ngram)
-    suffix = SuffixProposer(cache=spec.suffix_cache)
+    suffix = suffix or SuffixProposer(cache=spec.suffix_cache)
     if method is Method.SUFFIX:
         return suffix
     return HybridProposer(suffix, drafter)
@@ -283,7 +285,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype)
     drf = _as_model(draft, dtype) if spec.method.needs_draft_model else None
-    proposer = _session_proposer(tgt, spec) or build_proposer(spec, tgt, drf)
+    proposer = build_proposer(spec, tgt, drf, _session_suffix(tgt, spec))
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
     schedule = build_schedule(spec, tgt) if proposer is not None else None
     engine = Engine(tgt.lm, proposer, schedule, debug=debug)
@@ -292,10 +294,11 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     return gen, tgt, params, prompt_ids
 
 
-def _session_proposer(target: LoadedModel, spec: SpeculativeConfig):
-    """The suffix proposer with ``suffix_cache="session"`` lives as long as the loaded target,
-    so that later requests match the outputs of earlier ones."""
-    if spec.method is not Method.SUFFIX or spec.suffix_cache != "session":
+def _session_suffix(target: LoadedModel, spec: SpeculativeConfig) -> SuffixProposer | None:
+    """With ``suffix_cache="session"`` the suffix proposer (its counts of earlier outputs and
+    its learned confidence) lives as long as the loaded target, so that later requests match
+    the outputs of earlier ones."""
+    if spec.method not in (Method.SUFFIX, Method.HYBRID) or spec.suffix_cache != "session":
         return None
     proposer = getattr(target, "_session_suffix", None)
     if proposer is None:
