@@ -242,7 +242,10 @@ def test_continuation_counts_equal_a_rescan_and_pick_the_most_frequent():
             ctx = tuple(tokens[p - m:p])
             naive = sum(1 for q in range(m, len(tokens)) if tuple(tokens[q - m:q]) == ctx
                         and tokens[q] == tokens[p])
-            assert counts.table[ctx][tokens[p]] == naive
+            total, best, best_n, by_token = counts.table[ctx]
+            assert by_token[tokens[p]] == naive
+            assert total == sum(by_token.values()) and best_n == max(by_token.values())
+            assert by_token[best] == best_n
     s = SuffixProposer(4, 0.0)
     state = RequestState([1, 2, 9, 1, 2, 9, 1, 2, 7, 1, 2], 0, SamplingParams(), (), None, 10)
     s.reset(state, 100)
@@ -262,9 +265,11 @@ def test_suffix_confidence_sets_the_speculation_length():
 
 def test_suffix_confidence_is_learned_from_outcomes():
     """Proposals that keep failing lower the confidence of their kind of match until none is
-    proposed; proposals that keep succeeding raise it (longer proposals)."""
-    def rounds(right: bool) -> list[int]:
-        s = SuffixProposer(8, 0.2)
+    proposed; proposals that keep succeeding raise it (longer proposals). The calibration
+    carries over between requests only with the session cache; per request it starts afresh
+    (a seeded sampled request must not depend on earlier ones)."""
+    def rounds(right: bool, cache: str = "session") -> list[int]:
+        s = SuffixProposer(8, 0.2, cache)
         lengths = []
         for _ in range(12):
             state = RequestState([5, 6, 7, 8, 5, 6], 0, SamplingParams(), (), None, 10)
@@ -276,6 +281,7 @@ def test_suffix_confidence_is_learned_from_outcomes():
         return lengths
     failing, succeeding = rounds(False), rounds(True)
     assert failing[0] > 0 and failing[-1] == 0
+    assert set(rounds(False, "request")) == {failing[0]}
     assert succeeding[-1] >= succeeding[0] and succeeding[-1] == 6 > failing[0] - 1
 
 
@@ -314,9 +320,12 @@ def test_hybrid_uses_both_and_reports_each():
     assert gen.stats.to_dict()["by_proposer"] == by
 
 
-def test_hybrid_rejects_bad_slope():
-    with pytest.raises(ValueError, match="verify_slope=-1"):
-        HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), -1)
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(verify_cost=-1), "verify_cost=-1"), (dict(verify_cost=[1.0, 0.0]), "verify_cost=[1.0, 0.0]"),
+    (dict(verify_cost=[]), "verify_cost=[]"), (dict(draft_cost=-0.5), "draft_cost=-0.5")])
+def test_hybrid_rejects_bad_costs(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------

@@ -75,6 +75,24 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             "without a draft (CLI --method ar, Python method='ar').")
 
 
+def speculative_config(method: str | Method | None, has_draft: bool,
+                       num_speculative_tokens: int | str | None = None,
+                       max_speculative_tokens: int = 16, draft_p_min: float | None = None,
+                       max_ngram: int | None = None, suffix_cache: str = "request") -> SpeculativeConfig:
+    """The :class:`SpeculativeConfig` of the API's / CLI's arguments: method None means
+    "draft" when a draft model is given, else "ar"; K is an integer, "heuristic" or "auto".
+    Raises ValueError naming a bad or inapplicable value."""
+    method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
+    schedule, k = KSchedule.FIXED, num_speculative_tokens
+    if isinstance(k, str):
+        if k not in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64, "
+                             "'heuristic' or 'auto'")
+        schedule, k = KSchedule(k), None
+    return SpeculativeConfig(method, k, schedule, max_speculative_tokens, draft_p_min,
+                             max_ngram=3 if max_ngram is None else max_ngram, suffix_cache=suffix_cache)
+
+
 def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None,
                    suffix: SuffixProposer | None = None):
     """The proposer of ``spec.method`` (None for plain decoding). A draft model that is the
@@ -99,16 +117,26 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
     suffix = suffix or SuffixProposer(cache=spec.suffix_cache)
     if method is Method.SUFFIX:
         return suffix
-    return HybridProposer(suffix, drafter)
+    # relative costs from the profiles when K='auto' measured them, else the defaults
+    times = getattr(target, "_verify_profile", None)
+    draft_t1 = getattr(draft, "_verify_profile", None)
+    return HybridProposer(suffix, drafter,
+                          verify_cost=[t / times[0] for t in times] if times else None,
+                          draft_cost=draft_t1[0] / times[0] if times and draft_t1 else 0.12)
 
 
-def build_schedule(spec: SpeculativeConfig, target: LoadedModel):
-    """The K schedule of ``spec``: fixed K, transformers' heuristic, or auto (which profiles
-    the target's forward times once, see :func:`specdecode.schedule.verify_profile`)."""
+def build_schedule(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None = None):
+    """The K schedule of ``spec``: fixed K, transformers' heuristic, or auto, which profiles
+    the target's forward times T(1..max_k+1) and, for methods with a draft model, the draft's
+    T(1) once (see :func:`specdecode.schedule.verify_profile`). Call it before
+    :func:`build_proposer`, which then uses the same profiles for the hybrid's costs."""
     if spec.schedule is KSchedule.HEURISTIC:
         return HeuristicK(spec.num_speculative_tokens, spec.max_speculative_tokens)
     if spec.schedule is KSchedule.AUTO:
-        return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens)
+        draft_s = (verify_profile(draft, 0)[0]
+                   if spec.method.needs_draft_model and draft is not None else 0.0)
+        return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens,
+                     draft_seconds_per_token=draft_s)
     return FixedK(spec.num_speculative_tokens)
 
 
@@ -221,19 +249,11 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         method = Method.PROMPT_LOOKUP
         k = one_of(k, "num_speculative_tokens", prompt_lookup_num_tokens, "prompt_lookup_num_tokens")
     draft = one_of(draft, "draft", assistant_model, "assistant_model")
-    method = Method.parse(method) if method is not None else (Method.DRAFT if draft is not None else Method.AR)
-    schedule = KSchedule.FIXED
-    if isinstance(k, str):
-        if k not in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
-            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64, "
-                             "'heuristic' or 'auto'")
-        schedule, k = KSchedule(k), None
-    spec = SpeculativeConfig(
-        method, k, schedule, max_speculative_tokens,
+    spec = speculative_config(
+        method, draft is not None, k, max_speculative_tokens,
         one_of(draft_p_min, "draft_p_min", assistant_confidence_threshold,
                "assistant_confidence_threshold"),
-        max_ngram=3 if max_matching_ngram_size is None else max_matching_ngram_size,
-        suffix_cache=suffix_cache)
+        max_matching_ngram_size, suffix_cache)
     gen, tgt, params, prompt_ids = _start(
         target, prompt, input_ids, draft, spec, chat,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
@@ -285,9 +305,9 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype)
     drf = _as_model(draft, dtype) if spec.method.needs_draft_model else None
-    proposer = build_proposer(spec, tgt, drf, _session_suffix(tgt, spec))
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
-    schedule = build_schedule(spec, tgt) if proposer is not None else None
+    schedule = build_schedule(spec, tgt, drf) if spec.method is not Method.AR else None
+    proposer = build_proposer(spec, tgt, drf, _session_suffix(tgt, spec))
     engine = Engine(tgt.lm, proposer, schedule, debug=debug)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
     gen = engine.generate(prompt_ids, params, tgt.eos_token_ids, decode)

@@ -185,7 +185,8 @@ def _ours(models: BenchModels, spec: SpeculativeConfig | None, draft_dtype: str 
         engine = Engine(target.lm)
     else:
         draft = models.draft(draft_dtype) if spec.method.needs_draft_model else None
-        engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target))
+        schedule = build_schedule(spec, target, draft)
+        engine = Engine(target.lm, build_proposer(spec, target, draft), schedule)
 
     def run(prompt_ids, max_new_tokens):
         t0 = time.perf_counter()
@@ -232,22 +233,23 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
     if k in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
         schedule, k = KSchedule(k), None
     elif k is not None:
-        opts["k"] = k
-        k = _int(opts, "k", 0)
+        k = _int({"k": k}, "k", 0)
     kwargs = {}
     if "max_k" in opts:
         kwargs["max_speculative_tokens"] = _int(opts, "max_k", 16)
     if "p_min" in opts:
+        value = opts.pop("p_min")
         try:
-            kwargs["draft_p_min"] = float(opts.pop("p_min"))
+            kwargs["draft_p_min"] = float(value)
         except ValueError:
-            raise ValueError("option p_min must be a number in [0, 1)") from None
+            raise ValueError(f"option p_min={value!r} is invalid; allowed: a number in [0, 1)") from None
     if "ngram" in opts:
-        lo, _, hi = opts.pop("ngram").partition("-")
+        value = opts.pop("ngram")
+        lo, _, hi = value.partition("-")
         try:
             kwargs["min_ngram"], kwargs["max_ngram"] = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError("option ngram must look like MIN-MAX, e.g. ngram=1-3") from None
+            raise ValueError(f"option ngram={value!r} is invalid; allowed: MIN-MAX, e.g. ngram=1-3") from None
     if "cache" in opts:
         kwargs["suffix_cache"] = opts.pop("cache")
     return SpeculativeConfig(Method(name), k, schedule, **kwargs)

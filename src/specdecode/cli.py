@@ -36,6 +36,16 @@ def _k(value: str) -> int | str:
     return k
 
 
+def _max_k(value: str) -> int:
+    try:
+        k = int(value)
+    except ValueError:
+        k = None
+    if k is None or not 1 <= k <= 64:
+        raise argparse.ArgumentTypeError(f"--max-k must be an integer 1..64, got {value!r}")
+    return k
+
+
 def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text (speculative decoding)", description=GENERATE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +55,7 @@ def _add_generate_parser(sub) -> None:
                    help=f"target model: a name from `specdecode models list`, a model directory, a "
                         f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT,
-                   help=f"draft model for --method draft, same forms as --target "
+                   help=f"draft model for --method draft or hybrid, same forms as --target "
                         f"(default: {registry.DEFAULT_DRAFT})")
     p.add_argument("--method", default=Method.DRAFT.value, choices=[m.value for m in Method],
                    help="proposer: 'draft' (a draft model), 'prompt-lookup' (copy what followed the "
@@ -57,12 +67,12 @@ def _add_generate_parser(sub) -> None:
                         "a draft model, 8 for lookups); 'heuristic': +2 after a fully accepted round, "
                         "-1 otherwise (transformers); 'auto': K chosen each round from this machine's "
                         "measured forward times and the acceptance so far")
-    p.add_argument("--max-k", type=_k, default=16,
-                   help="largest K for --k heuristic/auto (default 16)")
+    p.add_argument("--max-k", type=_max_k, default=None,
+                   help="largest K for --k heuristic/auto, 1..64 (default 16)")
     p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
                    help="stop drafting where the draft model's top probability is below P "
                         "(llama.cpp --draft-p-min; default: off)")
-    p.add_argument("--max-ngram", type=int, default=3,
+    p.add_argument("--max-ngram", type=int, default=None,
                    help="prompt lookup: longest n-gram matched (default 3)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -121,8 +131,7 @@ def _print_stats(label: str, stats: dict, finish: str, out) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .api import IncompatibleDraftError, _sampling_params, load_pair, stream
-    from .config import SpeculativeConfig
+    from .api import IncompatibleDraftError, _sampling_params, load_pair, speculative_config, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     method = Method(args.method)
@@ -133,13 +142,11 @@ def cmd_generate(args) -> int:
                          temperature=args.temperature, do_sample=None, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                          seed=args.seed, stop=args.stop, eos_token_id=None)
-        spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k,
+        if args.max_k is not None and not isinstance(args.k, str):
+            raise ValueError("--max-k caps K for --k heuristic or --k auto; with a fixed K use --k N")
+        spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k or 16,
                          draft_p_min=args.draft_p_min, max_matching_ngram_size=args.max_ngram)
-        if isinstance(args.max_k, str):
-            raise ValueError(f"--max-k must be an integer 1..64, got {args.max_k!r}")
-        SpeculativeConfig(method, None if isinstance(args.k, str) else args.k,
-                          max_speculative_tokens=args.max_k, draft_p_min=args.draft_p_min,
-                          max_ngram=args.max_ngram)
+        speculative_config(method, True, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
         if not prompt.strip():
             raise ValueError("the prompt is empty")
         t0 = time.perf_counter()

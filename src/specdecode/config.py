@@ -152,3 +152,12 @@ class SpeculativeConfig:
                              "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")
         if self.suffix_cache not in ("request", "session"):
             raise ValueError(f"suffix_cache = {self.suffix_cache!r} is invalid; allowed: 'request', 'session'")
+        # an option the method cannot honour is an error, never silently ignored
+        if self.suffix_cache != "request" and self.method not in (Method.SUFFIX, Method.HYBRID):
+            raise ValueError(f"suffix_cache applies to the suffix and hybrid methods, not {self.method.value!r}")
+        if (self.min_ngram, self.max_ngram) != (1, 3) and self.method is not Method.PROMPT_LOOKUP:
+            raise ValueError(f"n-gram sizes apply to prompt lookup, not {self.method.value!r}")
+        if self.max_speculative_tokens != 16 and self.schedule is KSchedule.FIXED:
+            raise ValueError("max_speculative_tokens caps K for the 'heuristic' and 'auto' schedules; "
+                             f"with a fixed K give num_speculative_tokens instead (got "
+                             f"{self.max_speculative_tokens})")

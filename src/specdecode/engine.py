@@ -35,7 +35,8 @@ class SpecDecodingStats:
     num_verify_passes: target forward passes after prefill (each emits >= 1 token).
     by_proposer: per proposer that supplied drafts (a hybrid has several):
         {name: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}}.
-    speculation_lengths: K asked of the proposer each round (to see a K schedule at work).
+    speculation_lengths: K of every round of a speculative request (0: the schedule or the
+        room left chose not to speculate), to see a K schedule at work.
     Times in seconds: prefill_s (target + draft prefill), draft_s, verify_s (target forward +
     acceptance rule), total_s (wall time of the whole request).
     """
@@ -207,8 +208,14 @@ class Engine:
         self.target = target
         self.proposer = proposer
         k = num_speculative_tokens
-        self.schedule = (None if proposer is None else
-                         FixedK(k) if isinstance(k, int) and not isinstance(k, bool) else k)
+        if proposer is None:
+            k = None  # plain decoding: nothing to schedule
+        elif isinstance(k, int) and not isinstance(k, bool):
+            k = FixedK(k)
+        elif not all(callable(getattr(k, m, None)) for m in ("reset", "next_k", "update")):
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64 "
+                             "or a K schedule (specdecode.schedule: FixedK, HeuristicK, AutoK)")
+        self.schedule = k
         self.debug = debug
 
     def generate(self, input_ids: list[int], params: SamplingParams,
@@ -281,6 +288,8 @@ class Engine:
         if len(prompt) > 1:
             target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
         schedule = self.schedule
+        # a seeded sampled request must not let the clock choose K (its draws depend on K)
+        clocked = params.greedy or params.seed is None
         if proposer is not None:
             proposer.reset(state, limit)
             schedule.reset()
@@ -289,13 +298,16 @@ class Engine:
             while True:
                 n = len(state.tokens)
                 k = min(schedule.next_k(), limit - n - 1) if proposer is not None else 0
-                if k > 0:
+                if proposer is not None:
                     stats.speculation_lengths.append(k)
                 t1 = time.perf_counter()
                 draft = proposer.propose(state, k) if k > 0 else None
                 drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
                 t2 = time.perf_counter()
                 k = drafts.shape[1]
+                if k and (int(drafts.min()) < 0 or int(drafts.max()) >= target.vocab_size):
+                    raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
+                                     f"[0, {target.vocab_size}): {drafts[0].tolist()}")
                 logits = target.forward(torch.cat([torch.tensor([[state.tokens[-1]]]), drafts], 1))
                 context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
                 probs = to_probs(process_logits(logits, params, context, drafts, state.num_generated,
@@ -308,7 +320,10 @@ class Engine:
                 stats.draft_s += t2 - t1
                 stats.verify_s += t3 - t2
                 if proposer is not None:
-                    schedule.update(k, accepted, t2 - t1, t3 - t2)
+                    if clocked:
+                        schedule.update(k, accepted, t2 - t1, t3 - t2)
+                    else:
+                        schedule.update(k, accepted, None, None)
 
                 emitted = []
                 for tok in block:

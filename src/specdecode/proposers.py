@@ -6,7 +6,6 @@ each round, ``on_accept`` after verification. "No draft this round" is an empty 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,6 +106,8 @@ class DraftModelProposer:
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         n = len(state.tokens)
+        if self._limit - n + 1 <= 0:
+            self.enabled = False  # the draft's context is full
         k = min(k, self._limit - n + 1)
         if not self.enabled or k <= 0:
             return DraftOutput.empty()
@@ -216,26 +217,34 @@ class ContinuationCounts:
     tree of bounded depth holds (SuffixDecoding, arXiv:2411.04975; llama.cpp's n-gram cache).
 
     ``add(tokens, start)`` counts the continuations at positions start..len-1 (contexts may
-    reach back before ``start``); ``longest(seq)`` returns the longest suffix of ``seq`` seen
-    as a context and its continuation counts.
+    reach back before ``start``); ``longest(seq)`` returns the length of the longest suffix of
+    ``seq`` seen as a context and its entry [total, most frequent token, its count, counts],
+    kept up to date on every add so that a lookup never scans the counts.
     """
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.table: dict[tuple[int, ...], dict[int, int]] = {}
+        self.table: dict[tuple[int, ...], list] = {}
 
     def add(self, tokens: list[int], start: int = 0) -> None:
         for p in range(max(start, 1), len(tokens)):
             nxt = tokens[p]
             for m in range(1, min(self.depth, p) + 1):
-                counts = self.table.setdefault(tuple(tokens[p - m:p]), {})
-                counts[nxt] = counts.get(nxt, 0) + 1
+                entry = self.table.get(key := tuple(tokens[p - m:p]))
+                if entry is None:
+                    self.table[key] = [1, nxt, 1, {nxt: 1}]
+                    continue
+                counts = entry[3]
+                c = counts[nxt] = counts.get(nxt, 0) + 1
+                entry[0] += 1
+                if c > entry[2]:
+                    entry[1], entry[2] = nxt, c
 
-    def longest(self, seq: list[int]) -> tuple[int, dict[int, int] | None]:
+    def longest(self, seq: list[int]) -> tuple[int, list | None]:
         for m in range(min(self.depth, len(seq)), 0, -1):
-            counts = self.table.get(tuple(seq[-m:]))
-            if counts:
-                return m, counts
+            entry = self.table.get(tuple(seq[-m:]))
+            if entry is not None:
+                return m, entry
         return 0, None
 
 
@@ -259,8 +268,11 @@ class SuffixProposer:
     the prior frequency·m/(m+1) (a one-token match is a weak hint, a long one nearly a copy).
     The speculation length follows from the confidence: drafting stops when the product of
     confidences falls below ``min_confidence``, or at k tokens. Counts are updated
-    incrementally as tokens are committed; the calibration lives as long as the proposer.
-    Proposals are point masses (probs None). Raises ValueError for depth outside 1..64,
+    incrementally as tokens are committed. The calibration starts afresh with each request
+    (so a seeded sampled request gives the same output every time), except with
+    ``cache="session"``, where it is kept with the session's counts: proposals then depend on
+    earlier requests, and a seed reproduces a sampled output only after the same earlier
+    requests. Proposals are point masses (probs None). Raises ValueError for depth outside 1..64,
     min_confidence outside [0, 1) or an unknown cache.
     """
 
@@ -283,10 +295,13 @@ class SuffixProposer:
         self._pending: tuple[int, list[int], list[tuple[int, int]]] | None = None
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
-        if self.cache == "session" and self._previous is not None:
-            tokens, prompt_len = self._previous
-            self.session.add(tokens[prompt_len:])
-        self._previous = (state.tokens, len(state.tokens))
+        if self.cache == "session":
+            if self._previous is not None:
+                tokens, prompt_len = self._previous
+                self.session.add(tokens[prompt_len:])
+            self._previous = (state.tokens, len(state.tokens))
+        else:
+            self.calibration = {}
         self._request = ContinuationCounts(self.depth)
         self._counted = 0
         self._pending = None
@@ -314,14 +329,13 @@ class SuffixProposer:
         for _ in range(k):
             best = None
             for table in tables:
-                m, counts = table.longest(seq)
-                if counts and (best is None or m > best[0]):
-                    best = (m, counts)
+                m, entry = table.longest(seq)
+                if entry is not None and (best is None or m > best[0]):
+                    best = (m, entry)
             if best is None:
                 break
-            m, counts = best
-            tok, n = max(counts.items(), key=lambda kv: kv[1])
-            p, cell = self._probability(m, n / sum(counts.values()))
+            m, (total, tok, n, _) = best
+            p, cell = self._probability(m, n / total)
             c *= p
             if c < self.min_confidence:
                 break
@@ -353,32 +367,44 @@ class SuffixProposer:
             self._pending = None
         self._update(state.tokens)
 
+    def forget_proposal(self) -> None:
+        """Do not learn from the last proposal (it was not used)."""
+        self._pending = None
+
 
 class HybridProposer:
-    """Suffix matching when its proposal promises more tokens per second than the draft
+    """Suffix matching when its proposal promises more tokens per unit of time than the draft
     model, the draft model otherwise.
 
     Each round the lookup proposes first (free); with c_i its calibrated confidences it
-    promises E_lookup = 1 + Σ c_i tokens for a verify pass of L+1 tokens. The draft model's
-    promise is what its rounds delivered so far (an average of tokens committed per draft
-    round, E_draft) for a verify pass of K+1 tokens plus its drafting time, measured as a
-    ratio r to the verify time (timed between ``propose`` and ``on_accept``). With verify
-    cost T(n) ∝ 1 + ``verify_slope``·(n−1) (0.08 fits this project's CPUs, BENCHMARKS.md),
-    the lookup is used when E_lookup/T(L+1) >= E_draft/(T(K+1)·(1+r)).
-    ``DraftOutput.source`` tells the engine's stats which proposer supplied each round; the
-    draft's cache catches up on the committed tokens it skipped the next time it drafts.
-    Raises ValueError for a negative verify_slope.
+    promises E_lookup = 1 + Σ c_i tokens for a verify pass of L+1 tokens, T(L+1). The draft
+    model promises what its rounds of this request delivered so far (an average of tokens
+    committed per draft round, E_draft; 1 + K/2 before its first round) for K·c_draft +
+    T(K+1). The lookup is used when E_lookup/T(L+1) >= E_draft/(K·c_draft + T(K+1)).
+    Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (from the target's profile;
+    default 1 + 0.08·(n−1), this project's CPU, BENCHMARKS.md) and ``draft_cost`` = one draft
+    step / T(1) (default 0.12: the int8 0.5B draft vs the fp32 1.5B target here). Every choice
+    depends only on the request's tokens, never on the clock, so a seeded sampled request is
+    reproducible. ``DraftOutput.source`` tells the engine's stats which proposer supplied each
+    round; the draft's cache catches up on the tokens it skipped the next time it drafts.
+    Raises ValueError for a verify_cost that is not positive or a negative draft_cost.
     """
 
     name = "hybrid"
 
-    def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer, verify_slope: float = 0.08):
-        if not (isinstance(verify_slope, (int, float)) and verify_slope >= 0):
-            raise ValueError(f"hybrid verify_slope={verify_slope!r} is invalid; allowed: a number >= 0")
-        self.lookup, self.drafter, self.verify_slope = lookup, draft, verify_slope
-        self.draft_tokens_per_round: float | None = None  # E_draft, learned
-        self.draft_time_ratio = 0.3  # r, learned
-        self._round: tuple[str, int, float, float] | None = None  # source, start, t_draft, t_verify0
+    def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
+                 verify_cost: list[float] | None = None, draft_cost: float = 0.12):
+        if verify_cost is not None and not (isinstance(verify_cost, (list, tuple)) and verify_cost
+                                            and all(isinstance(c, (int, float)) and c > 0
+                                                    for c in verify_cost)):
+            raise ValueError(f"hybrid verify_cost={verify_cost!r} is invalid; allowed: T(n)/T(1) "
+                             "for n = 1, 2, ..., all > 0")
+        if not (isinstance(draft_cost, (int, float)) and draft_cost >= 0):
+            raise ValueError(f"hybrid draft_cost={draft_cost!r} is invalid; allowed: a number >= 0")
+        self.lookup, self.drafter = lookup, draft
+        self.verify_cost, self.draft_cost = verify_cost, draft_cost
+        self.draft_tokens_per_round: float | None = None  # E_draft, learned per request
+        self._draft_round_start: int | None = None
 
     @property
     def draft(self) -> CausalLM:
@@ -391,36 +417,35 @@ class HybridProposer:
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self.lookup.reset(state, max_total_len)
         self.drafter.reset(state, max_total_len)
-        self._round = None
+        self.draft_tokens_per_round = None
+        self._draft_round_start = None
 
     def _t(self, n: int) -> float:
-        return 1 + self.verify_slope * (n - 1)
+        """T(n)/T(1)."""
+        if self.verify_cost is None:
+            return 1 + 0.08 * (n - 1)
+        c = self.verify_cost
+        return c[n - 1] if n <= len(c) else c[-1] + (c[-1] - c[0]) / max(1, len(c) - 1) * (n - len(c))
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         out, conf = self.lookup.continuation(state.tokens, k)
         e_draft = self.draft_tokens_per_round if self.draft_tokens_per_round is not None else 1 + k / 2
-        use_lookup = out and (1 + sum(conf)) / self._t(len(out) + 1) >= (
-            e_draft / (self._t(k + 1) * (1 + self.draft_time_ratio)))
-        if use_lookup or not self.drafter.enabled:
-            self._round = ("lookup", len(state.tokens), 0.0, time.perf_counter())
+        use_lookup = not self.drafter.enabled or (out and (1 + sum(conf)) / self._t(len(out) + 1) >= (
+            e_draft / (k * self.draft_cost + self._t(k + 1))))
+        if use_lookup:
             return DraftOutput.point_mass(out, self.lookup.name) if out else DraftOutput.empty()
-        t0 = time.perf_counter()
+        self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
         drafted = self.drafter.propose(state, k)
-        t1 = time.perf_counter()
-        self._round = ("draft", len(state.tokens), t1 - t0, t1)
-        return drafted
+        if drafted.token_ids.shape[1]:
+            self._draft_round_start = len(state.tokens)
+            return drafted
+        return DraftOutput.point_mass(out, self.lookup.name) if out else DraftOutput.empty()
 
     def on_accept(self, state: RequestState) -> None:
-        if self._round is not None and self._round[0] == "draft":
-            _, start, t_draft, t_verify0 = self._round
-            emitted = len(state.tokens) - start
-            t_verify = time.perf_counter() - t_verify0
-            if self.draft_tokens_per_round is None:
-                self.draft_tokens_per_round = float(emitted)
-            else:
-                self.draft_tokens_per_round = 0.8 * self.draft_tokens_per_round + 0.2 * emitted
-            if t_verify > 0:
-                self.draft_time_ratio = 0.8 * self.draft_time_ratio + 0.2 * (t_draft / t_verify)
-        self._round = None
+        if self._draft_round_start is not None:
+            emitted = len(state.tokens) - self._draft_round_start
+            e = self.draft_tokens_per_round
+            self.draft_tokens_per_round = float(emitted) if e is None else 0.8 * e + 0.2 * emitted
+            self._draft_round_start = None
         self.lookup.on_accept(state)
         self.drafter.on_accept(state)

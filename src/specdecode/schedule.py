@@ -2,14 +2,17 @@
 
 A schedule has ``reset()`` (start of a request), ``next_k()`` (K for the next round; 0 =
 no speculation this round) and ``update(proposed, accepted, draft_s, verify_s)`` (after each
-verify pass, with the number of draft tokens actually proposed, possibly 0). The engine caps
-K further by the room left in the context; a proposer may propose fewer tokens.
+verify pass, with the number of draft tokens actually proposed, possibly 0; the times are
+None for seeded sampled requests, whose K must not depend on the clock: the random draws of
+a round depend on K, and the same seed must give the same output). The engine caps K further
+by the room left in the context; a proposer may propose fewer tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -20,9 +23,9 @@ import torch
 MAX_K = 64
 
 
-def _check_k(name: str, k, low: int = 1) -> None:
-    if not isinstance(k, int) or isinstance(k, bool) or not low <= k <= MAX_K:
-        raise ValueError(f"{name} = {k!r} is invalid; allowed: an integer {low}..{MAX_K}")
+def _check_k(name: str, k) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise ValueError(f"{name} = {k!r} is invalid; allowed: an integer 1..{MAX_K}")
 
 
 class FixedK:
@@ -40,14 +43,16 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
         pass
 
 
 class HeuristicK:
-    """transformers' ``num_assistant_tokens_schedule="heuristic"``: start at ``start``; +2
-    after a round whose proposed tokens were all accepted, −1 otherwise (never below 1 or
-    above ``max_k``). Rounds without a proposal change nothing. Restarts per request."""
+    """transformers' heuristic schedule for K: start at ``start``; +2 after a round whose
+    proposed tokens were all accepted, −1 otherwise (never below 1 or above ``max_k``).
+    Rounds without a proposal change nothing. Restarts at ``start`` every request, like
+    transformers' ``"heuristic_transient"`` (its ``"heuristic"`` carries K over to the next
+    call). Raises ValueError for start or max_k outside 1..64."""
 
     name = "heuristic"
 
@@ -63,7 +68,7 @@ class HeuristicK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
         if proposed:
             self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
@@ -76,9 +81,11 @@ class AutoK:
     drafts 1..i−1 were, a round of K drafts emits E(K) = 1 + Σ_{i=1..K} Π_{j<=i} α_j tokens
     and costs C(K) = c_draft·K + s·T(K+1), where T(n) is the target's measured forward time
     for n tokens (``forward_seconds``, profiled once per machine: :func:`verify_profile`),
-    c_draft the measured draft cost per proposed token and s the ratio of the verify times
-    observed in this request to the profile (context length, machine load). The chosen K is
-    argmax E(K)/C(K) over 1..max_k.
+    c_draft the draft cost per proposed token (``draft_seconds_per_token``, e.g. the draft
+    model's profiled T(1); 0 for lookups) and s = 1. When the engine passes round times, both
+    follow what this request measures: c_draft the drafting time per proposed token, s the
+    ratio of the observed verify times to the profile (context length, machine load). The
+    chosen K is argmax E(K)/C(K) over 0..max_k.
 
     α_i is estimated online from exponentially decayed counts (``decay`` per round, ≈ the
     last 1/(1−decay) rounds) of how often position i was reached and accepted, shrunk toward
@@ -92,12 +99,24 @@ class AutoK:
 
     name = "auto"
 
-    def __init__(self, forward_seconds: list[float], max_k: int = 16, decay: float = 0.9,
+    def __init__(self, forward_seconds: list[float], max_k: int = 16,
+                 draft_seconds_per_token: float = 0.0, decay: float = 0.9,
                  prior_weight: float = 1.0, first_alpha: float = 0.6, probe_every: int = 8):
         _check_k("max K", max_k)
-        if len(forward_seconds) < 2 or min(forward_seconds) <= 0:
-            raise ValueError("AutoK needs forward times T(1), T(2), ... (positive seconds)")
-        self.times = list(forward_seconds)
+        if len(forward_seconds) < 2 or not all(_positive(t) for t in forward_seconds):
+            raise ValueError(f"AutoK needs forward times T(1), T(2), ... in seconds (at least 2, "
+                             f"all > 0), got {forward_seconds!r}")
+        for name, value, ok in [
+                ("draft_seconds_per_token", draft_seconds_per_token,
+                 _finite(draft_seconds_per_token) and draft_seconds_per_token >= 0),
+                ("decay", decay, _positive(decay) and decay <= 1),
+                ("prior_weight", prior_weight, _positive(prior_weight)),
+                ("first_alpha", first_alpha, _finite(first_alpha) and 0 <= first_alpha <= 1),
+                ("probe_every", probe_every, isinstance(probe_every, int) and probe_every >= 1)]:
+            if not ok:
+                raise ValueError(f"AutoK {name}={value!r} is invalid")
+        self.times = [float(t) for t in forward_seconds]
+        self.draft_seconds_per_token = float(draft_seconds_per_token)
         self.max_k = min(max_k, len(self.times) - 1)
         self.decay, self.prior_weight, self.first_alpha = decay, prior_weight, first_alpha
         self.probe_every = probe_every
@@ -106,7 +125,7 @@ class AutoK:
     def reset(self) -> None:
         self.reached = [0.0] * (self.max_k + 1)  # index i: position i (1-based)
         self.accepted = [0.0] * (self.max_k + 1)
-        self.draft_per_token = 0.0
+        self.draft_per_token = self.draft_seconds_per_token
         self.scale = 1.0
         self._seen_draft = False
         self._idle = 0
@@ -142,7 +161,7 @@ class AutoK:
                 self._idle, k = 0, 1
         return k
 
-    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
         if proposed:
             self._idle = 0
             d = self.decay
@@ -152,14 +171,22 @@ class AutoK:
             self.reached[i] += 1
             if i <= accepted:
                 self.accepted[i] += 1
-        if proposed:
+        if proposed and draft_s is not None:
             per_token = draft_s / proposed
             self.draft_per_token = (per_token if not self._seen_draft
                                     else 0.8 * self.draft_per_token + 0.2 * per_token)
             self._seen_draft = True
         n = min(proposed + 1, len(self.times))
-        if verify_s > 0:
+        if verify_s is not None and verify_s > 0:
             self.scale = 0.8 * self.scale + 0.2 * (verify_s / self.times[n - 1])
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x) -> bool:
+    return _finite(x) and x > 0
 
 
 def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 5,
@@ -188,11 +215,15 @@ PROFILE_CONTEXT = 256
 
 
 def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> list[float]:
-    """The target's forward times T(1..max_k+1) in seconds for :class:`AutoK`, measured once
-    (about 2·(max_k+1) forward passes at 256 tokens of context) and cached on disk per model,
-    dtype, thread count, torch version and CPU, and in memory on the loaded model.
-    ``model``: a :class:`~specdecode.backends.LoadedModel`."""
+    """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
+    max_k = 0, a draft model's T(1)), measured once — 3·(max_k+1) timed passes after
+    prefilling 256 tokens (less for a shorter context) — and cached on disk per model, dtype,
+    thread count, torch version and CPU, and in memory on the loaded model. ``model``: a
+    :class:`~specdecode.backends.LoadedModel`. Measuring uses the model's KV cache, so it
+    raises RuntimeError while the model is generating another request. A cache file that
+    cannot be read or holds anything but positive times is measured again."""
     from . import registry
+    from .engine import _busy_lock
 
     n = max_k + 1
     cached = getattr(model, "_verify_profile", None)
@@ -209,10 +240,18 @@ def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> lis
     times = None
     try:
         times = json.loads(path.read_text())["forward_seconds"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    if not (isinstance(times, list) and len(times) == n):
-        times = measure_forward_times(lm, PROFILE_CONTEXT, n, repeats=2, warmup=1)
+    if not (isinstance(times, list) and len(times) == n and all(_positive(t) for t in times)):
+        lock = _busy_lock(lm)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("this model is generating another request: its forward times for "
+                               "K='auto' can be measured once that request is finished or closed")
+        try:
+            context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
+            times = measure_forward_times(lm, context, n, repeats=2, warmup=1)
+        finally:
+            lock.release()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
