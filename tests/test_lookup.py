@@ -428,3 +428,209 @@ def test_schedules_validate():
             FixedK(bad)
     with pytest.raises(ValueError, match="forward times"):
         AutoK([0.1], 4)
+
+
+# ----------------------------------------------------------------------------------------
+# review gaps: §2 for the hybrid, §3 stops and limits, §4 penalty, §5 seeds and the hybrid,
+# §6/§7 a draft that runs out, §10 K per round, error paths
+# ----------------------------------------------------------------------------------------
+
+def test_hybrid_with_the_target_as_draft_accepts_every_draft_round():
+    """The draft's cache catches up after lookup rounds: if it fell out of step, draft
+    rounds would start being rejected (greedy equality alone would not notice)."""
+    tgt = target()
+    prompt = PROMPTS["repetitive"]
+    params = SamplingParams(max_new_tokens=520)
+    gen, blocks = run(tgt, HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(tgt.fork())),
+                      4, prompt, params)
+    assert gen.token_ids == list(ref(tuple(prompt), params))
+    by = gen.stats.by_proposer
+    assert by["draft"]["num_drafts"] > 20 and by.get("suffix", {}).get("num_drafts", 0) > 0
+    assert by["draft"]["num_accepted_tokens"] == by["draft"]["num_draft_tokens"]
+
+
+def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up():
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=60)
+    drafter = DraftModelProposer(MockLM(50, copying_logits(50), max_context=30))
+    gen, _ = run(tgt, drafter, 4, COPY_PROMPT, params)
+    assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+    assert not drafter.enabled  # turned off once prompt + output passed its 30 positions
+    assert 0 < gen.stats.num_draft_tokens <= 30
+    # a hybrid whose draft is off keeps proposing from the lookup
+    proposer = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50),
+                                                                                 max_context=30)))
+    gen, _ = run(tgt, proposer, 4, COPY_PROMPT, params)
+    assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+    assert gen.stats.by_proposer["suffix"]["num_accepted_tokens"] > 30
+
+
+@pytest.mark.parametrize("n", range(20, 3 * 8 + 2))
+def test_max_new_tokens_up_to_3k_plus_1(n):
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=n)
+    for kind in ("lookup-recent", "suffix"):
+        gen, _ = run(tgt, lookup(kind), 8, COPY_PROMPT, params)
+        assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+        assert len(gen.token_ids) == n and gen.finish_reason == "length"
+
+
+def _letters(ids):
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("start,length", [(13, 4), (16, 3), (3, 2), (2, 1)])
+def test_stop_string_inside_a_copied_block(start, length):
+    """The copying target writes the prompt's period again; a stop string taken from that
+    text falls in the middle of an accepted lookup block, or spans two blocks."""
+    tgt = MockLM(50, copying_logits(50))
+    text = _letters(Engine(tgt).generate(COPY_PROMPT, SamplingParams(max_new_tokens=60)).run().token_ids)
+    stop = text[start:start + length]
+    params = SamplingParams(max_new_tokens=60, stop=(stop,))
+    plain = Engine(tgt).generate(COPY_PROMPT, params, (), _letters).run()
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 60
+    for kind in ("lookup-recent", "suffix"):
+        gen, blocks = run(tgt, lookup(kind), 8, COPY_PROMPT, params, decode=_letters)
+        assert gen.token_ids == plain.token_ids and gen.finish_reason == "stop"
+        assert max(len(b) for b in blocks) > 1  # blocks of several tokens were accepted
+
+
+def test_several_eos_ids_and_min_new_tokens_with_lookups():
+    tgt = MockLM(50, copying_logits(50))
+    plain = Engine(tgt).generate(EOS_PROMPT, SamplingParams(max_new_tokens=64)).run().token_ids
+    assert plain.index(2) < 10 and plain.index(40) < plain.index(41)
+    for params, eos in [(SamplingParams(max_new_tokens=64), (41, 40)),
+                        (SamplingParams(max_new_tokens=64, min_new_tokens=10), (2,))]:
+        expected = Engine(tgt).generate(EOS_PROMPT, params, eos).run()
+        for kind in ("lookup-recent", "suffix"):
+            gen, _ = run(tgt, lookup(kind), 8, EOS_PROMPT, params, eos=eos)
+            assert gen.token_ids == expected.token_ids and gen.finish_reason == expected.finish_reason
+    # the first of the two EOS ids ends it; min_new_tokens masks the EOS the copy would emit
+    # at token 1, so the lookup's proposals (which contain it) must be rejected there
+    assert len(Engine(tgt).generate(EOS_PROMPT, SamplingParams(max_new_tokens=64), (41, 40)).run()
+               .token_ids) == plain.index(40) + 1
+    masked = Engine(tgt).generate(EOS_PROMPT, SamplingParams(max_new_tokens=64, min_new_tokens=10), (2,)).run()
+    assert 2 not in masked.token_ids[:10]
+
+
+@pytest.mark.parametrize("kind", ["lookup-recent", "suffix", "hybrid"])
+def test_greedy_repetition_penalty_with_lookups(kind):
+    prompt = PROMPTS["repetitive"]
+    params = SamplingParams(max_new_tokens=100, repetition_penalty=1.4)
+    expected = Engine(target()).generate(prompt, params).run().token_ids
+    assert expected != list(ref(tuple(prompt), SamplingParams(max_new_tokens=100)))  # it matters
+    gen, _ = run(target(), lookup(kind), 5, prompt, params)
+    assert gen.token_ids == expected
+
+
+def _sampled_runs(make_engine, seeds, fresh: bool):
+    engine = make_engine()
+    out = []
+    for seed in seeds:
+        e = make_engine() if fresh else engine
+        out.append(e.generate(PROMPTS["repetitive"], SamplingParams(
+            max_new_tokens=60, temperature=0.9, seed=seed)).run().token_ids)
+    return out
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Engine(target(), HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy_draft())), 4),
+    lambda: Engine(target(), PromptLookupProposer(), AutoK(_linear_times(17), 16)),
+    lambda: Engine(target(), DraftModelProposer(noisy_draft()), AutoK(_linear_times(17), 16, 0.01)),
+    lambda: Engine(target(), SuffixProposer(8, 0.05), HeuristicK(4)),
+], ids=["hybrid", "lookup-auto", "draft-auto", "suffix-heuristic"])
+def test_same_seed_same_output_with_adaptive_choices(make):
+    """K and the hybrid's choice change which random draws a round makes: with a seed they
+    must not depend on the clock or on earlier requests."""
+    a = _sampled_runs(make, [1, 2, 1], fresh=False)
+    b = _sampled_runs(make, [1, 2, 1], fresh=True)
+    assert a[0] == a[2] == b[0] == b[2] and a[1] == b[1] and a[0] != a[1]
+
+
+def test_hybrid_sampled_output_follows_target():
+    """Rounds from the lookup (point masses) and from a draft model (its distribution) mixed
+    in one request: the joint of the first two tokens is the target's."""
+    from test_sampling import _mock_draft
+
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5)
+    engine = Engine(_mock_target(), HybridProposer(SuffixProposer(8, 0.0), DraftModelProposer(_mock_draft()),
+                                                   draft_cost=0.0), 3, debug=True)
+    counts = torch.zeros(EV * EV, dtype=torch.long)
+    sources = set()
+    for seed in range(N_RUNS):
+        gen = engine.generate(L_PROMPT, dataclasses.replace(params, seed=seed)).run()
+        a, b = gen.token_ids[:2]
+        counts[a * EV + b] += 1
+        sources |= set(gen.stats.by_proposer)
+    assert sources == {"suffix", "draft"}
+    assert_lossless(counts.reshape(EV, EV), engine_joint(params, L_PROMPT))
+
+
+def test_speculation_lengths_count_rounds_without_speculation():
+    """A proposer that is always wrong: auto K falls to 0 (no speculation) in most rounds, and
+    those rounds count in the mean K."""
+    from helpers import ScriptedProposer
+
+    prompt = PROMPTS["twenty"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    gen, blocks = run(target(), ScriptedProposer(len(prompt), expected, V, right=0),
+                      AutoK(_linear_times(17, 0.2, 0.05), 16), prompt, GREEDY128)
+    assert gen.token_ids == expected
+    lengths = gen.stats.speculation_lengths
+    assert len(lengths) == len(blocks) and lengths.count(0) > len(lengths) // 2
+    assert gen.stats.to_dict()["mean_speculation_length"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-3)
+
+
+class _BadIds:
+    def reset(self, state, max_total_len):
+        pass
+
+    def propose(self, state, k):
+        from specdecode.proposers import DraftOutput
+        return DraftOutput.point_mass([1, V + 5][:k], "bad")
+
+    def on_accept(self, state):
+        pass
+
+
+def test_engine_rejects_bad_schedules_and_out_of_vocabulary_proposals():
+    for bad in ("auto", 4.0, None):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            Engine(target(), PromptLookupProposer(), bad)
+    Engine(target(), None, None)  # plain decoding needs no K
+    with pytest.raises(ValueError, match=f"outside the target's vocabulary \\[0, {V}\\)"):
+        Engine(target(), _BadIds(), 4).generate([1, 2, 3], GREEDY128).run()
+
+
+def test_verify_profile_busy_model_and_bad_cache_files(tmp_path):
+    from specdecode.backends import LoadedModel
+    from specdecode.schedule import verify_profile
+
+    model = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
+    busy = Engine(model.lm).generate([1, 2, 3], SamplingParams(max_new_tokens=5))
+    next(iter(busy))  # paused mid-request: its KV cache is in use
+    with pytest.raises(RuntimeError, match="generating another request"):
+        verify_profile(model, 4, cache_dir=tmp_path)
+    busy.close()
+    before = len(model.lm.forward_sizes)
+    times = verify_profile(model, 4, cache_dir=tmp_path)
+    assert len(times) == 5 and model.lm.forward_sizes[before] == 64 - 5  # context fits the model
+    (path,) = tmp_path.glob("*.json")
+    for junk in ("[]", "null", '{"forward_seconds": [0, 0, 0, 0, 0]}', "{not json"):
+        path.write_text(junk)
+        fresh = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
+        again = verify_profile(fresh, 4, cache_dir=tmp_path)
+        assert len(again) == 5 and all(t > 0 for t in again) and fresh.lm.forward_sizes  # measured
+
+
+def test_inapplicable_options_raise():
+    from specdecode.config import KSchedule, SpeculativeConfig
+
+    with pytest.raises(ValueError, match="suffix_cache applies"):
+        SpeculativeConfig("draft", suffix_cache="session")
+    with pytest.raises(ValueError, match="n-gram sizes apply to prompt lookup"):
+        SpeculativeConfig("suffix", max_ngram=4)
+    with pytest.raises(ValueError, match="max_speculative_tokens caps K"):
+        SpeculativeConfig("draft", 4, KSchedule.FIXED, 8)
+    with pytest.raises(ValueError, match="draft_p_min applies to a draft model"):
+        SpeculativeConfig("suffix", draft_p_min=0.5)
