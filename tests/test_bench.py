@@ -255,6 +255,8 @@ def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys,
     assert "--resume" in capsys.readouterr().err
     assert cli.main(args + ["--resume"]) == 0
     assert "resuming: 14 generations" in capsys.readouterr().err
+    assert cli.main(args + ["--resume", "--max-new-tokens", "7"]) == 2
+    assert "max_new_tokens was '6', now '7'" in capsys.readouterr().err
     resumed = json.loads((out / "results.json").read_text())
     assert [r["seconds"] for r in resumed["records"]] == [
         r["seconds"] for r in results["records"] if r["method"] in ("ar", "hf-ar")]

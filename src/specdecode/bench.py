@@ -369,6 +369,25 @@ def _prompt_ids(tokenizer, task: Task, turn: int, answers: list[str]) -> list[in
 
 
 RECORDS_LOG = "records.jsonl"
+RUN_SETTINGS = ("target", "draft", "dtype", "max_new_tokens", "seed", "dataset")
+
+
+def _check_run_settings(args) -> None:
+    """--out DIR keeps the settings that make records comparable in DIR/run.json; --resume
+    with other settings is refused (its records would not be comparable)."""
+    path = Path(args.out) / "run.json"
+    mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
+    if args.resume and path.exists():
+        try:
+            theirs = json.loads(path.read_text())
+        except ValueError:
+            theirs = {}
+        diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
+        if diff:
+            raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "
+                             "resume with the same ones, or choose another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(mine, indent=1))
 
 
 def read_records(path: Path) -> list[Record]:
@@ -625,6 +644,8 @@ def cmd_bench(args) -> int:
                              "to continue it, or choose another --out")
         if args.resume and not args.out:
             raise ValueError("--resume needs --out DIR (the directory of the run to continue)")
+        if args.out:
+            _check_run_settings(args)
         models = BenchModels(args.target, args.draft, args.dtype)
         runners = build_runners(models, methods)
     except (ValueError, FileNotFoundError, registry.ModelFetchError) as e:
