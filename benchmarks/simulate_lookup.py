@@ -66,7 +66,8 @@ def main(paths: list[str]) -> None:
     if times is None:
         raise SystemExit("give at least one results.json (for T(n))")
     tasks = {(t.subtask, t.prompt_id): t for t in
-             bench.load_spec_bench(bench.SPEC_BENCH_PATH) + bench.load_humaneval()}
+             bench.load_spec_bench(bench.SPEC_BENCH_PATH) + bench.load_humaneval()
+             + bench.load_code_edit()}
     ar = [r for r in records if r["method"] == "ar"]
     answers = {}
     cases = []
@@ -78,6 +79,11 @@ def main(paths: list[str]) -> None:
         cases.append((r["subtask"], prompt, r["token_ids"]))
     settings = {
         "lookup recent n=1..3 k=8": lambda: (PromptLookupProposer(3, 1, "recent"), 8),
+        "lookup recent n=2..4 k=8": lambda: (PromptLookupProposer(4, 2, "recent"), 8),
+        "lookup recent n=2..3 k=12": lambda: (PromptLookupProposer(3, 2, "recent"), 12),
+        "lookup recent n=2..3 k=16": lambda: (PromptLookupProposer(3, 2, "recent"), 16),
+        "lookup recent n=2..3 auto": lambda: (PromptLookupProposer(3, 2), AutoK(times)),
+        "lookup recent n=2..3 heuristic": lambda: (PromptLookupProposer(3, 2), HeuristicK(8)),
         "lookup first n=1..3 k=8": lambda: (PromptLookupProposer(3, 1, "first"), 8),
         "lookup recent n=2..3 k=8": lambda: (PromptLookupProposer(3, 2, "recent"), 8),
         "lookup recent n=1..5 k=8": lambda: (PromptLookupProposer(5, 1, "recent"), 8),

@@ -161,7 +161,7 @@ def test_speculative_method_options():
                         ({"p_min": "x"}, "p_min='x'"), ({"cache": "disk"}, "disk")]:
         with pytest.raises(ValueError, match=words):
             bench.speculative_config("suffix" if "cache" in opts else "draft", dict(opts))
-    assert bench._k_of("prompt-lookup") == 8 and bench._k_of("draft:k=3") == 3
+    assert bench._k_of("prompt-lookup") == 16 and bench._k_of("draft:k=3") == 3
     assert bench._k_of("draft:k=heuristic") is None and bench._k_of("hf-pld") is None
     assert bench._k_of("ar") is None
 

@@ -222,7 +222,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     method: "draft" (default when a draft is given, else "ar": plain decoding),
     "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft).
     num_speculative_tokens (alias ``num_assistant_tokens``): K, an integer (default 6 for
-    draft models, 8 for lookups), "heuristic" (transformers' schedule: +2 after a fully
+    draft models, 16 for lookups), "heuristic" (transformers' schedule: +2 after a fully
     accepted round, −1 otherwise) or "auto" (K chosen each round from measured costs and
     acceptance); ``max_speculative_tokens`` caps the last two.
     draft_p_min (alias ``assistant_confidence_threshold``): stop drafting where the draft's

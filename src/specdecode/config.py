@@ -104,7 +104,7 @@ class KSchedule(str, Enum):
 
 
 # K when none is given: a draft model pays per drafted token, lookups almost nothing
-DEFAULT_K = {Method.DRAFT: 6, Method.HYBRID: 6, Method.PROMPT_LOOKUP: 8, Method.SUFFIX: 8}
+DEFAULT_K = {Method.DRAFT: 6, Method.HYBRID: 6, Method.PROMPT_LOOKUP: 16, Method.SUFFIX: 16}
 
 
 @dataclass(frozen=True)

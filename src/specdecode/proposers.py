@@ -155,8 +155,12 @@ class PromptLookupProposer:
     rescan of the context). ``match="recent"`` keeps the latest occurrence of an n-gram,
     ``"first"`` the earliest (transformers' choice); recent is the default because the text
     being copied is usually the one just quoted or just written (BENCHMARKS.md measures both).
-    A continuation that runs into the end of the text keeps copying its own proposed tokens
-    (an overlapping copy), so a repeating pattern is proposed for all k tokens.
+    The proposal is as long as the match, at most k: the matched n-gram is extended backward
+    (up to 64 tokens) to measure how long the text has been following the earlier passage —
+    a one-token match proposes one token, a copy in progress up to k (SuffixDecoding's
+    speculation length α·match length with α = 1, arXiv:2411.04975; BENCHMARKS.md measures
+    it). A continuation that runs into the end of the text keeps copying its own proposed
+    tokens (an overlapping copy), so a repeating pattern is proposed for all k tokens.
     Proposals are point masses (probs None): lossless for greedy and sampling alike.
     Raises ValueError for n-gram sizes outside 1 <= min_ngram <= max_ngram <= 32 or an
     unknown ``match``.
@@ -192,16 +196,22 @@ class PromptLookupProposer:
                     self._index.setdefault(key, p + 1)
         self._indexed = max(self._indexed, len(tokens) - 1)
 
+    MAX_MATCH = 64
+
     def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
-        """(up to k proposed tokens, length of the matched n-gram; 0 = no match)."""
+        """(up to k proposed tokens, match length; 0 = no match)."""
         self._update(tokens)
-        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
+        end = len(tokens)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             pos = self._index.get(tuple(tokens[-n:]))
             if pos is not None:
+                m = n  # tokens[pos-m:pos] == tokens[end-m:end]; extend it backward
+                while m < min(k, self.MAX_MATCH) and pos - m > 0 and tokens[pos - m - 1] == tokens[end - m - 1]:
+                    m += 1
                 out: list[int] = []
-                for j in range(pos, pos + k):
-                    out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
-                return out, n
+                for j in range(pos, pos + min(k, m)):
+                    out.append(tokens[j] if j < end else out[j - end])
+                return out, m
         return [], 0
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
