@@ -133,6 +133,8 @@ def test_forward_times_and_ceiling():
     # a perfect, free proposer: (K+1) tokens for the price of T(K+1)
     assert bench.ceiling([0.1, 0.12, 0.15, 0.2], 3) == pytest.approx(4 * 0.1 / 0.2)
     assert bench.ceiling([0.1, 0.1, 0.1], 2) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match=r"needs T\(4\)"):
+        bench.ceiling([0.1, 0.1, 0.1], 3)
 
 
 def test_parse_methods():
@@ -156,7 +158,7 @@ def test_speculative_method_options():
     c = bench.speculative_config("draft", {"k": "5", "p_min": "0.4"})
     assert (c.num_speculative_tokens, c.schedule, c.draft_p_min) == (5, KSchedule.FIXED, 0.4)
     assert bench.speculative_config("suffix", {"cache": "session"}).suffix_cache == "session"
-    assert bench.speculative_config("hybrid", {}).num_speculative_tokens == 6
+    assert bench.speculative_config("hybrid", {}).num_speculative_tokens == 16
     for opts, words in [({"k": "lots"}, "k='lots'"), ({"ngram": "a-b"}, "ngram='a-b'.*MIN-MAX"),
                         ({"p_min": "x"}, "p_min='x'"), ({"cache": "disk"}, "disk")]:
         with pytest.raises(ValueError, match=words):
@@ -243,7 +245,7 @@ def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys,
         "draft:k=3:dtype=float32", "hf-assisted:k=3", "prompt-lookup:k=auto", "hybrid",
         "suffix:cache=session"}
     assert last["ceiling"]["prompt-lookup:k=auto"] is None and last["ceiling"]["hybrid"] > 0
-    assert len(results["limit"]["forward_seconds"]) == 16
+    assert len(results["limit"]["forward_seconds"]) == 17  # T(17) for the hybrid's K = 16
     assert (out / "speedup.png").stat().st_size > 1000
     assert "## Overall" in (out / "report.md").read_text()
     assert len(bench.read_records(out / "records.jsonl")) == 14

@@ -325,7 +325,8 @@ def test_hybrid_uses_both_and_reports_each():
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(verify_cost=-1), "verify_cost=-1"), (dict(verify_cost=[1.0, 0.0]), "verify_cost=[1.0, 0.0]"),
-    (dict(verify_cost=[]), "verify_cost=[]"), (dict(draft_cost=-0.5), "draft_cost=-0.5")])
+    (dict(verify_cost=[]), "verify_cost=[]"), (dict(draft_cost=-0.5), "draft_cost=-0.5"),
+    (dict(draft_k=0), "draft_k=0")])
 def test_hybrid_rejects_bad_costs(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), **kwargs)
@@ -437,6 +438,15 @@ def test_schedules_validate():
 # review gaps: §2 for the hybrid, §3 stops and limits, §4 penalty, §5 seeds and the hybrid,
 # §6/§7 a draft that runs out, §10 K per round, error paths
 # ----------------------------------------------------------------------------------------
+
+def test_hybrid_draft_model_drafts_at_most_draft_k():
+    prompt = PROMPTS["twenty"]
+    proposer = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy_draft()), draft_k=3)
+    gen, _ = run(target(), proposer, 12, prompt, GREEDY128)
+    assert gen.token_ids == list(ref(tuple(prompt), GREEDY128))
+    by = gen.stats.by_proposer["draft"]
+    assert by["num_drafts"] > 5 and by["num_draft_tokens"] <= 3 * by["num_drafts"]
+
 
 def test_hybrid_with_the_target_as_draft_accepts_every_draft_round():
     """The draft's cache catches up after lookup rounds: if it fell out of step, draft

@@ -122,7 +122,8 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
     draft_t1 = getattr(draft, "_verify_profile", None)
     return HybridProposer(suffix, drafter,
                           verify_cost=[t / times[0] for t in times] if times else None,
-                          draft_cost=draft_t1[0] / times[0] if times and draft_t1 else 0.12)
+                          draft_cost=draft_t1[0] / times[0] if times and draft_t1 else 0.12,
+                          draft_k=DEFAULT_K[Method.DRAFT])
 
 
 def build_schedule(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None = None):
@@ -222,7 +223,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     method: "draft" (default when a draft is given, else "ar": plain decoding),
     "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft).
     num_speculative_tokens (alias ``num_assistant_tokens``): K, an integer (default 6 for
-    draft models, 16 for lookups), "heuristic" (transformers' schedule: +2 after a fully
+    draft models, 16 for lookups and the hybrid, whose draft model drafts at most 6),
+    "heuristic" (transformers' schedule: +2 after a fully
     accepted round, −1 otherwise) or "auto" (K chosen each round from measured costs and
     acceptance); ``max_speculative_tokens`` caps the last two.
     draft_p_min (alias ``assistant_confidence_threshold``): stop drafting where the draft's

@@ -331,7 +331,9 @@ def build_runners(models: BenchModels, methods) -> dict[str, tuple[Runner, str]]
 
 def ceiling(times: list[float], k: int) -> float:
     """Speedup of a perfect, free proposer at speculation length K: (K+1)·T(1)/T(K+1)."""
-    return (k + 1) * times[0] / times[min(k, len(times) - 1)]
+    if k >= len(times):
+        raise ValueError(f"the ceiling at K={k} needs T({k + 1}); only T(1..{len(times)}) were measured")
+    return (k + 1) * times[0] / times[k]
 
 
 def weight_bytes(model: LoadedModel) -> int:
@@ -662,15 +664,16 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     # the limit, at the benchmark's typical context length
     lengths = sorted(len(_prompt_ids(tok, t, 0, [])) for t in tasks)
     context = lengths[len(lengths) // 2] + max_new_tokens // 2
-    times = measure_forward_times(target.lm, context)
-    wbytes = weight_bytes(target)
     ks = {label: _k_of(label) for label in runners}
+    # T(1..16), and up to T(K+1) for the largest fixed K of a method
+    times = measure_forward_times(target.lm, context, max(16, 1 + max((k or 0 for k in ks.values()), default=0)))
+    wbytes = weight_bytes(target)
     ceilings = {label: (ceiling(times, k) if k else None) for label, k in ks.items()}
     print(f"machine limit at {context} tokens of context: T(1) = {times[0] * 1e3:.0f} ms, "
           f"{wbytes / 1e9:.2f} GB of weights -> {wbytes / times[0] / 1e9:.1f} GB/s; "
-          "T(n)/T(1) for n=1..16: " + " ".join(f"{t / times[0]:.2f}" for t in times), file=sys.stderr)
-    print("ceiling (K+1)·T(1)/T(K+1) for K=1..15: "
-          + " ".join(f"{ceiling(times, k):.2f}" for k in range(1, 16)), file=sys.stderr)
+          f"T(n)/T(1) for n=1..{len(times)}: " + " ".join(f"{t / times[0]:.2f}" for t in times), file=sys.stderr)
+    print(f"ceiling (K+1)·T(1)/T(K+1) for K=1..{len(times) - 1}: "
+          + " ".join(f"{ceiling(times, k):.2f}" for k in range(1, len(times))), file=sys.stderr)
     for label, (runner, _) in runners.items():  # warm-up, excluded
         runner(_prompt_ids(tok, tasks[0], 0, []), 8)
 
@@ -700,7 +703,7 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     limit = {"context_tokens": context, "forward_seconds": times, "weight_bytes": wbytes,
              "bandwidth_gb_per_s": wbytes / times[0] / 1e9,
-             "ceiling_by_k": {k: ceiling(times, k) for k in range(1, 16)}}
+             "ceiling_by_k": {k: ceiling(times, k) for k in range(1, len(times))}}
     table = markdown_table(summary, ceilings)
     by_sub = subtask_table(summary)
     print(table)

@@ -64,7 +64,7 @@ def _add_generate_parser(sub) -> None:
                         "the draft model) or 'ar' (plain decoding, no speculation). Default: draft")
     p.add_argument("--k", type=_k, default=None,
                    help="speculation length K: draft tokens per verify pass, 1..64 (default: 6 with "
-                        "a draft model, 16 for lookups); 'heuristic': +2 after a fully accepted round, "
+                        "a draft model, 16 for lookups and hybrid); 'heuristic': +2 after a fully accepted round, "
                         "-1 otherwise (transformers); 'auto': K chosen each round from this machine's "
                         "measured forward times and the acceptance so far")
     p.add_argument("--max-k", type=_max_k, default=None,

@@ -103,8 +103,9 @@ class KSchedule(str, Enum):
     AUTO = "auto"
 
 
-# K when none is given: a draft model pays per drafted token, lookups almost nothing
-DEFAULT_K = {Method.DRAFT: 6, Method.HYBRID: 6, Method.PROMPT_LOOKUP: 16, Method.SUFFIX: 16}
+# K when none is given: a draft model pays per drafted token, lookups almost nothing (a
+# hybrid's lookup proposes up to K, its draft model at most DEFAULT_K[DRAFT])
+DEFAULT_K = {Method.DRAFT: 6, Method.HYBRID: 16, Method.PROMPT_LOOKUP: 16, Method.SUFFIX: 16}
 
 
 @dataclass(frozen=True)

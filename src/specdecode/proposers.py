@@ -386,24 +386,30 @@ class HybridProposer:
     """Suffix matching when its proposal promises more tokens per unit of time than the draft
     model, the draft model otherwise.
 
-    Each round the lookup proposes first (free); with c_i its calibrated confidences it
-    promises E_lookup = 1 + Σ c_i tokens for a verify pass of L+1 tokens, T(L+1). The draft
-    model promises what its rounds of this request delivered so far (an average of tokens
-    committed per draft round, E_draft; 1 + K/2 before its first round) for K·c_draft +
-    T(K+1). The lookup is used when E_lookup/T(L+1) >= E_draft/(K·c_draft + T(K+1)).
+    Each round the lookup proposes first (free, up to K tokens); with c_i its calibrated
+    confidences it promises E_lookup = 1 + Σ c_i tokens for a verify pass of L+1 tokens,
+    T(L+1). The draft model drafts D = min(K, ``draft_k``) tokens (a draft model pays per
+    token, a lookup does not, so their best lengths differ) and promises what its rounds of
+    this request delivered so far (an average of tokens committed per draft round, E_draft;
+    1 + D/2 before its first round) for D·c_draft + T(D+1). The lookup is used when
+    E_lookup/T(L+1) >= E_draft/(D·c_draft + T(D+1)).
     Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (from the target's profile;
     default 1 + 0.08·(n−1), this project's CPU, BENCHMARKS.md) and ``draft_cost`` = one draft
     step / T(1) (default 0.12: the int8 0.5B draft vs the fp32 1.5B target here). Every choice
     depends only on the request's tokens, never on the clock, so a seeded sampled request is
     reproducible. ``DraftOutput.source`` tells the engine's stats which proposer supplied each
     round; the draft's cache catches up on the tokens it skipped the next time it drafts.
-    Raises ValueError for a verify_cost that is not positive or a negative draft_cost.
+    Raises ValueError for a verify_cost that is not positive, a negative draft_cost or
+    draft_k < 1.
     """
 
     name = "hybrid"
 
     def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
-                 verify_cost: list[float] | None = None, draft_cost: float = 0.12):
+                 verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6):
+        if not (isinstance(draft_k, int) and draft_k >= 1):
+            raise ValueError(f"hybrid draft_k={draft_k!r} is invalid; allowed: an integer >= 1")
+        self.draft_k = draft_k
         if verify_cost is not None and not (isinstance(verify_cost, (list, tuple)) and verify_cost
                                             and all(isinstance(c, (int, float)) and c > 0
                                                     for c in verify_cost)):
@@ -439,13 +445,14 @@ class HybridProposer:
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         out, conf = self.lookup.continuation(state.tokens, k)
-        e_draft = self.draft_tokens_per_round if self.draft_tokens_per_round is not None else 1 + k / 2
+        d = min(k, self.draft_k)
+        e_draft = self.draft_tokens_per_round if self.draft_tokens_per_round is not None else 1 + d / 2
         use_lookup = not self.drafter.enabled or (out and (1 + sum(conf)) / self._t(len(out) + 1) >= (
-            e_draft / (k * self.draft_cost + self._t(k + 1))))
+            e_draft / (d * self.draft_cost + self._t(d + 1))))
         if use_lookup:
             return DraftOutput.point_mass(out, self.lookup.name) if out else DraftOutput.empty()
         self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
-        drafted = self.drafter.propose(state, k)
+        drafted = self.drafter.propose(state, d)
         if drafted.token_ids.shape[1]:
             self._draft_round_start = len(state.tokens)
             return drafted
