@@ -65,6 +65,7 @@ def test_interleaved_records_ratios_and_multi_turn():
     assert overall["mean_acceptance_length"] == pytest.approx(1 + 4 / 8)  # pooled: Σaccepted/Σpasses
     assert overall["acceptance_rate"] == pytest.approx(4 / 16)
     assert overall["mismatches"] == 0
+    assert overall["decode_speedup_vs_ar"] is None  # the fake runners report no prefill time
     assert summary["ar"]["qa"]["speedup_vs_ar"] == 1.0
     assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "overall"}
     table = bench.markdown_table(summary, {"draft": 3.0})
@@ -248,6 +249,10 @@ def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys,
     assert len(results["limit"]["forward_seconds"]) == 17  # T(17) for the hybrid's K = 16
     assert (out / "speedup.png").stat().st_size > 1000
     assert "## Overall" in (out / "report.md").read_text()
+    assert "Decode speedup" in (out / "report.md").read_text()
+    s = results["summary"]["draft:k=3:dtype=float32"]["overall"]
+    assert s["decode_speedup_vs_ar"] > 0 and 0 < s["prefill_share"] < 1
+    assert results["summary"]["hf-ar"]["overall"]["decode_speedup_vs_ar"] is None
     assert len(bench.read_records(out / "records.jsonl")) == 14
     # the same --out again is refused (it would overwrite); --resume reuses every prompt
     args = ["bench", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
@@ -271,3 +276,12 @@ def test_bench_cli_errors(capsys):
     assert "unknown workload" in capsys.readouterr().err
     assert cli.main(["bench", "--resume"]) == 2
     assert "--resume needs --out" in capsys.readouterr().err
+
+
+def test_decode_speedup_excludes_prefill():
+    ar = Record("ar", "rag", "1", 0, 800, 100, 10.0, prefill_s=4.0)
+    draft = Record("draft", "rag", "1", 0, 800, 100, 6.0, prefill_s=4.0, identical=True)
+    row = bench.summarize([ar, draft])["draft"]["rag"]
+    assert row["speedup_vs_ar"] == pytest.approx(10 / 6)
+    assert row["decode_speedup_vs_ar"] == pytest.approx(6 / 2)
+    assert row["prefill_share"] == pytest.approx(4 / 6)

@@ -69,6 +69,7 @@ class Record:
     num_accepted_tokens: int | None = None
     draft_s: float | None = None
     verify_s: float | None = None
+    prefill_s: float | None = None
     identical: bool | None = None
     first_difference: int | None = None
 
@@ -443,7 +444,8 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                     rec = Record(label, task.subtask, task.prompt_id, turn, len(ids),
                                  len(out.token_ids), out.seconds, out.token_ids,
                                  s.get("num_verify_passes"), s.get("num_draft_tokens"),
-                                 s.get("num_accepted_tokens"), s.get("draft_s"), s.get("verify_s"))
+                                 s.get("num_accepted_tokens"), s.get("draft_s"), s.get("verify_s"),
+                                 s.get("prefill_s"))
                     if ref is not None and ref != label and ref in done:
                         diff = first_difference(out.token_ids, done[ref].token_ids)
                         rec.identical, rec.first_difference = diff is None, diff
@@ -483,6 +485,14 @@ def summarize(records: list[Record]) -> dict:
                 ratios = [r.tokens_per_second / b.tokens_per_second for r in rs
                           if (b := by_key.get((base, r.subtask, r.prompt_id, r.turn))) and b.tokens_per_second]
                 row[f"speedup_vs_{base}"] = statistics.median(ratios) if ratios else None
+            # the same without prefill (which speculation cannot speed up): decode time only
+            ratios = [(b.seconds - b.prefill_s) / (r.seconds - r.prefill_s) for r in rs
+                      if r.prefill_s is not None and r.seconds > r.prefill_s
+                      and (b := by_key.get(("ar", r.subtask, r.prompt_id, r.turn)))
+                      and b.prefill_s is not None and b.new_tokens == r.new_tokens]
+            row["decode_speedup_vs_ar"] = statistics.median(ratios) if ratios else None
+            row["prefill_share"] = (sum(r.prefill_s for r in rs) / sum(r.seconds for r in rs)
+                                    if all(r.prefill_s is not None for r in rs) else None)
             passes = sum(r.num_verify_passes or 0 for r in rs)
             proposed = sum(r.num_draft_tokens or 0 for r in rs)
             accepted = sum(r.num_accepted_tokens or 0 for r in rs)
@@ -706,9 +716,13 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
              "ceiling_by_k": {k: ceiling(times, k) for k in range(1, len(times))}}
     table = markdown_table(summary, ceilings)
     by_sub = subtask_table(summary)
+    decode_by_sub = subtask_table({m: rows for m, rows in summary.items() if METHODS[_name(m)][2] == "ours"},
+                                  "decode_speedup_vs_ar")
     print(table)
     print()
     print(by_sub)
+    print("\nwithout prefill (decode time only; ours):\n")
+    print(decode_by_sub)
     mismatches = sum(1 for r in records if r.identical is False)
     if mismatches:
         print(f"\nWARNING: {mismatches} generation(s) differ from their reference (lossless check failed)")
@@ -728,10 +742,15 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
             f"# specdecode bench\n\ncommand: `{' '.join(sys.argv)}`\n\n"
             f"date: {time.strftime('%Y-%m-%d')}, threads: {torch.get_num_threads()}, "
             f"peak RSS {peak_rss / 2**30:.1f} GiB\n\n## Overall\n\n{table}\n\n"
-            f"## Speedup vs ar per subtask\n\n{by_sub}\n")
+            f"## Speedup vs ar per subtask\n\n{by_sub}\n\n"
+            f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n")
         plot(summary, ceilings, out / "speedup.png")
         print(f"wrote {out}/results.json, report.md, speedup.png", file=sys.stderr)
     return {"summary": summary, "records": records, "limit": limit, "overall_json": overall_json}
+
+
+def _name(label: str) -> str:
+    return label.split(":", 1)[0]
 
 
 def _k_of(label: str) -> int | None:
