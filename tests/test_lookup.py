@@ -326,7 +326,7 @@ def test_hybrid_uses_both_and_reports_each():
 @pytest.mark.parametrize("kwargs,words", [
     (dict(verify_cost=-1), "verify_cost=-1"), (dict(verify_cost=[1.0, 0.0]), "verify_cost=[1.0, 0.0]"),
     (dict(verify_cost=[]), "verify_cost=[]"), (dict(draft_cost=-0.5), "draft_cost=-0.5"),
-    (dict(draft_k=0), "draft_k=0")])
+    (dict(draft_k=0), "draft_k=0"), (dict(draft_prefill_cost=-1), "draft_prefill_cost=-1")])
 def test_hybrid_rejects_bad_costs(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), **kwargs)
@@ -647,3 +647,27 @@ def test_inapplicable_options_raise():
         SpeculativeConfig("draft", 4, KSchedule.FIXED, 8)
     with pytest.raises(ValueError, match="draft_p_min applies to a draft model"):
         SpeculativeConfig("suffix", draft_p_min=0.5)
+
+
+def test_hybrid_prefills_its_draft_only_when_it_drafts():
+    prompt = list(COPY_PROMPT)
+    state = RequestState(list(prompt), 0, SamplingParams(), (), None, 50)
+    plain = DraftModelProposer(MockLM(50, copying_logits(50)))
+    plain.reset(state, 200)
+    assert plain.draft.seq_len == len(prompt) - 1  # eager: prefilled at reset
+    hybrid = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))))
+    hybrid.reset(state, 200)
+    assert hybrid.draft.seq_len == 0
+    tgt = MockLM(50, copying_logits(50))
+    params = SamplingParams(max_new_tokens=60)
+    expected = Engine(tgt).generate(prompt, params).run().token_ids
+    # drafting once: the draft is fed everything it skipped in one catch-up, then one a round
+    gen, _ = run(tgt, hybrid, 8, prompt, params)
+    assert gen.token_ids == expected and gen.stats.by_proposer["draft"]["num_drafts"] >= 1
+    assert hybrid.draft.forward_sizes[0] == len(prompt)
+    # a draft whose prefill is dear next to what the lookup promises is never fed at all
+    dear = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))),
+                          draft_prefill_cost=10.0)
+    gen, _ = run(tgt, dear, 8, prompt, params)
+    assert gen.token_ids == expected and "draft" not in gen.stats.by_proposer
+    assert dear.draft.forward_sizes == []

@@ -83,14 +83,17 @@ class DraftModelProposer:
     p_min: stop drafting at the first position where the draft's most likely token (after the
     request's processing) has probability below p_min; that token is not proposed (llama.cpp
     ``--draft-p-min``; transformers' ``assistant_confidence_threshold``). None = always K.
+    lazy_prefill: do not prefill the prompt at ``reset``; the first ``propose`` feeds it (a
+    hybrid that may never need the draft model saves the draft's prefill).
     Raises ValueError for p_min outside [0, 1).
     """
 
-    def __init__(self, draft: CausalLM, p_min: float | None = None):
+    def __init__(self, draft: CausalLM, p_min: float | None = None, lazy_prefill: bool = False):
         if p_min is not None and not (isinstance(p_min, (int, float)) and 0 <= p_min < 1):
             raise ValueError(f"draft p_min={p_min!r} is invalid; allowed: a number in [0, 1), or None")
         self.draft = draft
         self.p_min = p_min
+        self.lazy_prefill = lazy_prefill
         self.enabled = False
         self._limit = 0
 
@@ -101,7 +104,7 @@ class DraftModelProposer:
         if not self.enabled:
             return
         self.draft.allocate(1, self._limit)
-        if len(prompt) > 1:
+        if len(prompt) > 1 and not self.lazy_prefill:
             self.draft.forward(torch.tensor([prompt[:-1]]), num_logits=0)
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
@@ -391,25 +394,38 @@ class HybridProposer:
     T(L+1). The draft model drafts D = min(K, ``draft_k``) tokens (a draft model pays per
     token, a lookup does not, so their best lengths differ) and promises what its rounds of
     this request delivered so far (an average of tokens committed per draft round, E_draft;
-    1 + D/2 before its first round) for D·c_draft + T(D+1). The lookup is used when
-    E_lookup/T(L+1) >= E_draft/(D·c_draft + T(D+1)).
+    1 + D/2 before its first round) for D·c_draft + T(D+1) + P, where P is the cost of
+    feeding the draft the B committed tokens it has not seen (it is prefilled lazily, only
+    once it is first chosen, and skips the rounds the lookup serves), B·``draft_prefill_cost``,
+    spread over the rounds left in the request. The draft model drafts when its promised
+    tokens per unit of time, E_draft/(D·c_draft + T(D+1) + P), beat both the lookup's,
+    E_lookup/T(L+1), and plain decoding's, 1/T(1); otherwise the lookup proposes if it beats
+    plain decoding, and nothing is proposed if not.
     Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (from the target's profile;
     default 1 + 0.08·(n−1), this project's CPU, BENCHMARKS.md) and ``draft_cost`` = one draft
-    step / T(1) (default 0.12: the int8 0.5B draft vs the fp32 1.5B target here). Every choice
+    step / T(1) (default 0.12: the int8 0.5B draft vs the fp32 1.5B target here),
+    ``draft_prefill_cost`` = the draft's prefill time per token / T(1) (default 0.008, same
+    pair: about 2 ms a token against 0.24 s). Every choice
     depends only on the request's tokens, never on the clock, so a seeded sampled request is
     reproducible. ``DraftOutput.source`` tells the engine's stats which proposer supplied each
     round; the draft's cache catches up on the tokens it skipped the next time it drafts.
     Raises ValueError for a verify_cost that is not positive, a negative draft_cost or
-    draft_k < 1.
+    draft_prefill_cost, or draft_k < 1.
     """
 
     name = "hybrid"
 
     def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
-                 verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6):
+                 verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6,
+                 draft_prefill_cost: float = 0.008):
         if not (isinstance(draft_k, int) and draft_k >= 1):
             raise ValueError(f"hybrid draft_k={draft_k!r} is invalid; allowed: an integer >= 1")
-        self.draft_k = draft_k
+        if not (isinstance(draft_prefill_cost, (int, float)) and draft_prefill_cost >= 0):
+            raise ValueError(f"hybrid draft_prefill_cost={draft_prefill_cost!r} is invalid; "
+                             "allowed: a number >= 0")
+        draft.lazy_prefill = True
+        self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
+        self._max_total_len = 0
         if verify_cost is not None and not (isinstance(verify_cost, (list, tuple)) and verify_cost
                                             and all(isinstance(c, (int, float)) and c > 0
                                                     for c in verify_cost)):
@@ -433,6 +449,7 @@ class HybridProposer:
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self.lookup.reset(state, max_total_len)
         self.drafter.reset(state, max_total_len)
+        self._max_total_len = max_total_len
         self.draft_tokens_per_round = None
         self._draft_round_start = None
 
@@ -447,16 +464,23 @@ class HybridProposer:
         out, conf = self.lookup.continuation(state.tokens, k)
         d = min(k, self.draft_k)
         e_draft = self.draft_tokens_per_round if self.draft_tokens_per_round is not None else 1 + d / 2
-        use_lookup = not self.drafter.enabled or (out and (1 + sum(conf)) / self._t(len(out) + 1) >= (
-            e_draft / (d * self.draft_cost + self._t(d + 1))))
-        if use_lookup:
-            return DraftOutput.point_mass(out, self.lookup.name) if out else DraftOutput.empty()
-        self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
-        drafted = self.drafter.propose(state, d)
-        if drafted.token_ids.shape[1]:
-            self._draft_round_start = len(state.tokens)
-            return drafted
-        return DraftOutput.point_mass(out, self.lookup.name) if out else DraftOutput.empty()
+        n = len(state.tokens)
+        behind = max(0, n - 1 - self.draft.seq_len)  # committed tokens the draft has not seen
+        rounds_left = max(1.0, (self._max_total_len - n) / e_draft)
+        catch_up = behind * self.draft_prefill_cost / rounds_left
+        # tokens per unit of time: plain decoding 1/T(1) = 1, the lookup's, the draft model's
+        lookup_rate = (1 + sum(conf)) / self._t(len(out) + 1) if out else 0.0
+        draft_rate = (e_draft / (d * self.draft_cost + self._t(d + 1) + catch_up)
+                      if self.drafter.enabled else 0.0)
+        if draft_rate > max(lookup_rate, 1.0):
+            self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
+            drafted = self.drafter.propose(state, d)
+            if drafted.token_ids.shape[1]:
+                self._draft_round_start = len(state.tokens)
+                return drafted
+        if lookup_rate < 1.0:  # costs more than it promises; still scored, to keep learning
+            return DraftOutput.empty()
+        return DraftOutput.point_mass(out, self.lookup.name)
 
     def on_accept(self, state: RequestState) -> None:
         if self._draft_round_start is not None:
