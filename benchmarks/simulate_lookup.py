@@ -78,25 +78,18 @@ def main(paths: list[str]) -> None:
         answers.setdefault(key, []).append(tok.decode(r["token_ids"], skip_special_tokens=True))
         cases.append((r["subtask"], prompt, r["token_ids"]))
     settings = {
-        "lookup recent n=1..3 k=8": lambda: (PromptLookupProposer(3, 1, "recent"), 8),
-        "lookup recent n=2..4 k=8": lambda: (PromptLookupProposer(4, 2, "recent"), 8),
-        "lookup recent n=2..3 k=12": lambda: (PromptLookupProposer(3, 2, "recent"), 12),
-        "lookup recent n=2..3 k=16": lambda: (PromptLookupProposer(3, 2, "recent"), 16),
-        "lookup recent n=2..3 auto": lambda: (PromptLookupProposer(3, 2), AutoK(times)),
-        "lookup recent n=2..3 heuristic": lambda: (PromptLookupProposer(3, 2), HeuristicK(8)),
-        "lookup first n=1..3 k=8": lambda: (PromptLookupProposer(3, 1, "first"), 8),
-        "lookup recent n=2..3 k=8": lambda: (PromptLookupProposer(3, 2, "recent"), 8),
-        "lookup recent n=1..5 k=8": lambda: (PromptLookupProposer(5, 1, "recent"), 8),
-        "lookup first n=1..2 k=10 (hf-pld)": lambda: (PromptLookupProposer(2, 1, "first"), 10),
-        "lookup recent n=1..3 k=4": lambda: (PromptLookupProposer(3, 1, "recent"), 4),
-        "lookup recent n=1..3 k=12": lambda: (PromptLookupProposer(3, 1, "recent"), 12),
-        "lookup recent n=1..3 heuristic": lambda: (PromptLookupProposer(3, 1), HeuristicK(8)),
-        "lookup recent n=1..3 auto": lambda: (PromptLookupProposer(3, 1), AutoK(times)),
-        "suffix c=0.1 auto": lambda: (SuffixProposer(16, 0.1), AutoK(times)),
-        "suffix c=0.1 k=8": lambda: (SuffixProposer(16, 0.1), 8),
-        "suffix c=0.3 k=8": lambda: (SuffixProposer(16, 0.3), 8),
-        "suffix c=0.02 k=8": lambda: (SuffixProposer(16, 0.02), 8),
-        "suffix c=0.1 k=12": lambda: (SuffixProposer(16, 0.1), 12),
+        "prompt-lookup (default: recent, n=3..1, K=16)": lambda: (PromptLookupProposer(3, 1, "recent"), 16),
+        "prompt-lookup, first match": lambda: (PromptLookupProposer(3, 1, "first"), 16),
+        "prompt-lookup, n=3..2": lambda: (PromptLookupProposer(3, 2, "recent"), 16),
+        "prompt-lookup, n=5..1": lambda: (PromptLookupProposer(5, 1, "recent"), 16),
+        "prompt-lookup, K=8": lambda: (PromptLookupProposer(3, 1, "recent"), 8),
+        "prompt-lookup, K=4": lambda: (PromptLookupProposer(3, 1, "recent"), 4),
+        "prompt-lookup, K heuristic": lambda: (PromptLookupProposer(3, 1), HeuristicK(16)),
+        "prompt-lookup, K auto": lambda: (PromptLookupProposer(3, 1), AutoK(times)),
+        "suffix (default: min_confidence 0.1, K=16)": lambda: (SuffixProposer(16, 0.1), 16),
+        "suffix, min_confidence 0.3": lambda: (SuffixProposer(16, 0.3), 16),
+        "suffix, K=8": lambda: (SuffixProposer(16, 0.1), 8),
+        "suffix, K auto": lambda: (SuffixProposer(16, 0.1), AutoK(times)),
     }
     subtasks = sorted({c[0] for c in cases})
     print(f"{len(cases)} recorded generations; T(1) = {times[0] * 1e3:.0f} ms")
