@@ -405,9 +405,8 @@ class HybridProposer:
     default 1 + 0.08·(n−1), this project's CPU, BENCHMARKS.md) and ``draft_cost`` = one draft
     step / T(1) (default 0.12: the int8 0.5B draft vs the fp32 1.5B target here),
     ``draft_prefill_cost`` = the draft's prefill time per token / T(1) (default 0.008, same
-    pair: about 2 ms a token against 0.24 s). Every choice
-    depends only on the request's tokens, never on the clock, so a seeded sampled request is
-    reproducible. ``DraftOutput.source`` tells the engine's stats which proposer supplied each
+    pair: about 2 ms a token against 0.24 s). Every choice depends only on the request's
+    tokens, never on the clock, so a seeded sampled request is reproducible. ``DraftOutput.source`` tells the engine's stats which proposer supplied each
     round; the draft's cache catches up on the tokens it skipped the next time it drafts.
     Raises ValueError for a verify_cost that is not positive, a negative draft_cost or
     draft_prefill_cost, or draft_k < 1.
@@ -423,9 +422,6 @@ class HybridProposer:
         if not (isinstance(draft_prefill_cost, (int, float)) and draft_prefill_cost >= 0):
             raise ValueError(f"hybrid draft_prefill_cost={draft_prefill_cost!r} is invalid; "
                              "allowed: a number >= 0")
-        draft.lazy_prefill = True
-        self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
-        self._max_total_len = 0
         if verify_cost is not None and not (isinstance(verify_cost, (list, tuple)) and verify_cost
                                             and all(isinstance(c, (int, float)) and c > 0
                                                     for c in verify_cost)):
@@ -433,8 +429,11 @@ class HybridProposer:
                              "for n = 1, 2, ..., all > 0")
         if not (isinstance(draft_cost, (int, float)) and draft_cost >= 0):
             raise ValueError(f"hybrid draft_cost={draft_cost!r} is invalid; allowed: a number >= 0")
+        draft.lazy_prefill = True  # the draft is fed the prompt only if it is ever chosen
         self.lookup, self.drafter = lookup, draft
         self.verify_cost, self.draft_cost = verify_cost, draft_cost
+        self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
+        self._max_total_len = 0
         self.draft_tokens_per_round: float | None = None  # E_draft, learned per request
         self._draft_round_start: int | None = None
 
