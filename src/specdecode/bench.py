@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import random
 import resource
@@ -380,6 +381,8 @@ def _check_run_settings(args) -> None:
     with other settings is refused (its records would not be comparable)."""
     path = Path(args.out) / "run.json"
     mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
+    if Path(args.dataset).is_file():  # the questions themselves, wherever the file lies
+        mine["dataset"] = "sha256:" + hashlib.sha256(Path(args.dataset).read_bytes()).hexdigest()[:16]
     if args.resume and path.exists():
         try:
             theirs = json.loads(path.read_text())
