@@ -305,7 +305,7 @@ class Engine:
                 drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
                 t2 = time.perf_counter()
                 k = drafts.shape[1]
-                if k and (int(drafts.min()) < 0 or int(drafts.max()) >= target.vocab_size):
+                if k and bool(((drafts < 0) | (drafts >= target.vocab_size)).any()):
                     raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
                                      f"[0, {target.vocab_size}): {drafts[0].tolist()}")
                 logits = target.forward(torch.cat([torch.tensor([[state.tokens[-1]]]), drafts], 1))
