@@ -635,6 +635,8 @@ def cmd_bench(args) -> int:
 
     try:
         apply_threads(args)
+        if args.resume and not args.out:
+            raise ValueError("--resume needs --out DIR (the directory of the run to continue)")
         methods = parse_methods(args.methods)
         workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
         bad = [w for w in workloads if w not in WORKLOADS]
@@ -657,8 +659,6 @@ def cmd_bench(args) -> int:
         if args.out and not args.resume and (Path(args.out) / RECORDS_LOG).exists():
             raise ValueError(f"{Path(args.out) / RECORDS_LOG} holds an earlier run: pass --resume "
                              "to continue it, or choose another --out")
-        if args.resume and not args.out:
-            raise ValueError("--resume needs --out DIR (the directory of the run to continue)")
         if args.out:
             _check_run_settings(args)
         models = BenchModels(args.target, args.draft, args.dtype)
