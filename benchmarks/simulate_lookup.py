@@ -34,7 +34,10 @@ def replay(proposer, prompt: list[int], output: list[int], k, times: list[float]
     passes, cost, i = 0, 0.0, 0
     while i < len(output):
         kr = min(schedule.next_k(), len(output) - i)
-        draft = proposer.propose(state, kr).token_ids[0].tolist() if kr else []
+        proposal = proposer.propose(state, kr) if kr else None
+        draft = proposal.token_ids[0].tolist() if proposal is not None else []
+        if draft and proposal.free and hasattr(schedule, "trim"):  # as the engine does
+            draft = draft[:schedule.trim(len(draft))]
         accepted = 0
         while accepted < len(draft) and draft[accepted] == output[i + accepted]:
             accepted += 1

@@ -426,6 +426,62 @@ def test_auto_k_accounts_for_draft_cost():
     assert 4 <= picks[0.0] <= 9 and 1 <= picks[0.05] <= 3
 
 
+def test_auto_trims_free_proposals_by_offered_length():
+    """Lookups: K is chosen after the proposal is seen, from how proposals of that length
+    fared. Long ones that keep being accepted are verified whole; one-token guesses that are
+    always wrong are dropped (one probe every 8 rounds) without touching the long ones."""
+    times = _linear_times(17, 0.2, 0.01)
+    a = AutoK(times, 16)
+    assert a.next_k() < 16  # before any lookup: the cost model's K
+    for _ in range(30):
+        k = a.trim(16)
+        a.update(k, k, 0.0, times[k])
+        k = a.trim(1)
+        a.update(k, 0, 0.0, times[k])
+    assert a.next_k() == 16  # a lookup offers everything it has
+    assert a.trim(16) == 16 and a.trim(12) == 12  # 8..15 inherits nothing from 16: prior 8/9
+    a.update(12, 12, 0.0, times[12])
+    ones = []
+    for _ in range(16):
+        ones.append(a.trim(1))
+        a.update(ones[-1], 0, 0.0, times[ones[-1]])
+    assert ones.count(0) == 14 and ones.count(1) == 2
+    a.reset()
+    assert a.next_k() < 16
+
+
+def test_auto_trims_a_proposal_where_its_acceptance_runs_out():
+    """Proposals of 16 whose first 3 tokens are always right and the 4th always wrong: K = 3
+    or 4 (the 4th costs one more token of verify pass for nothing, the rest would too)."""
+    times = _linear_times(17, 0.2, 0.02)
+    a = AutoK(times, 16)
+    for _ in range(40):
+        k = a.trim(16)
+        a.update(k, min(k, 3), 0.0, times[k])
+    assert 3 <= a.trim(16) <= 4
+
+
+def test_engine_trims_only_free_proposals():
+    """The engine asks the schedule to trim lookups' proposals, never a draft model's (whose
+    tokens are already paid for and whose K the schedule chose before drafting)."""
+    class TrimToOne(FixedK):
+        calls = 0
+
+        def trim(self, offered):
+            TrimToOne.calls += 1
+            return 1
+
+    prompt = PROMPTS["repetitive"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    gen, _ = run(target(), PromptLookupProposer(), TrimToOne(8), prompt, GREEDY128)
+    assert gen.token_ids == expected and TrimToOne.calls > 0
+    assert gen.stats.num_draft_tokens == gen.stats.num_drafts == TrimToOne.calls  # one each
+    assert gen.stats.speculation_lengths.count(1) == TrimToOne.calls
+    TrimToOne.calls = 0
+    gen, _ = run(target(), DraftModelProposer(noisy_draft()), TrimToOne(4), prompt, GREEDY128)
+    assert gen.token_ids == expected and TrimToOne.calls == 0 and gen.stats.num_draft_tokens > 100
+
+
 def test_schedules_validate():
     for bad in (0, 65, 2.5, True):
         with pytest.raises(ValueError, match="K"):

@@ -36,7 +36,8 @@ class SpecDecodingStats:
     by_proposer: per proposer that supplied drafts (a hybrid has several):
         {name: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}}.
     speculation_lengths: K of every round of a speculative request (0: the schedule or the
-        room left chose not to speculate), to see a K schedule at work.
+        room left chose not to speculate; for a lookup whose proposal the schedule trimmed,
+        the K it kept), to see a K schedule at work.
     Times in seconds: prefill_s (target + draft prefill), draft_s, verify_s (target forward +
     acceptance rule), total_s (wall time of the whole request).
     """
@@ -298,11 +299,14 @@ class Engine:
             while True:
                 n = len(state.tokens)
                 k = min(schedule.next_k(), limit - n - 1) if proposer is not None else 0
-                if proposer is not None:
-                    stats.speculation_lengths.append(k)
                 t1 = time.perf_counter()
                 draft = proposer.propose(state, k) if k > 0 else None
                 drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
+                if draft is not None and draft.free and drafts.shape[1] and hasattr(schedule, "trim"):
+                    k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen
+                    drafts = drafts[:, :k]
+                if proposer is not None:
+                    stats.speculation_lengths.append(k)
                 t2 = time.perf_counter()
                 k = drafts.shape[1]
                 if k and bool(((drafts < 0) | (drafts >= target.vocab_size)).any()):

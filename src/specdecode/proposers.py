@@ -24,11 +24,14 @@ class DraftOutput:
     probs: [B,k,V] the distributions the tokens were sampled from, or None when each token
         is a point mass (greedy drafts, lookups) — the verifier must know exactly which.
     source: which proposer supplied the tokens (a hybrid's stats count accepted tokens per source).
+    free: True when the tokens cost nothing to propose (lookups), so the K schedule may cut
+        the proposal short after seeing it (``trim``); False for a draft model's tokens.
     """
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None = None
     source: str = ""
+    free: bool = False
 
     @classmethod
     def empty(cls, batch: int = 1) -> "DraftOutput":
@@ -37,7 +40,7 @@ class DraftOutput:
     @classmethod
     def point_mass(cls, tokens: list[int], source: str) -> "DraftOutput":
         """Deterministic proposals (lookups): [1,k] ids, no distribution."""
-        return cls(torch.tensor([tokens], dtype=torch.long).reshape(1, len(tokens)), None, source)
+        return cls(torch.tensor([tokens], dtype=torch.long).reshape(1, len(tokens)), None, source, True)
 
 
 @dataclass

@@ -5,7 +5,9 @@ no speculation this round) and ``update(proposed, accepted, draft_s, verify_s)``
 verify pass, with the number of draft tokens actually proposed, possibly 0; the times are
 None for seeded sampled requests, whose K must not depend on the clock: the random draws of
 a round depend on K, and the same seed must give the same output). The engine caps K further
-by the room left in the context; a proposer may propose fewer tokens.
+by the room left in the context; a proposer may propose fewer tokens. A schedule may also
+have ``trim(offered)``: for a free proposal (a lookup's, ``DraftOutput.free``) of ``offered``
+tokens, how many of them to verify (AutoK chooses this way; FixedK and HeuristicK keep all).
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ class AutoK:
     the one before it, and K can grow when drafts keep being accepted. K = 0 (no speculation,
     E = 1, C = T(1)) is chosen when no K pays for itself — text a lookup cannot predict;
     then one draft token is tried every ``probe_every`` rounds to notice when that changes.
+
+    Free proposals (lookups: ``DraftOutput.free``) cost nothing to make, and how far they
+    are right depends on how long a match they come from, which only the proposer knows.
+    For them K is chosen after proposing: once a request has seen one, ``next_k`` returns
+    max_k, the proposer offers what it has (its match length, at most max_k), and
+    ``trim(offered)`` keeps the first K tokens, K = argmax E(K)/(s·T(K+1)) over 0..offered,
+    with α_i estimated separately per offered length (buckets 1, 2–3, 4–7, 8–15, 16+; the
+    prior for bucket [m, 2m) is m/(m+1)): a long copy in progress is verified whole, a
+    one-token guess only where such guesses pay.
     Raises ValueError for
     a profile shorter than 2 sizes or max_k outside 1..64.
     """
@@ -129,15 +140,31 @@ class AutoK:
         self.scale = 1.0
         self._seen_draft = False
         self._idle = 0
+        # free proposals: counts per offered-length bucket; the bucket of the round in flight
+        self._free_counts: dict[int, tuple[list[float], list[float]]] = {}
+        self._free_idle: dict[int, int] = {}
+        self._seen_free = False
+        self._bucket: int | None = None
 
-    def alphas(self) -> list[float]:
-        """[α_1, ..., α_max_k] under the current counts."""
-        out, prev = [], self.first_alpha
+    def alphas(self, bucket: int | None = None) -> list[float]:
+        """[α_1, ..., α_max_k] under the current counts (of free proposals offering a length
+        in ``bucket``, or of costly ones for None)."""
+        if bucket is None:
+            reached, accepted, prev = self.reached, self.accepted, self.first_alpha
+        else:  # prior: a match of m tokens is right about m/(m+1) of the time (SuffixDecoding's)
+            (reached, accepted), m = self._counts(bucket), 2 ** (bucket - 1)
+            prev = m / (m + 1)
+        out = []
         for i in range(1, self.max_k + 1):
-            a = (self.accepted[i] + self.prior_weight * prev) / (self.reached[i] + self.prior_weight)
+            a = (accepted[i] + self.prior_weight * prev) / (reached[i] + self.prior_weight)
             out.append(a)
             prev = a
         return out
+
+    def _counts(self, bucket: int) -> tuple[list[float], list[float]]:
+        if bucket not in self._free_counts:
+            self._free_counts[bucket] = ([0.0] * (self.max_k + 1), [0.0] * (self.max_k + 1))
+        return self._free_counts[bucket]
 
     def expected_tokens(self, k: int, alphas: list[float] | None = None) -> float:
         """E(K): expected tokens emitted by a round of K drafts (bonus/recovered included)."""
@@ -153,6 +180,8 @@ class AutoK:
         return self.draft_per_token * k + self.scale * self.times[k]
 
     def next_k(self) -> int:
+        if self._seen_free:  # a lookup: it offers its match, trim() chooses
+            return self.max_k
         alphas = self.alphas()
         k = max(range(0, self.max_k + 1), key=lambda k: self.expected_tokens(k, alphas) / self.cost(k))
         if k == 0:
@@ -161,17 +190,45 @@ class AutoK:
                 self._idle, k = 0, 1
         return k
 
+    def trim(self, offered: int) -> int:
+        """How many of the ``offered`` tokens of a free proposal (a lookup's) to verify:
+        argmax over K = 0..offered of E(K)/(s·T(K+1)), α from rounds that offered a similar
+        length. 0 = verify none (plain decoding this round); a bucket kept at 0 tries one
+        token every ``probe_every`` rounds."""
+        self._seen_free = True
+        offered = min(offered, self.max_k)
+        if offered <= 0:
+            self._bucket = None
+            return 0
+        bucket = offered.bit_length()
+        self._bucket = bucket
+        alphas = self.alphas(bucket)
+        k = max(range(0, offered + 1),
+                key=lambda k: self.expected_tokens(k, alphas) / (self.scale * self.times[k]))
+        if k == 0:
+            idle = self._free_idle.get(bucket, 0) + 1
+            k, self._free_idle[bucket] = (1, 0) if idle >= self.probe_every else (0, idle)
+        return k
+
     def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
+        bucket, self._bucket = self._bucket, None
+        if bucket is None:
+            reached, acc = self.reached, self.accepted
+        else:
+            reached, acc = self._counts(bucket)
         if proposed:
-            self._idle = 0
+            if bucket is None:
+                self._idle = 0
+            else:
+                self._free_idle[bucket] = 0
             d = self.decay
-            self.reached = [r * d for r in self.reached]
-            self.accepted = [a * d for a in self.accepted]
+            reached[:] = [r * d for r in reached]
+            acc[:] = [a * d for a in acc]
         for i in range(1, min(proposed, accepted + 1, self.max_k) + 1):
-            self.reached[i] += 1
+            reached[i] += 1
             if i <= accepted:
-                self.accepted[i] += 1
-        if proposed and draft_s is not None:
+                acc[i] += 1
+        if proposed and draft_s is not None and bucket is None:
             per_token = draft_s / proposed
             self.draft_per_token = (per_token if not self._seen_draft
                                     else 0.8 * self.draft_per_token + 0.2 * per_token)
