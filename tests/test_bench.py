@@ -124,6 +124,21 @@ def test_resume_skips_finished_prompts_and_reruns_a_partial_one(tmp_path):
         (r.method, r.prompt_id, r.turn) for r in first]
 
 
+def test_interrupted_resume_keeps_finished_tasks_after_the_interruption():
+    """Resuming a run whose later prompts were run first (e.g. --subtasks, then all) and
+    stopping it with Ctrl-C: the report still has every finished prompt."""
+    log = []
+    runners = {"ar": (fake_runner(log, "ar", 2.0), None)}
+    done = bench.run_bench(TASKS[2:], runners, FakeTokenizer(), 16, progress=False)  # humaneval only
+
+    def interrupting(prompt_ids, max_new_tokens):
+        raise KeyboardInterrupt
+
+    again = bench.run_bench(TASKS, {"ar": (interrupting, None)}, FakeTokenizer(), 16,
+                            progress=False, previous=done)
+    assert [(r.subtask, r.prompt_id) for r in again] == [("humaneval", "H/0")]
+
+
 def test_forward_times_and_ceiling():
     lm = MockLM(50, hashed_logits(50))
     times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2, warmup=1)

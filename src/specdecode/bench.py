@@ -426,12 +426,17 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
     from tqdm import tqdm
 
     have = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in previous}
+
+    def keys_of(task):
+        return [(label, task.subtask, task.prompt_id, turn)
+                for turn in range(len(task.turns)) for label in runners]
+
     records: list[Record] = []
     bar = tqdm(total=len(tasks) * len(runners), desc="bench", unit="gen", disable=not progress)
+    i = 0
     try:
-        for task in tasks:
-            keys = [(label, task.subtask, task.prompt_id, turn)
-                    for turn in range(len(task.turns)) for label in runners]
+        for i, task in enumerate(tasks):
+            keys = keys_of(task)
             if all(k in have for k in keys):
                 records += [have[k] for k in keys]
                 bar.update(len(runners))
@@ -461,8 +466,12 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                         bar.update(1)
             if on_task_done is not None:
                 on_task_done(records[start:])
+        i = len(tasks)
     except KeyboardInterrupt:
         print("\ninterrupted: reporting the results so far", file=sys.stderr)
+        # and the finished tasks of the run being resumed that come after this one
+        records += [have[k] for task in tasks[i + 1:] if all(k in have for k in keys_of(task))
+                    for k in keys_of(task)]
     finally:
         bar.close()
     return records
