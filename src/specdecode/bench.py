@@ -466,7 +466,6 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                         bar.update(1)
             if on_task_done is not None:
                 on_task_done(records[start:])
-        i = len(tasks)
     except KeyboardInterrupt:
         print("\ninterrupted: reporting the results so far", file=sys.stderr)
         # and the finished tasks of the run being resumed that come after this one
