@@ -134,26 +134,22 @@ class AutoK:
         self.reset()
 
     def reset(self) -> None:
-        self.reached = [0.0] * (self.max_k + 1)  # index i: position i (1-based)
-        self.accepted = [0.0] * (self.max_k + 1)
         self.draft_per_token = self.draft_seconds_per_token
         self.scale = 1.0
         self._seen_draft = False
-        self._idle = 0
-        # free proposals: counts per offered-length bucket; the bucket of the round in flight
-        self._free_counts: dict[int, tuple[list[float], list[float]]] = {}
-        self._free_idle: dict[int, int] = {}
+        # (reached, accepted) counts per position (index i: position i, 1-based) and rounds
+        # spent at K = 0, per offered-length bucket of free proposals; None: costly proposals
+        self._counts: dict[int | None, tuple[list[float], list[float]]] = {}
+        self._idle: dict[int | None, int] = {}
         self._seen_free = False
-        self._bucket: int | None = None
+        self._bucket: int | None = None  # the bucket of the round in flight
 
     def alphas(self, bucket: int | None = None) -> list[float]:
         """[α_1, ..., α_max_k] under the current counts (of free proposals offering a length
         in ``bucket``, or of costly ones for None)."""
-        if bucket is None:
-            reached, accepted, prev = self.reached, self.accepted, self.first_alpha
-        else:  # prior: a match of m tokens is right about m/(m+1) of the time (SuffixDecoding's)
-            (reached, accepted), m = self._counts(bucket), 2 ** (bucket - 1)
-            prev = m / (m + 1)
+        reached, accepted = self.counts(bucket)
+        # prior for free proposals: a match of m tokens is right about m/(m+1) of the time
+        prev = self.first_alpha if bucket is None else 2 ** (bucket - 1) / (2 ** (bucket - 1) + 1)
         out = []
         for i in range(1, self.max_k + 1):
             a = (accepted[i] + self.prior_weight * prev) / (reached[i] + self.prior_weight)
@@ -161,10 +157,18 @@ class AutoK:
             prev = a
         return out
 
-    def _counts(self, bucket: int) -> tuple[list[float], list[float]]:
-        if bucket not in self._free_counts:
-            self._free_counts[bucket] = ([0.0] * (self.max_k + 1), [0.0] * (self.max_k + 1))
-        return self._free_counts[bucket]
+    def counts(self, bucket: int | None = None) -> tuple[list[float], list[float]]:
+        """(reached, accepted): decayed counts per position 0..max_k (0 unused)."""
+        if bucket not in self._counts:
+            self._counts[bucket] = ([0.0] * (self.max_k + 1), [0.0] * (self.max_k + 1))
+        return self._counts[bucket]
+
+    def _probe(self, bucket: int | None, k: int) -> int:
+        """K = 0 kept ``probe_every`` rounds in a row becomes 1: the text may have changed."""
+        if k == 0:
+            idle = self._idle.get(bucket, 0) + 1
+            k, self._idle[bucket] = (1, 0) if idle >= self.probe_every else (0, idle)
+        return k
 
     def expected_tokens(self, k: int, alphas: list[float] | None = None) -> float:
         """E(K): expected tokens emitted by a round of K drafts (bonus/recovered included)."""
@@ -184,11 +188,7 @@ class AutoK:
             return self.max_k
         alphas = self.alphas()
         k = max(range(0, self.max_k + 1), key=lambda k: self.expected_tokens(k, alphas) / self.cost(k))
-        if k == 0:
-            self._idle += 1
-            if self._idle >= self.probe_every:  # look again: the text may have changed
-                self._idle, k = 0, 1
-        return k
+        return self._probe(None, k)
 
     def trim(self, offered: int) -> int:
         """How many of the ``offered`` tokens of a free proposal (a lookup's) to verify:
@@ -205,22 +205,13 @@ class AutoK:
         alphas = self.alphas(bucket)
         k = max(range(0, offered + 1),
                 key=lambda k: self.expected_tokens(k, alphas) / (self.scale * self.times[k]))
-        if k == 0:
-            idle = self._free_idle.get(bucket, 0) + 1
-            k, self._free_idle[bucket] = (1, 0) if idle >= self.probe_every else (0, idle)
-        return k
+        return self._probe(bucket, k)
 
     def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
         bucket, self._bucket = self._bucket, None
-        if bucket is None:
-            reached, acc = self.reached, self.accepted
-        else:
-            reached, acc = self._counts(bucket)
+        reached, acc = self.counts(bucket)
         if proposed:
-            if bucket is None:
-                self._idle = 0
-            else:
-                self._free_idle[bucket] = 0
+            self._idle[bucket] = 0
             d = self.decay
             reached[:] = [r * d for r in reached]
             acc[:] = [a * d for a in acc]
