@@ -99,7 +99,8 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
     target itself gets its own KV cache (a fork sharing the weights). ``suffix``: the suffix
     proposer to use (suffix, hybrid) instead of a new one. Raises ValueError when the method
     needs a draft model and none is given, IncompatibleDraftError when the draft's tokenizer
-    differs."""
+    differs. The hybrid weighs its proposers with both models' forward times
+    (:func:`specdecode.schedule.verify_profile`: measured once per machine, then cached)."""
     method = spec.method
     if method is Method.AR:
         return None
@@ -117,12 +118,10 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
     suffix = suffix or SuffixProposer(cache=spec.suffix_cache)
     if method is Method.SUFFIX:
         return suffix
-    # relative costs from the profiles when K='auto' measured them, else the defaults
-    times = getattr(target, "_verify_profile", None)
-    draft_t1 = getattr(draft, "_verify_profile", None)
-    return HybridProposer(suffix, drafter,
-                          verify_cost=[t / times[0] for t in times] if times else None,
-                          draft_cost=draft_t1[0] / times[0] if times and draft_t1 else 0.12,
+    # relative costs from the two models' forward-time profiles (measured once, cached)
+    times = verify_profile(target, spec.max_speculative_tokens)
+    return HybridProposer(suffix, drafter, verify_cost=[t / times[0] for t in times],
+                          draft_cost=verify_profile(draft, 0)[0] / times[0],
                           draft_k=DEFAULT_K[Method.DRAFT])
 
 

@@ -390,32 +390,42 @@ class SuffixProposer:
 
 class HybridProposer:
     """Suffix matching when its proposal promises more tokens per unit of time than the draft
-    model, the draft model otherwise.
+    model, the draft model otherwise, each at the length that pays best this round.
 
-    Each round the lookup proposes first (free, up to K tokens); with c_i its calibrated
-    confidences it promises E_lookup = 1 + Σ c_i tokens for a verify pass of L+1 tokens,
-    T(L+1). The draft model drafts D = min(K, ``draft_k``) tokens (a draft model pays per
-    token, a lookup does not, so their best lengths differ) and promises what its rounds of
-    this request delivered so far (an average of tokens committed per draft round, E_draft;
-    1 + D/2 before its first round) for D·c_draft + T(D+1) + P, where P is the cost of
-    feeding the draft the B committed tokens it has not seen (it is prefilled lazily, only
-    once it is first chosen, and skips the rounds the lookup serves), B·``draft_prefill_cost``,
-    spread over the rounds left in the request. The draft model drafts when its promised
-    tokens per unit of time, E_draft/(D·c_draft + T(D+1) + P), beat both the lookup's,
-    E_lookup/T(L+1), and plain decoding's, 1/T(1); otherwise the lookup proposes if it beats
-    plain decoding, and nothing is proposed if not.
-    Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (from the target's profile;
-    default 1 + 0.08·(n−1), this project's CPU, BENCHMARKS.md) and ``draft_cost`` = one draft
-    step / T(1) (default 0.12: the int8 0.5B draft vs the fp32 1.5B target here),
-    ``draft_prefill_cost`` = the draft's prefill time per token / T(1) (default 0.008, same
-    pair: about 2 ms a token against 0.24 s). Every choice depends only on the request's
-    tokens, never on the clock, so a seeded sampled request is reproducible. ``DraftOutput.source`` tells the engine's stats which proposer supplied each
-    round; the draft's cache catches up on the tokens it skipped the next time it drafts.
+    Each round the lookup proposes first (free, up to K tokens) with calibrated confidences
+    c_i (the probability its first i tokens are all accepted). Its promise is scaled by r,
+    what this request's used lookup proposals delivered over what they promised (prior 1,
+    weight ``PRIOR_WEIGHT`` tokens; a lookup that keeps over-promising — numbers repeated in
+    arithmetic — loses its turns to the draft model): the best lookup length L maximises
+    (1 + Σ_{i≤L} min(1, r·c_i)) / T(L+1). The draft model's per-position acceptance α is
+    estimated from this request's draft rounds (prior ``DRAFT_PRIOR_ALPHA``, weight
+    ``PRIOR_WEIGHT`` positions); drafting D ≤ min(K, ``draft_k``) tokens promises
+    E(D) = Σ_{i=0..D} α^i tokens (Leviathan et al., arXiv:2211.17192, §3.1) for
+    D·c_draft + T(D+1) + P, where P is the cost of feeding the draft the B committed tokens it
+    has not seen (it is prefilled lazily, only once it is first chosen, and skips the rounds
+    the lookup serves), B·``draft_prefill_cost``, spread over the rounds left. The rounds left
+    assume the answer goes on for as many tokens as it has so far (at least ``HORIZON``, at
+    most what max_new_tokens allows): a short answer to a long prompt (RAG) does not pay a
+    long prefill for a few rounds. The draft model drafts its best D when that rate beats
+    both the lookup's best and plain decoding's, 1/T(1); else the lookup proposes its best L
+    if that beats plain decoding, and nothing is proposed if not.
+    Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (the target's profile,
+    :func:`~specdecode.schedule.verify_profile`; default 1 + 0.08·(n−1)), ``draft_cost`` =
+    one draft step / T(1) (the draft's profiled T(1) over the target's; default 0.12),
+    ``draft_prefill_cost`` = the draft's prefill time per token / T(1) (default 0.008: the
+    int8 0.5B draft vs the fp32 1.5B target on this project's CPU, about 2 ms a token against
+    0.24 s). Every choice depends only on the request's tokens, never on the clock, so a
+    seeded sampled request is reproducible. ``DraftOutput.source`` tells the engine's stats
+    which proposer supplied each round; the draft's cache catches up on the tokens it skipped
+    the next time it drafts.
     Raises ValueError for a verify_cost that is not positive, a negative draft_cost or
     draft_prefill_cost, or draft_k < 1.
     """
 
     name = "hybrid"
+    PRIOR_WEIGHT = 2.0
+    DRAFT_PRIOR_ALPHA = 0.7
+    HORIZON = 16
 
     def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
                  verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6,
@@ -436,9 +446,10 @@ class HybridProposer:
         self.lookup, self.drafter = lookup, draft
         self.verify_cost, self.draft_cost = verify_cost, draft_cost
         self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
-        self._max_total_len = 0
-        self.draft_tokens_per_round: float | None = None  # E_draft, learned per request
-        self._draft_round_start: int | None = None
+        self._max_total_len = self._prompt_len = 0
+        self._draft_counts = [0.0, 0.0]  # this request's draft positions: [accepted, reached]
+        self._lookup_counts = [0.0, 0.0]  # this request's used lookup rounds: [accepted, promised]
+        self._round: tuple[str, int, int, float] | None = None  # (source, start, proposed, promised)
 
     @property
     def draft(self) -> CausalLM:
@@ -448,12 +459,24 @@ class HybridProposer:
     def enabled(self) -> bool:
         return self.drafter.enabled
 
+    @property
+    def draft_alpha(self) -> float:
+        """The draft model's estimated per-position acceptance in this request."""
+        acc, reached = self._draft_counts
+        return (acc + self.PRIOR_WEIGHT * self.DRAFT_PRIOR_ALPHA) / (reached + self.PRIOR_WEIGHT)
+
+    @property
+    def lookup_realism(self) -> float:
+        """r: accepted / promised tokens of this request's used lookup proposals (prior 1)."""
+        acc, promised = self._lookup_counts
+        return (acc + self.PRIOR_WEIGHT) / (promised + self.PRIOR_WEIGHT)
+
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self.lookup.reset(state, max_total_len)
         self.drafter.reset(state, max_total_len)
-        self._max_total_len = max_total_len
-        self.draft_tokens_per_round = None
-        self._draft_round_start = None
+        self._max_total_len, self._prompt_len = max_total_len, len(state.tokens)
+        self._draft_counts, self._lookup_counts = [0.0, 0.0], [0.0, 0.0]
+        self._round = None
 
     def _t(self, n: int) -> float:
         """T(n)/T(1)."""
@@ -462,33 +485,59 @@ class HybridProposer:
         c = self.verify_cost
         return c[n - 1] if n <= len(c) else c[-1] + (c[-1] - c[0]) / max(1, len(c) - 1) * (n - len(c))
 
+    def _best_lookup(self, conf: list[float]) -> tuple[int, float, float]:
+        """(L, tokens per unit of time, promised accepted tokens) of the best lookup length."""
+        r = self.lookup_realism
+        best, promised = (0, 1.0, 0.0), 0.0
+        for i, c in enumerate(conf, 1):
+            promised += min(1.0, r * c)
+            rate = (1 + promised) / self._t(i + 1)
+            if rate > best[1]:
+                best = (i, rate, promised)
+        return best
+
+    def _best_draft(self, n: int, k: int) -> tuple[int, float]:
+        """(D, tokens per unit of time) of the best draft length (0, 0.0 if none)."""
+        if not self.drafter.enabled:
+            return 0, 0.0
+        alpha = self.draft_alpha
+        behind = max(0, n - 1 - self.draft.seq_len)  # committed tokens the draft has not seen
+        horizon = max(1, min(self._max_total_len - n, max(self.HORIZON, n - self._prompt_len)))
+        best, expected = (0, 0.0), 1.0
+        for d in range(1, min(k, self.draft_k) + 1):
+            expected += alpha ** d
+            catch_up = behind * self.draft_prefill_cost / max(1.0, horizon / expected)
+            rate = expected / (d * self.draft_cost + self._t(d + 1) + catch_up)
+            if rate > best[1]:
+                best = (d, rate)
+        return best
+
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         out, conf = self.lookup.continuation(state.tokens, k)
-        d = min(k, self.draft_k)
-        e_draft = self.draft_tokens_per_round if self.draft_tokens_per_round is not None else 1 + d / 2
         n = len(state.tokens)
-        behind = max(0, n - 1 - self.draft.seq_len)  # committed tokens the draft has not seen
-        rounds_left = max(1.0, (self._max_total_len - n) / e_draft)
-        catch_up = behind * self.draft_prefill_cost / rounds_left
-        # tokens per unit of time: plain decoding 1/T(1) = 1, the lookup's, the draft model's
-        lookup_rate = (1 + sum(conf)) / self._t(len(out) + 1) if out else 0.0
-        draft_rate = (e_draft / (d * self.draft_cost + self._t(d + 1) + catch_up)
-                      if self.drafter.enabled else 0.0)
+        length, lookup_rate, promised = self._best_lookup(conf)
+        d, draft_rate = self._best_draft(n, k)
         if draft_rate > max(lookup_rate, 1.0):
             self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
             drafted = self.drafter.propose(state, d)
             if drafted.token_ids.shape[1]:
-                self._draft_round_start = len(state.tokens)
+                self._round = ("draft", n, drafted.token_ids.shape[1], 0.0)
                 return drafted
-        if lookup_rate < 1.0:  # costs more than it promises; still scored, to keep learning
+        if length == 0:  # costs more than it promises; still scored, to keep learning
             return DraftOutput.empty()
-        return DraftOutput.point_mass(out, self.lookup.name)
+        self._round = ("lookup", n, length, promised)
+        return DraftOutput.point_mass(out[:length], self.lookup.name)
 
     def on_accept(self, state: RequestState) -> None:
-        if self._draft_round_start is not None:
-            emitted = len(state.tokens) - self._draft_round_start
-            e = self.draft_tokens_per_round
-            self.draft_tokens_per_round = float(emitted) if e is None else 0.8 * e + 0.2 * emitted
-            self._draft_round_start = None
+        if self._round is not None:
+            source, start, proposed, promised = self._round
+            accepted = min(proposed, len(state.tokens) - start - 1)
+            if source == "draft":  # positions reached: the accepted ones and the first rejected
+                self._draft_counts[0] += accepted
+                self._draft_counts[1] += min(proposed, accepted + 1)
+            else:
+                self._lookup_counts[0] += accepted
+                self._lookup_counts[1] += promised
+            self._round = None
         self.lookup.on_accept(state)
         self.drafter.on_accept(state)

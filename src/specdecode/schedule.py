@@ -264,8 +264,8 @@ PROFILE_CONTEXT = 256
 
 def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> list[float]:
     """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
-    max_k = 0, a draft model's T(1)), measured once — 3·(max_k+1) timed passes after
-    prefilling 256 tokens (less for a shorter context) — and cached on disk per model, dtype,
+    max_k = 0, a draft model's T(1)), measured once — one untimed round of the max_k+1 sizes,
+    then each the median of 3 timed passes, after prefilling 256 tokens (less for a shorter context) — and cached on disk per model, dtype,
     thread count, torch version and CPU, and in memory on the loaded model. ``model``: a
     :class:`~specdecode.backends.LoadedModel`. Measuring uses the model's KV cache, so it
     raises RuntimeError while the model is generating another request. A cache file that
@@ -297,7 +297,7 @@ def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> lis
                                "K='auto' can be measured once that request is finished or closed")
         try:
             context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
-            times = measure_forward_times(lm, context, n, repeats=2, warmup=1)
+            times = measure_forward_times(lm, context, n, repeats=3, warmup=1)
         finally:
             lock.release()
         try:
