@@ -981,3 +981,12 @@ def test_gguf_file_is_converted_once_and_matches(dirs, target, tmp_path, monkeyp
     # the GGUF model and the directory pair as target and draft (same tokenizer)
     r = specdecode.generate(target, PROMPT, draft=m, max_new_tokens=20)
     assert r.token_ids == ar.token_ids and r.stats.acceptance_rate == 1.0
+
+
+def test_max_matching_ngram_size_sets_the_longest_n_gram_and_keeps_the_shortest_below_it():
+    from specdecode.api import speculative_config
+    assert (speculative_config("prompt-lookup", False).min_ngram,
+            speculative_config("prompt-lookup", False).max_ngram) == (2, 5)
+    for given, expected in [(1, (1, 1)), (2, (2, 2)), (8, (2, 8))]:
+        c = speculative_config("prompt-lookup", False, max_ngram=given)
+        assert (c.min_ngram, c.max_ngram) == expected

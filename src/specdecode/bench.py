@@ -589,7 +589,7 @@ machine's ceiling for a perfect, free proposer.
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
   ar            our plain autoregressive decoding (the baseline of every speedup)
   draft         draft-model speculative decoding (dtype=int8|float32|bfloat16, p_min=P)
-  prompt-lookup n-gram lookup in prompt + output (ngram=MIN-MAX, default 1-3)
+  prompt-lookup n-gram lookup in prompt + output (ngram=MIN-MAX, default 2-5)
   suffix        suffix matching with continuation counts (cache=request|session)
   hybrid        suffix matching when it promises more than the draft model, else the draft
   (each of ours also takes k=N|heuristic|auto and max_k=N)

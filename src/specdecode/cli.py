@@ -73,7 +73,7 @@ def _add_generate_parser(sub) -> None:
                    help="stop drafting where the draft model's top probability is below P "
                         "(llama.cpp --draft-p-min; default: off)")
     p.add_argument("--max-ngram", type=int, default=None,
-                   help="prompt lookup: longest n-gram matched (default 3)")
+                   help="prompt lookup: longest n-gram matched (default 5; shortest 2)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")

@@ -116,7 +116,7 @@ class SpeculativeConfig:
     None = the method's default, :data:`DEFAULT_K`): fixed, or the starting K of the
     heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
     schedules. ``draft_p_min``: a draft model stops drafting below this top probability.
-    ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes. ``suffix_cache``: "request"
+    ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes (default 5..2, BENCHMARKS.md). ``suffix_cache``: "request"
     or "session" (also match earlier outputs).
     """
 
@@ -125,8 +125,8 @@ class SpeculativeConfig:
     schedule: KSchedule = KSchedule.FIXED
     max_speculative_tokens: int = 16
     draft_p_min: float | None = None
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: int = 5
+    min_ngram: int = 2
     suffix_cache: str = "request"
 
     def __post_init__(self):
@@ -156,7 +156,7 @@ class SpeculativeConfig:
         # an option the method cannot honour is an error, never silently ignored
         if self.suffix_cache != "request" and self.method not in (Method.SUFFIX, Method.HYBRID):
             raise ValueError(f"suffix_cache applies to the suffix and hybrid methods, not {self.method.value!r}")
-        if (self.min_ngram, self.max_ngram) != (1, 3) and self.method is not Method.PROMPT_LOOKUP:
+        if (self.min_ngram, self.max_ngram) != (2, 5) and self.method is not Method.PROMPT_LOOKUP:
             raise ValueError(f"n-gram sizes apply to prompt lookup, not {self.method.value!r}")
         if self.max_speculative_tokens != 16 and self.schedule is KSchedule.FIXED:
             raise ValueError("max_speculative_tokens caps K for the 'heuristic' and 'auto' schedules; "

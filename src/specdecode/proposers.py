@@ -167,14 +167,16 @@ class PromptLookupProposer:
     speculation length α·match length with α = 1, arXiv:2411.04975; BENCHMARKS.md measures
     it). A continuation that runs into the end of the text keeps copying its own proposed
     tokens (an overlapping copy), so a repeating pattern is proposed for all k tokens.
-    Proposals are point masses (probs None): lossless for greedy and sampling alike.
-    Raises ValueError for n-gram sizes outside 1 <= min_ngram <= max_ngram <= 32 or an
+    Default n = 5..2: a one-token match is too weak a hint to pay for a verify pass, and
+    longer n-grams pick the right passage in edits and summaries (replayed outputs,
+    BENCHMARKS.md). Proposals are point masses (probs None): lossless for greedy and sampling
+    alike. Raises ValueError for n-gram sizes outside 1 <= min_ngram <= max_ngram <= 32 or an
     unknown ``match``.
     """
 
     name = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "recent"):
+    def __init__(self, max_ngram: int = 5, min_ngram: int = 2, match: str = "recent"):
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)
                 and 1 <= min_ngram <= max_ngram <= 32):
             raise ValueError(f"prompt lookup n-gram sizes min={min_ngram!r} max={max_ngram!r} are "
