@@ -560,12 +560,12 @@ def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
     twin = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(tgt.fork()), draft_k=6)
     gen, _ = run(tgt, twin, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
-    assert gen.token_ids == expected and twin.draft_alpha > 0.9
+    assert gen.token_ids == expected and min(twin.draft_alpha) > 0.9
     assert by["num_draft_tokens"] > 5 * by["num_drafts"]
     other = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(random_draft()), draft_k=6)
     gen, _ = run(tgt, other, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
-    assert gen.token_ids == expected and other.draft_alpha < 0.3
+    assert gen.token_ids == expected and other.draft_alpha[0] < 0.3
     assert by["num_drafts"] <= 8 and by["num_draft_tokens"] < 3 * by["num_drafts"]
 
 

@@ -395,14 +395,22 @@ class HybridProposer:
     model, the draft model otherwise, each at the length that pays best this round.
 
     Each round the lookup proposes first (free, up to K tokens) with calibrated confidences
-    c_i (the probability its first i tokens are all accepted). Its promise is scaled by r,
-    what this request's used lookup proposals delivered over what they promised (prior 1,
-    weight ``PRIOR_WEIGHT`` tokens; a lookup that keeps over-promising — numbers repeated in
-    arithmetic — loses its turns to the draft model): the best lookup length L maximises
-    (1 + Σ_{i≤L} min(1, r·c_i)) / T(L+1). The draft model's per-position acceptance α is
-    estimated from this request's draft rounds (prior ``DRAFT_PRIOR_ALPHA``, weight
-    ``PRIOR_WEIGHT`` positions); drafting D ≤ min(K, ``draft_k``) tokens promises
-    E(D) = Σ_{i=0..D} α^i tokens (Leviathan et al., arXiv:2211.17192, §3.1) for
+    c_i (the probability its first i tokens are all accepted), so p_i = c_i/c_{i−1} is the
+    probability token i is accepted once the ones before it were. r scales them: what this
+    request's lookup proposals delivered over what the p_i expected (prior 1, weight
+    ``PRIOR_WEIGHT`` tokens). Every round's proposal counts, used or not: each position the
+    round's committed tokens reach is checked against them (a greedy acceptance, the same
+    probability under sampling) up to the first miss. So a lookup that keeps over-promising
+    (numbers repeated in arithmetic) loses its turns to the draft model, and one that would
+    have been right (a copy begins) wins them back. The best lookup length L maximises
+    (1 + Σ_{i≤L} Π_{j≤i} min(1, r·p_j)) / T(L+1). The draft model's acceptance at position i
+    given the ones before were accepted, α_i, is estimated from this request's draft rounds
+    (per position, because a draft's misses come in bursts: past the first tokens it is
+    usually right; prior weight ``PRIOR_WEIGHT`` rounds, prior mean α_{i−1}'s estimate, and
+    ``DRAFT_PRIOR_ALPHA`` for α_0, so positions not drafted yet look like the last one that
+    was, and a draft doing well is tried further); drafting
+    D ≤ min(K, ``draft_k``) tokens promises E(D) = Σ_{i=0..D} Π_{j<i} α_j tokens (Leviathan
+    et al., arXiv:2211.17192, §3.1, with α per position) for
     D·c_draft + T(D+1) + P, where P is the cost of feeding the draft the B committed tokens it
     has not seen (it is prefilled lazily, only once it is first chosen, and skips the rounds
     the lookup serves), B·``draft_prefill_cost``, spread over the rounds left. The rounds left
@@ -449,9 +457,10 @@ class HybridProposer:
         self.verify_cost, self.draft_cost = verify_cost, draft_cost
         self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
         self._max_total_len = self._prompt_len = 0
-        self._draft_counts = [0.0, 0.0]  # this request's draft positions: [accepted, reached]
-        self._lookup_counts = [0.0, 0.0]  # this request's used lookup rounds: [accepted, promised]
-        self._round: tuple[str, int, int, float] | None = None  # (source, start, proposed, promised)
+        self._draft_counts = [[0.0, 0.0] for _ in range(draft_k)]  # per position: [accepted, reached]
+        self._lookup_counts = [0.0, 0.0]  # this request's lookup proposals: [accepted, promised]
+        self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
+        self._looked_up: tuple[int, list[int], list[float]] | None = None  # (start, tokens, conf)
 
     @property
     def draft(self) -> CausalLM:
@@ -462,14 +471,18 @@ class HybridProposer:
         return self.drafter.enabled
 
     @property
-    def draft_alpha(self) -> float:
-        """The draft model's estimated per-position acceptance in this request."""
-        acc, reached = self._draft_counts
-        return (acc + self.PRIOR_WEIGHT * self.DRAFT_PRIOR_ALPHA) / (reached + self.PRIOR_WEIGHT)
+    def draft_alpha(self) -> list[float]:
+        """α_i: the draft token at position i is accepted if the ones before it were, as
+        estimated in this request (length draft_k)."""
+        out, prior = [], self.DRAFT_PRIOR_ALPHA
+        for acc, reached in self._draft_counts:
+            prior = (acc + self.PRIOR_WEIGHT * prior) / (reached + self.PRIOR_WEIGHT)
+            out.append(prior)
+        return out
 
     @property
     def lookup_realism(self) -> float:
-        """r: accepted / promised tokens of this request's used lookup proposals (prior 1)."""
+        """r: this request's lookup tokens accepted / expected, over the positions reached."""
         acc, promised = self._lookup_counts
         return (acc + self.PRIOR_WEIGHT) / (promised + self.PRIOR_WEIGHT)
 
@@ -477,8 +490,9 @@ class HybridProposer:
         self.lookup.reset(state, max_total_len)
         self.drafter.reset(state, max_total_len)
         self._max_total_len, self._prompt_len = max_total_len, len(state.tokens)
-        self._draft_counts, self._lookup_counts = [0.0, 0.0], [0.0, 0.0]
-        self._round = None
+        self._draft_counts = [[0.0, 0.0] for _ in range(self.draft_k)]
+        self._lookup_counts = [0.0, 0.0]
+        self._drafted = self._looked_up = None
 
     def _t(self, n: int) -> float:
         """T(n)/T(1)."""
@@ -487,15 +501,17 @@ class HybridProposer:
         c = self.verify_cost
         return c[n - 1] if n <= len(c) else c[-1] + (c[-1] - c[0]) / max(1, len(c) - 1) * (n - len(c))
 
-    def _best_lookup(self, conf: list[float]) -> tuple[int, float, float]:
-        """(L, tokens per unit of time, promised accepted tokens) of the best lookup length."""
+    def _best_lookup(self, conf: list[float]) -> tuple[int, float]:
+        """(L, tokens per unit of time) of the best lookup length (0, 1.0: none beats plain)."""
         r = self.lookup_realism
-        best, promised = (0, 1.0, 0.0), 0.0
+        best, promised, reach, before = (0, 1.0), 0.0, 1.0, 1.0
         for i, c in enumerate(conf, 1):
-            promised += min(1.0, r * c)
+            reach *= min(1.0, r * c / before)  # the conditional probabilities, scaled by r
+            before = c
+            promised += reach
             rate = (1 + promised) / self._t(i + 1)
             if rate > best[1]:
-                best = (i, rate, promised)
+                best = (i, rate)
         return best
 
     def _best_draft(self, n: int, k: int) -> tuple[int, float]:
@@ -505,9 +521,10 @@ class HybridProposer:
         alpha = self.draft_alpha
         behind = max(0, n - 1 - self.draft.seq_len)  # committed tokens the draft has not seen
         horizon = max(1, min(self._max_total_len - n, max(self.HORIZON, n - self._prompt_len)))
-        best, expected = (0, 0.0), 1.0
+        best, expected, reach = (0, 0.0), 1.0, 1.0
         for d in range(1, min(k, self.draft_k) + 1):
-            expected += alpha ** d
+            reach *= alpha[d - 1]
+            expected += reach
             catch_up = behind * self.draft_prefill_cost / max(1.0, horizon / expected)
             rate = expected / (d * self.draft_cost + self._t(d + 1) + catch_up)
             if rate > best[1]:
@@ -517,29 +534,39 @@ class HybridProposer:
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         out, conf = self.lookup.continuation(state.tokens, k)
         n = len(state.tokens)
-        length, lookup_rate, promised = self._best_lookup(conf)
+        self._looked_up = (n, out, conf)
+        length, lookup_rate = self._best_lookup(conf)
         d, draft_rate = self._best_draft(n, k)
         if draft_rate > max(lookup_rate, 1.0):
             self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
             drafted = self.drafter.propose(state, d)
             if drafted.token_ids.shape[1]:
-                self._round = ("draft", n, drafted.token_ids.shape[1], 0.0)
+                self._drafted = (n, drafted.token_ids.shape[1])
                 return drafted
         if length == 0:  # costs more than it promises; still scored, to keep learning
             return DraftOutput.empty()
-        self._round = ("lookup", n, length, promised)
         return DraftOutput.point_mass(out[:length], self.lookup.name)
 
     def on_accept(self, state: RequestState) -> None:
-        if self._round is not None:
-            source, start, proposed, promised = self._round
+        if self._drafted is not None:
+            start, proposed = self._drafted
             accepted = min(proposed, len(state.tokens) - start - 1)
-            if source == "draft":  # positions reached: the accepted ones and the first rejected
-                self._draft_counts[0] += accepted
-                self._draft_counts[1] += min(proposed, accepted + 1)
-            else:
-                self._lookup_counts[0] += accepted
-                self._lookup_counts[1] += promised
-            self._round = None
+            for i in range(min(proposed, accepted + 1)):  # reached: the accepted, the first rejected
+                self._draft_counts[i][1] += 1
+                self._draft_counts[i][0] += i < accepted
+            self._drafted = None
+        if self._looked_up is not None:
+            # the lookup's proposal, used or not, against the committed tokens it reaches:
+            # position i is accepted iff the committed token there is its token (greedy; the
+            # same probability under sampling), and promised c_i
+            start, out, conf = self._looked_up
+            before = 1.0
+            for tok, got, c in zip(out, state.tokens[start:], conf):
+                self._lookup_counts[1] += c / before  # P(accepted | the ones before were)
+                if tok != got:
+                    break
+                self._lookup_counts[0] += 1
+                before = c
+            self._looked_up = None
         self.lookup.on_accept(state)
         self.drafter.on_accept(state)
