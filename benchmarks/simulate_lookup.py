@@ -81,14 +81,16 @@ def main(paths: list[str]) -> None:
         answers.setdefault(key, []).append(tok.decode(r["token_ids"], skip_special_tokens=True))
         cases.append((r["subtask"], prompt, r["token_ids"]))
     settings = {
-        "prompt-lookup (default: recent, n=3..1, K=16)": lambda: (PromptLookupProposer(3, 1, "recent"), 16),
-        "prompt-lookup, first match": lambda: (PromptLookupProposer(3, 1, "first"), 16),
-        "prompt-lookup, n=3..2": lambda: (PromptLookupProposer(3, 2, "recent"), 16),
+        "prompt-lookup (default: recent, n=5..2, K=16)": lambda: (PromptLookupProposer(5, 2, "recent"), 16),
+        "prompt-lookup, first match": lambda: (PromptLookupProposer(5, 2, "first"), 16),
+        "prompt-lookup, n=3..1 (the earlier default)": lambda: (PromptLookupProposer(3, 1, "recent"), 16),
+        "prompt-lookup, n=3..1, first match": lambda: (PromptLookupProposer(3, 1, "first"), 16),
         "prompt-lookup, n=5..1": lambda: (PromptLookupProposer(5, 1, "recent"), 16),
-        "prompt-lookup, K=8": lambda: (PromptLookupProposer(3, 1, "recent"), 8),
-        "prompt-lookup, K=4": lambda: (PromptLookupProposer(3, 1, "recent"), 4),
-        "prompt-lookup, K heuristic": lambda: (PromptLookupProposer(3, 1), HeuristicK(16)),
-        "prompt-lookup, K auto": lambda: (PromptLookupProposer(3, 1), AutoK(times)),
+        "prompt-lookup, n=3..2": lambda: (PromptLookupProposer(3, 2, "recent"), 16),
+        "prompt-lookup, K=8": lambda: (PromptLookupProposer(5, 2, "recent"), 8),
+        "prompt-lookup, K=4": lambda: (PromptLookupProposer(5, 2, "recent"), 4),
+        "prompt-lookup, K heuristic": lambda: (PromptLookupProposer(5, 2), HeuristicK(16)),
+        "prompt-lookup, K auto": lambda: (PromptLookupProposer(5, 2), AutoK(times)),
         "suffix (default: min_confidence 0.1, K=16)": lambda: (SuffixProposer(16, 0.1), 16),
         "suffix, min_confidence 0.3": lambda: (SuffixProposer(16, 0.3), 16),
         "suffix, K=8": lambda: (SuffixProposer(16, 0.1), 8),

@@ -89,7 +89,8 @@ def speculative_config(method: str | Method | None, has_draft: bool,
             raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64, "
                              "'heuristic' or 'auto'")
         schedule, k = KSchedule(k), None
-    ngram = {} if max_ngram is None else dict(max_ngram=max_ngram, min_ngram=min(2, max_ngram) if isinstance(max_ngram, int) else 2)
+    ngram = {} if max_ngram is None else dict(  # the shortest n-gram stays 2, or max if below
+        max_ngram=max_ngram, min_ngram=min(2, max_ngram) if isinstance(max_ngram, int) else 2)
     return SpeculativeConfig(method, k, schedule, max_speculative_tokens, draft_p_min,
                              suffix_cache=suffix_cache, **ngram)
 
@@ -229,7 +230,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     acceptance); ``max_speculative_tokens`` caps the last two.
     draft_p_min (alias ``assistant_confidence_threshold``): stop drafting where the draft's
     top probability is below it. ``prompt_lookup_num_tokens=N`` (transformers) selects
-    prompt lookup with K = N; ``max_matching_ngram_size``: its longest n-gram (default 5; the shortest is 2, or this if smaller).
+    prompt lookup with K = N; ``max_matching_ngram_size``: its longest n-gram (default 5;
+    the shortest is 2, or this if smaller).
     suffix_cache: "request", or "session" to also match the outputs of earlier requests of
     the same loaded target (the suffix and hybrid methods).
     temperature 0 / ``do_sample=False`` is greedy (the default); sampling is lossless for

@@ -116,8 +116,8 @@ class SpeculativeConfig:
     None = the method's default, :data:`DEFAULT_K`): fixed, or the starting K of the
     heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
     schedules. ``draft_p_min``: a draft model stops drafting below this top probability.
-    ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes (default 5..2, BENCHMARKS.md). ``suffix_cache``: "request"
-    or "session" (also match earlier outputs).
+    ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes (default 5..2, BENCHMARKS.md).
+    ``suffix_cache``: "request" or "session" (also match earlier outputs).
     """
 
     method: Method = Method.DRAFT

@@ -408,11 +408,10 @@ class HybridProposer:
     (per position, because a draft's misses come in bursts: past the first tokens it is
     usually right; prior weight ``PRIOR_WEIGHT`` rounds, prior mean α_{i−1}'s estimate, and
     ``DRAFT_PRIOR_ALPHA`` for α_0, so positions not drafted yet look like the last one that
-    was, and a draft doing well is tried further); drafting
-    D ≤ min(K, ``draft_k``) tokens promises E(D) = Σ_{i=0..D} Π_{j<i} α_j tokens (Leviathan
-    et al., arXiv:2211.17192, §3.1, with α per position) for
-    D·c_draft + T(D+1) + P, where P is the cost of feeding the draft the B committed tokens it
-    has not seen (it is prefilled lazily, only once it is first chosen, and skips the rounds
+    was, and a draft doing well is tried further); drafting D ≤ min(K, ``draft_k``) tokens
+    promises E(D) = Σ_{i=0..D} Π_{j<i} α_j tokens (Leviathan et al., arXiv:2211.17192, §3.1,
+    with α per position) for D·c_draft + T(D+1) + P, where P is the cost of feeding the draft
+    the B committed tokens it has not seen (it is prefilled lazily, only once it is first chosen, and skips the rounds
     the lookup serves), B·``draft_prefill_cost``, spread over the rounds left. The rounds left
     assume the answer goes on for as many tokens as it has so far (at least ``HORIZON``, at
     most what max_new_tokens allows): a short answer to a long prompt (RAG) does not pay a
