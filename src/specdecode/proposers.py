@@ -505,7 +505,7 @@ class HybridProposer:
         r = self.lookup_realism
         best, promised, reach, before = (0, 1.0), 0.0, 1.0, 1.0
         for i, c in enumerate(conf, 1):
-            reach *= min(1.0, r * c / before)  # the conditional probabilities, scaled by r
+            reach *= min(1.0, r * c / before) if before > 0 else 0.0  # r·p_i, at most 1
             before = c
             promised += reach
             rate = (1 + promised) / self._t(i + 1)
@@ -557,11 +557,11 @@ class HybridProposer:
         if self._looked_up is not None:
             # the lookup's proposal, used or not, against the committed tokens it reaches:
             # position i is accepted iff the committed token there is its token (greedy; the
-            # same probability under sampling), and promised c_i
+            # same probability under sampling); it was expected with p_i = c_i / c_{i-1}
             start, out, conf = self._looked_up
             before = 1.0
             for tok, got, c in zip(out, state.tokens[start:], conf):
-                self._lookup_counts[1] += c / before  # P(accepted | the ones before were)
+                self._lookup_counts[1] += c / before if before > 0 else 0.0
                 if tok != got:
                     break
                 self._lookup_counts[0] += 1
