@@ -761,6 +761,9 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     (dict(method="prompt-lookup", draft_p_min=0.5), ["draft_p_min", "prompt-lookup"]),
     (dict(prompt_lookup_num_tokens=4, method="draft"), ["prompt_lookup_num_tokens", "draft"]),
     (dict(method="prompt-lookup", max_matching_ngram_size=0), ["max_ngram=0"]),
+    (dict(method="prompt-lookup", max_matching_ngram_size=True), ["max_ngram=True", "1..32"]),
+    (dict(method="prompt-lookup", max_matching_ngram_size=-1), ["max_ngram=-1", "1..32"]),
+    (dict(method="draft", max_matching_ngram_size=5), ["n-gram", "'draft'", "max_ngram=5"]),
     (dict(method="suffix", suffix_cache="forever"), ["suffix_cache", "forever"]),
     (dict(draft_p_min=0.5, assistant_confidence_threshold=0.5), ["draft_p_min", "alias"]),
 ])

@@ -208,6 +208,7 @@ def test_unknown_target_is_a_one_line_error(capsys, dirs):
     (["--method", "prompt-lookup", "--max-ngram", "0"], ["max_ngram=0"]),
     (["--k", "4", "--max-k", "8"], ["--max-k", "heuristic", "auto"]),
     (["--max-ngram", "2"], ["n-gram", "'draft'"]),
+    (["--max-ngram", "5"], ["n-gram", "'draft'"]),  # the default value, given: still an error
 ])
 def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import MockLM, hashed_logits, one_thread  # noqa: F401 (autouse fixture)
-from specdecode.config import SamplingParams
+from specdecode.config import SamplingParams, SpeculativeConfig
 from specdecode.engine import Engine
 from specdecode.proposers import (ContinuationCounts, DraftModelProposer, HybridProposer,
                                   PromptLookupProposer, RequestState, SuffixProposer)
@@ -358,6 +358,8 @@ def test_draft_p_min_validation(bad):
 @pytest.mark.parametrize("make,match", [
     (lambda: PromptLookupProposer(2, 3), "min=3 max=2"),
     (lambda: PromptLookupProposer(3, 0), "min=0"),
+    (lambda: PromptLookupProposer(True, True), "min=True max=True"),
+    (lambda: SpeculativeConfig("prompt-lookup", max_ngram=True, min_ngram=True), "max_ngram=True"),
     (lambda: PromptLookupProposer(3, 1, "frequent"), "match='frequent'"),
     (lambda: SuffixProposer(0), "depth=0"),
     (lambda: SuffixProposer(8, 1.0), "min_confidence=1.0"),
@@ -567,6 +569,19 @@ def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
     by = gen.stats.by_proposer["draft"]
     assert gen.token_ids == expected and other.draft_alpha[0] < 0.3
     assert by["num_drafts"] <= 8 and by["num_draft_tokens"] < 3 * by["num_drafts"]
+
+
+def test_hybrid_costs_beyond_the_profile_never_fall():
+    """A noisy profile may end lower than it starts; extrapolating its slope past the end
+    must not reach zero or below (a division by it would crash the request)."""
+    hybrid = HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), verify_cost=[1.0, 0.5])
+    assert [hybrid._t(n) for n in (1, 2, 3, 40)] == [1.0, 0.5, 0.5, 0.5]
+    tgt = MockLM(50, copying_logits(50))
+    hybrid = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))),
+                            verify_cost=[2.0, 1.0])
+    params = SamplingParams(max_new_tokens=60)
+    gen, _ = run(tgt, hybrid, 16, COPY_PROMPT, params)
+    assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
 
 
 class _Overconfident(SuffixProposer):

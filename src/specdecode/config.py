@@ -147,7 +147,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft_p_min = {p!r} is invalid; allowed: a number in [0, 1), or None")
         if p is not None and not self.method.needs_draft_model:
             raise ValueError(f"draft_p_min applies to a draft model; method {self.method.value!r} has none")
-        if not (isinstance(self.min_ngram, int) and isinstance(self.max_ngram, int)
+        if not (all(isinstance(n, int) and not isinstance(n, bool) for n in (self.min_ngram, self.max_ngram))
                 and 1 <= self.min_ngram <= self.max_ngram <= 32):
             raise ValueError(f"n-gram sizes min_ngram={self.min_ngram!r} max_ngram={self.max_ngram!r} "
                              "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")

@@ -178,6 +178,7 @@ class PromptLookupProposer:
 
     def __init__(self, max_ngram: int = 5, min_ngram: int = 2, match: str = "recent"):
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)
+                and not isinstance(min_ngram, bool) and not isinstance(max_ngram, bool)
                 and 1 <= min_ngram <= max_ngram <= 32):
             raise ValueError(f"prompt lookup n-gram sizes min={min_ngram!r} max={max_ngram!r} are "
                              "invalid; allowed: integers with 1 <= min <= max <= 32")
@@ -423,8 +424,11 @@ class HybridProposer:
     one draft step / T(1) (the draft's profiled T(1) over the target's; default 0.12),
     ``draft_prefill_cost`` = the draft's prefill time per token / T(1) (default 0.008: the
     int8 0.5B draft vs the fp32 1.5B target on this project's CPU, about 2 ms a token against
-    0.24 s). Every choice depends only on the request's tokens, never on the clock, so a
-    seeded sampled request is reproducible. ``DraftOutput.source`` tells the engine's stats
+    0.24 s). Every choice depends only on the request's tokens and these costs, never on the
+    clock during a request, so a seeded sampled request is reproducible with the same costs:
+    through the API, on one machine once its forward-time profile is cached (the first use
+    measures it; a cache that cannot be written means a new profile, and possibly other
+    choices, in every process). ``DraftOutput.source`` tells the engine's stats
     which proposer supplied each round; the draft's cache catches up on the tokens it skipped
     the next time it drafts.
     Raises ValueError for a verify_cost that is not positive, a negative draft_cost or
@@ -498,7 +502,9 @@ class HybridProposer:
         if self.verify_cost is None:
             return 1 + 0.08 * (n - 1)
         c = self.verify_cost
-        return c[n - 1] if n <= len(c) else c[-1] + (c[-1] - c[0]) / max(1, len(c) - 1) * (n - len(c))
+        if n <= len(c):
+            return c[n - 1]  # beyond the profile: its mean slope, never falling below T(len)
+        return c[-1] + max(0.0, (c[-1] - c[0]) / max(1, len(c) - 1)) * (n - len(c))
 
     def _best_lookup(self, conf: list[float]) -> tuple[int, float]:
         """(L, tokens per unit of time) of the best lookup length (0, 1.0: none beats plain)."""
