@@ -139,6 +139,27 @@ def test_interrupted_resume_keeps_finished_tasks_after_the_interruption():
     assert [(r.subtask, r.prompt_id) for r in again] == [("humaneval", "H/0")]
 
 
+def test_sigterm_stops_like_ctrl_c_and_keeps_finished_prompts():
+    """A batch system's SIGTERM (or ``kill``) ends a run the way Ctrl-C does: the finished
+    prompts are returned (and reported), and the process's own SIGTERM handler is back after."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    log = []
+    ok = fake_runner(log, "ar", 2.0)
+
+    def terminated_on_third_prompt(prompt_ids, max_new_tokens):
+        if len(log) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ok(prompt_ids, max_new_tokens)
+
+    done = bench.run_bench(TASKS, {"ar": (terminated_on_third_prompt, None)}, FakeTokenizer(), 16,
+                           progress=False)
+    assert [(r.subtask, r.prompt_id) for r in done] == [(t.subtask, t.prompt_id) for t in TASKS[:2]]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_forward_times_and_ceiling():
     lm = MockLM(50, hashed_logits(50))
     times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2, warmup=1)

@@ -15,8 +15,10 @@ import hashlib
 import json
 import random
 import resource
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -418,7 +420,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
               progress: bool = True, on_mismatch=None, previous: list[Record] = (),
               on_task_done=None) -> list[Record]:
-    """Run every task with every method, interleaved; Ctrl-C stops and keeps what is done.
+    """Run every task with every method, interleaved; Ctrl-C (or SIGTERM, as a batch system
+    or ``kill`` sends, when called from the main thread) stops and keeps what is done.
 
     ``previous``: records of an interrupted run; a task whose every method × turn is among
     them is not run again (a partly done task is run again whole, so that its methods stay
@@ -434,6 +437,9 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
     records: list[Record] = []
     bar = tqdm(total=len(tasks) * len(runners), desc="bench", unit="gen", disable=not progress)
     i = 0
+    on_term = None
+    if threading.current_thread() is threading.main_thread():
+        on_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for i, task in enumerate(tasks):
             keys = keys_of(task)
@@ -473,7 +479,13 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                     for k in keys_of(task)]
     finally:
         bar.close()
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     return records
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM: stop like Ctrl-C, keeping the finished prompts
 
 
 def summarize(records: list[Record]) -> dict:
