@@ -90,14 +90,14 @@ def speculative_config(method: str | Method | None, has_draft: bool,
                              "'heuristic' or 'auto'")
         schedule, k = KSchedule(k), None
     ngram = {}
-    if max_ngram is not None:  # the shortest n-gram stays 2, or max_ngram if that is below
+    if max_ngram is not None:  # the shortest n-gram stays the default, or max_ngram if below
         if method is not Method.PROMPT_LOOKUP:
             raise ValueError(f"n-gram sizes apply to prompt lookup, not {method.value!r} "
                              f"(got max_ngram={max_ngram!r})")
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or not 1 <= max_ngram <= 32:
             raise ValueError(f"max_ngram={max_ngram!r} (max_matching_ngram_size, --max-ngram) is "
                              "invalid; allowed: an integer 1..32")
-        ngram = dict(max_ngram=max_ngram, min_ngram=min(2, max_ngram))
+        ngram = dict(max_ngram=max_ngram, min_ngram=min(SpeculativeConfig.min_ngram, max_ngram))
     return SpeculativeConfig(method, k, schedule, max_speculative_tokens, draft_p_min,
                              suffix_cache=suffix_cache, **ngram)
 

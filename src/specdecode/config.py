@@ -156,7 +156,8 @@ class SpeculativeConfig:
         # an option the method cannot honour is an error, never silently ignored
         if self.suffix_cache != "request" and self.method not in (Method.SUFFIX, Method.HYBRID):
             raise ValueError(f"suffix_cache applies to the suffix and hybrid methods, not {self.method.value!r}")
-        if (self.min_ngram, self.max_ngram) != (2, 5) and self.method is not Method.PROMPT_LOOKUP:
+        default_ngram = (SpeculativeConfig.min_ngram, SpeculativeConfig.max_ngram)
+        if (self.min_ngram, self.max_ngram) != default_ngram and self.method is not Method.PROMPT_LOOKUP:
             raise ValueError(f"n-gram sizes apply to prompt lookup, not {self.method.value!r}")
         if self.max_speculative_tokens != 16 and self.schedule is KSchedule.FIXED:
             raise ValueError("max_speculative_tokens caps K for the 'heuristic' and 'auto' schedules; "

@@ -14,6 +14,7 @@ import torch
 from .backends import CausalLM
 from .config import SamplingParams
 from .sampling import process_logits, sample, to_probs
+from .schedule import chained_acceptance, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -460,7 +461,7 @@ class HybridProposer:
         self.verify_cost, self.draft_cost = verify_cost, draft_cost
         self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
         self._max_total_len = self._prompt_len = 0
-        self._draft_counts = [[0.0, 0.0] for _ in range(draft_k)]  # per position: [accepted, reached]
+        self._draft_counts = ([0.0] * draft_k, [0.0] * draft_k)  # per position: (reached, accepted)
         self._lookup_counts = [0.0, 0.0]  # this request's lookup proposals: [accepted, promised]
         self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
         self._looked_up: tuple[int, list[int], list[float]] | None = None  # (start, tokens, conf)
@@ -477,11 +478,7 @@ class HybridProposer:
     def draft_alpha(self) -> list[float]:
         """α_i: the draft token at position i is accepted if the ones before it were, as
         estimated in this request (length draft_k)."""
-        out, prior = [], self.DRAFT_PRIOR_ALPHA
-        for acc, reached in self._draft_counts:
-            prior = (acc + self.PRIOR_WEIGHT * prior) / (reached + self.PRIOR_WEIGHT)
-            out.append(prior)
-        return out
+        return chained_acceptance(*self._draft_counts, self.DRAFT_PRIOR_ALPHA, self.PRIOR_WEIGHT)
 
     @property
     def lookup_realism(self) -> float:
@@ -493,7 +490,7 @@ class HybridProposer:
         self.lookup.reset(state, max_total_len)
         self.drafter.reset(state, max_total_len)
         self._max_total_len, self._prompt_len = max_total_len, len(state.tokens)
-        self._draft_counts = [[0.0, 0.0] for _ in range(self.draft_k)]
+        self._draft_counts = ([0.0] * self.draft_k, [0.0] * self.draft_k)
         self._lookup_counts = [0.0, 0.0]
         self._drafted = self._looked_up = None
 
@@ -526,10 +523,9 @@ class HybridProposer:
         alpha = self.draft_alpha
         behind = max(0, n - 1 - self.draft.seq_len)  # committed tokens the draft has not seen
         horizon = max(1, min(self._max_total_len - n, max(self.HORIZON, n - self._prompt_len)))
-        best, expected, reach = (0, 0.0), 1.0, 1.0
+        best = (0, 0.0)
         for d in range(1, min(k, self.draft_k) + 1):
-            reach *= alpha[d - 1]
-            expected += reach
+            expected = expected_tokens(alpha, d)
             catch_up = behind * self.draft_prefill_cost / max(1.0, horizon / expected)
             rate = expected / (d * self.draft_cost + self._t(d + 1) + catch_up)
             if rate > best[1]:
@@ -556,9 +552,10 @@ class HybridProposer:
         if self._drafted is not None:
             start, proposed = self._drafted
             accepted = min(proposed, len(state.tokens) - start - 1)
+            reached, acc = self._draft_counts
             for i in range(min(proposed, accepted + 1)):  # reached: the accepted, the first rejected
-                self._draft_counts[i][1] += 1
-                self._draft_counts[i][0] += i < accepted
+                reached[i] += 1
+                acc[i] += i < accepted
             self._drafted = None
         if self._looked_up is not None:
             # the lookup's proposal, used or not, against the committed tokens it reaches:

@@ -75,6 +75,29 @@ class HeuristicK:
             self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
 
+def chained_acceptance(reached, accepted, first_alpha: float, prior_weight: float) -> list[float]:
+    """Per-position acceptance α_1, α_2, ... from counts of how often each position was
+    reached and accepted: α_i = (accepted_i + w·α_{i−1}) / (reached_i + w), with α_0 =
+    ``first_alpha`` and w = ``prior_weight`` — a position seldom reached inherits the rate of
+    the one before it (a draft's misses come in bursts, so K can grow while drafts keep
+    being accepted)."""
+    out, prev = [], first_alpha
+    for r, a in zip(reached, accepted):
+        prev = (a + prior_weight * prev) / (r + prior_weight)
+        out.append(prev)
+    return out
+
+
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """E(K) = 1 + Σ_{i=1..K} Π_{j<=i} α_j: tokens a round of K drafts emits, bonus or
+    recovered token included (Leviathan et al., arXiv:2211.17192 §3.1, α per position)."""
+    total, run = 1.0, 1.0
+    for a in alphas[:k]:
+        run *= a
+        total += run
+    return total
+
+
 class AutoK:
     """Choose K each round to maximise expected emitted tokens per second.
 
@@ -149,13 +172,8 @@ class AutoK:
         in ``bucket``, or of costly ones for None)."""
         reached, accepted = self.counts(bucket)
         # prior for free proposals: a match of m tokens is right about m/(m+1) of the time
-        prev = self.first_alpha if bucket is None else 2 ** (bucket - 1) / (2 ** (bucket - 1) + 1)
-        out = []
-        for i in range(1, self.max_k + 1):
-            a = (accepted[i] + self.prior_weight * prev) / (reached[i] + self.prior_weight)
-            out.append(a)
-            prev = a
-        return out
+        first = self.first_alpha if bucket is None else 2 ** (bucket - 1) / (2 ** (bucket - 1) + 1)
+        return chained_acceptance(reached[1:], accepted[1:], first, self.prior_weight)
 
     def counts(self, bucket: int | None = None) -> tuple[list[float], list[float]]:
         """(reached, accepted): decayed counts per position 0..max_k (0 unused)."""
@@ -172,12 +190,7 @@ class AutoK:
 
     def expected_tokens(self, k: int, alphas: list[float] | None = None) -> float:
         """E(K): expected tokens emitted by a round of K drafts (bonus/recovered included)."""
-        alphas = self.alphas() if alphas is None else alphas
-        total, run = 1.0, 1.0
-        for a in alphas[:k]:
-            run *= a
-            total += run
-        return total
+        return expected_tokens(self.alphas() if alphas is None else alphas, k)
 
     def cost(self, k: int) -> float:
         """C(K) in seconds: drafting K tokens plus verifying K+1."""
@@ -265,8 +278,9 @@ PROFILE_CONTEXT = 256
 def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> list[float]:
     """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
     max_k = 0, a draft model's T(1)), measured once — one untimed round of the max_k+1 sizes,
-    then each the median of 3 timed passes, after prefilling 256 tokens (less for a shorter context) — and cached on disk per model, dtype,
-    thread count, torch version and CPU, and in memory on the loaded model. ``model``: a
+    then each the median of 3 timed passes, after prefilling 256 tokens (less for a shorter
+    context) — and cached on disk per model, dtype, thread count, torch version and CPU, and
+    in memory on the loaded model. ``model``: a
     :class:`~specdecode.backends.LoadedModel`. Measuring uses the model's KV cache, so it
     raises RuntimeError while the model is generating another request. A cache file that
     cannot be read or holds anything but positive times is measured again."""
