@@ -602,6 +602,29 @@ def test_hybrid_keeps_measuring_positions_past_its_draft_length(salt):
     assert by["num_draft_tokens"] / by["num_drafts"] > 5.5
 
 
+def test_hybrid_tries_a_draft_again_after_giving_it_up():
+    """A draft that is wrong for the first tokens of the answer and right after them: the
+    hybrid stops drafting after a bad start, then tries it again now and then (after 8
+    rounds without it, then 16, ...) and goes back to drafting once it is accepted. The
+    previous hybrid never drafted again (about 0 accepted draft tokens here)."""
+    tfn = hashed_logits(50, "t")
+    tgt = MockLM(50, tfn)
+    prompt = [(i * 7) % 50 for i in range(10)]
+    bad_start = MockLM(50, lambda toks: torch.roll(tfn(toks), 1) if len(toks) < 22 else tfn(toks))
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(bad_start))
+    params = SamplingParams(max_new_tokens=150)
+    gen, _ = run(tgt, hybrid, 8, prompt, params)
+    assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
+    by = gen.stats.by_proposer["draft"]
+    assert by["num_accepted_tokens"] > 100 and hybrid.draft_alpha[0] > 0.8
+    # a draft that is never right is tried again less and less often
+    never = HybridProposer(SuffixProposer(8, 0.99),
+                           DraftModelProposer(MockLM(50, lambda toks: torch.roll(tfn(toks), 1))))
+    gen, _ = run(tgt, never, 8, prompt, params)
+    assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
+    assert 3 <= gen.stats.by_proposer["draft"]["num_drafts"] <= 10  # probes after 8, 16, 32, 64 rounds
+
+
 def test_hybrid_costs_beyond_the_profile_never_fall():
     """A noisy profile may end lower than it starts; extrapolating its slope past the end
     must not reach zero or below (a division by it would crash the request)."""
@@ -725,8 +748,9 @@ def test_hybrid_sampled_output_follows_target():
     from test_sampling import _mock_draft
 
     params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5)
-    engine = Engine(_mock_target(), HybridProposer(SuffixProposer(8, 0.0), DraftModelProposer(_mock_draft()),
-                                                   draft_cost=0.0), 3, debug=True)
+    hybrid = HybridProposer(SuffixProposer(8, 0.0), DraftModelProposer(_mock_draft()), draft_cost=0.0)
+    hybrid.LOOKUP_MARGIN = 1.0  # here the lookup must win some rounds against a free draft
+    engine = Engine(_mock_target(), hybrid, 3, debug=True)
     counts = torch.zeros(EV * EV, dtype=torch.long)
     sources = set()
     for seed in range(N_RUNS):

@@ -422,9 +422,16 @@ class HybridProposer:
     length are not measured, so without this one early miss at position 5 would keep its
     estimate low and every later round at 4 tokens (on mock drafts right 84 % of the time,
     this cut the modelled time of a request by up to 12 % and never raised it). The draft
-    model drafts its best D when that rate beats both the lookup's best and plain decoding's,
-    1/T(1); else the lookup proposes its best L if that beats plain decoding, and nothing is
-    proposed if not.
+    model drafts its best D when that rate beats both the lookup's best over
+    ``LOOKUP_MARGIN`` (1.3) and plain decoding's, 1/T(1); else the lookup proposes its best L
+    if that beats plain decoding, and nothing is proposed if not. The margin: a lookup's
+    promise rests on a few of this request's proposals, and one that fails where the draft
+    would have been accepted loses a whole round; replayed on 28 recorded outputs
+    (``benchmarks/simulate_hybrid.py``) it raised the modelled speed by 1 % overall and lost
+    nowhere. A draft given up after a bad start (its rate below plain decoding's) would
+    never be measured again, so once it has drafted, every ``PROBE_EVERY`` (8) rounds
+    without it and without a useful lookup it drafts once more; each such probe doubles
+    the wait for the next, and a draft chosen on its merits resets it.
     Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (the target's profile,
     :func:`~specdecode.schedule.verify_profile`; default 1 + 0.08·(n−1)), ``draft_cost`` =
     one draft step / T(1) (the draft's profiled T(1) over the target's; default 0.12),
@@ -446,6 +453,8 @@ class HybridProposer:
     DRAFT_PRIOR_ALPHA = 0.7
     HORIZON = 16
     EXPLORE = 0.03
+    LOOKUP_MARGIN = 1.3
+    PROBE_EVERY = 8
 
     def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
                  verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6,
@@ -471,6 +480,7 @@ class HybridProposer:
         self._lookup_counts = [0.0, 0.0]  # this request's lookup proposals: [accepted, promised]
         self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
         self._looked_up: tuple[int, list[int], list[float]] | None = None  # (start, tokens, conf)
+        self._idle, self._probe_every = 0, self.PROBE_EVERY  # rounds since the draft drafted
 
     @property
     def draft(self) -> CausalLM:
@@ -499,6 +509,7 @@ class HybridProposer:
         self._draft_counts = ([0.0] * self.draft_k, [0.0] * self.draft_k)
         self._lookup_counts = [0.0, 0.0]
         self._drafted = self._looked_up = None
+        self._idle, self._probe_every = 0, self.PROBE_EVERY
 
     def _t(self, n: int) -> float:
         """T(n)/T(1)."""
@@ -545,12 +556,20 @@ class HybridProposer:
         self._looked_up = (n, out, conf)
         length, lookup_rate = self._best_lookup(conf)
         d, draft_rate = self._best_draft(n, k)
-        if draft_rate > max(lookup_rate, 1.0):
+        merit = draft_rate > max(lookup_rate / self.LOOKUP_MARGIN, 1.0)
+        # a draft given up after a bad start is tried again now and then (never one that was
+        # not fed yet: its catch-up prefill is left to the cost model)
+        probe = (d > 0 and lookup_rate <= 1.0 and self._idle >= self._probe_every
+                 and self._draft_counts[0][0] > 0)
+        if merit or probe:
             self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
             drafted = self.drafter.propose(state, d)
             if drafted.token_ids.shape[1]:
                 self._drafted = (n, drafted.token_ids.shape[1])
+                self._idle = 0
+                self._probe_every = self.PROBE_EVERY if merit else 2 * self._probe_every
                 return drafted
+        self._idle += self.drafter.enabled
         if length == 0:  # costs more than it promises; still scored, to keep learning
             return DraftOutput.empty()
         return DraftOutput.point_mass(out[:length], self.lookup.name)
