@@ -7,13 +7,18 @@ measures the first by running the draft at every position (cached in ``--cache``
 prompt). Step 2 replays the real ``HybridProposer`` on them, with a stand-in draft model
 that drafts what the draft model would, and adds up each round's modelled cost (the
 target's and the draft's profiled forward times, as the hybrid itself uses), for the hybrid
-with each ``--margins`` value of ``HybridProposer.LOOKUP_MARGIN``, beside the draft model
-alone at K = 6 and prompt lookup. Prints decode-only modelled speedups over plain decoding
-(medians per subtask). Usage:
+with each combination of ``--margins`` (``HybridProposer.LOOKUP_MARGIN``), ``--explore``
+(``EXPLORE``) and ``--prior`` (``DRAFT_PRIOR_ALPHA``), beside the draft model alone at K = 6
+and prompt lookup. Prints decode-only modelled speedups over plain decoding: medians per
+subtask, overall, and the geometric mean. ``VERBOSE=1`` prints every round (source, length,
+accepted). Usage:
 
-    python benchmarks/simulate_hybrid.py benchmarks/<run>/records.jsonl [--margins 1,1.2]
+    python benchmarks/simulate_hybrid.py benchmarks/<run>/records.jsonl --limit 2 \
+        --margins 1,1.3 --explore 0,0.03
 
-Prompts are rebuilt as the bench builds them (mt_bench's second turn is skipped).
+``--limit`` must be the run's, so that its prompts are rebuilt as the bench built them
+(mt_bench's second turn is skipped). The draft model's numerics depend on how its input is
+chunked (int8), so a real run's rounds drift from the replay's: a guide, not a measurement.
 """
 
 from __future__ import annotations
@@ -27,8 +32,7 @@ from pathlib import Path
 import torch
 
 from specdecode import bench, registry
-from specdecode.api import build_proposer
-from specdecode.config import Method, SamplingParams, SpeculativeConfig
+from specdecode.config import SamplingParams
 from specdecode.proposers import DraftOutput, HybridProposer, PromptLookupProposer, RequestState, SuffixProposer
 from specdecode.schedule import verify_profile
 
@@ -119,7 +123,8 @@ def main() -> None:
     p.add_argument("--prior", default="0.7", help="HybridProposer.DRAFT_PRIOR_ALPHA values")
     p.add_argument("--explore", default="0.03", help="HybridProposer.EXPLORE values")
     p.add_argument("--limit", type=int, default=5, help="the run's --limit (to rebuild its prompts)")
-    p.add_argument("--cache", default="benchmarks/.draft_accepts.json")
+    p.add_argument("--cache", default=str(registry.cache_dir() / "draft_accepts.json"),
+                   help="where step 1's results are kept (default: %(default)s)")
     args = p.parse_args()
     records = [json.loads(line) for line in open(args.records) if line.strip()]
     refs = {(r["subtask"], r["prompt_id"]): r["token_ids"] for r in records
