@@ -25,13 +25,16 @@ from specdecode.config import SamplingParams
 from specdecode.schedule import AutoK, FixedK, HeuristicK
 
 
-def replay(proposer, prompt: list[int], output: list[int], k, times: list[float]):
-    """k: an int (fixed K) or a schedule (reset / next_k / update)."""
+def replay(proposer, prompt: list[int], output: list[int], k, times: list[float], cost=None):
+    """Replay one recorded greedy output through ``proposer``; returns (verify passes,
+    speedup Σ T(1) / Σ round costs). k: an int (fixed K) or a schedule (reset / next_k /
+    update). ``cost(proposal, n)``: a round's cost for a proposal of n tokens (default
+    T(n+1) from ``times``: lookups cost nothing to propose)."""
     schedule = FixedK(k) if isinstance(k, int) else k
     schedule.reset()
     state = RequestState(list(prompt), 0, SamplingParams(), (), None, 1 << 30)
     proposer.reset(state, len(prompt) + len(output) + 65)
-    passes, cost, i = 0, 0.0, 0
+    passes, total, i = 0, 0.0, 0
     while i < len(output):
         kr = min(schedule.next_k(), len(output) - i)
         proposal = proposer.propose(state, kr) if kr else None
@@ -48,9 +51,25 @@ def replay(proposer, prompt: list[int], output: list[int], k, times: list[float]
         i += n
         passes += 1
         t = times[min(len(draft), len(times) - 1)]
-        cost += t
+        total += cost(proposal, len(draft)) if cost is not None else t
         schedule.update(len(draft), accepted, 0.0, t)
-    return passes, len(output) * times[0] / cost
+    return passes, len(output) * times[0] / total
+
+
+def load_cases(records: list[dict], tok) -> list[tuple[str, str, int, list[int], list[int]]]:
+    """(subtask, prompt id, turn, prompt ids, recorded output) of every ``ar`` record, the
+    prompt rebuilt as the bench built it (a second turn after ``ar``'s own first answer)."""
+    tasks = {(t.subtask, t.prompt_id): t for t in
+             bench.load_spec_bench(bench.SPEC_BENCH_PATH) + bench.load_humaneval()
+             + bench.load_code_edit()}
+    answers: dict = {}
+    cases = []
+    for r in sorted((r for r in records if r["method"] == "ar"), key=lambda r: r["turn"]):
+        key = (r["subtask"], r["prompt_id"])
+        prompt = bench._prompt_ids(tok, tasks[key], r["turn"], answers.get(key, []))
+        answers.setdefault(key, []).append(tok.decode(r["token_ids"], skip_special_tokens=True))
+        cases.append((*key, r["turn"], prompt, r["token_ids"]))
+    return cases
 
 
 def main(paths: list[str]) -> None:
@@ -68,18 +87,7 @@ def main(paths: list[str]) -> None:
             records += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     if times is None:
         raise SystemExit("give at least one results.json (for T(n))")
-    tasks = {(t.subtask, t.prompt_id): t for t in
-             bench.load_spec_bench(bench.SPEC_BENCH_PATH) + bench.load_humaneval()
-             + bench.load_code_edit()}
-    ar = [r for r in records if r["method"] == "ar"]
-    answers = {}
-    cases = []
-    for r in sorted(ar, key=lambda r: r["turn"]):
-        task = tasks[(r["subtask"], r["prompt_id"])]
-        key = (r["subtask"], r["prompt_id"])
-        prompt = bench._prompt_ids(tok, task, r["turn"], answers.get(key, []))
-        answers.setdefault(key, []).append(tok.decode(r["token_ids"], skip_special_tokens=True))
-        cases.append((r["subtask"], prompt, r["token_ids"]))
+    cases = [(sub, prompt, out) for sub, _, _, prompt, out in load_cases(records, tok)]
     settings = {
         "prompt-lookup (default: recent, n=5..2, K=16)": lambda: (PromptLookupProposer(5, 2, "recent"), 16),
         "prompt-lookup, first match": lambda: (PromptLookupProposer(5, 2, "first"), 16),

@@ -426,9 +426,9 @@ class HybridProposer:
     ``LOOKUP_MARGIN`` (1.3) and plain decoding's, 1/T(1); else the lookup proposes its best L
     if that beats plain decoding, and nothing is proposed if not. The margin: a lookup's
     promise rests on a few of this request's proposals, and one that fails where the draft
-    would have been accepted loses a whole round; replayed on 28 recorded outputs
-    (``benchmarks/simulate_hybrid.py``) it raised the modelled speed by 1 % overall and lost
-    nowhere. A draft given up after a bad start (its rate below plain decoding's) would
+    would have been accepted loses a whole round; replayed on 30 recorded outputs
+    (``benchmarks/simulate_hybrid.py``) it raised the modelled speed by 0.2–0.8 % (geometric
+    means) and lost only on summarization (1 %). A draft given up after a bad start (its rate below plain decoding's) would
     never be measured again, so once it has drafted, every ``PROBE_EVERY`` (8) rounds
     without it and without a useful lookup it drafts once more; each such probe doubles
     the wait for the next, and a draft chosen on its merits resets it.
