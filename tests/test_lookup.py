@@ -844,13 +844,38 @@ def test_hybrid_prefills_its_draft_only_when_it_drafts():
     tgt = MockLM(50, copying_logits(50))
     params = SamplingParams(max_new_tokens=60)
     expected = Engine(tgt).generate(prompt, params).run().token_ids
-    # drafting once: the draft is fed everything it skipped in one catch-up, then one a round
+    # drafting once: the draft is fed what it skipped in one catch-up (all but the last
+    # token, then the last alone, as an eager prefill would), then one a round
     gen, _ = run(tgt, hybrid, 8, prompt, params)
     assert gen.token_ids == expected and gen.stats.by_proposer["draft"]["num_drafts"] >= 1
-    assert hybrid.draft.forward_sizes[0] == len(prompt)
+    assert hybrid.draft.forward_sizes[:2] == [len(prompt) - 1, 1]
     # a draft whose prefill is dear next to what the lookup promises is never fed at all
     dear = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))),
                           draft_prefill_cost=10.0)
     gen, _ = run(tgt, dear, 8, prompt, params)
     assert gen.token_ids == expected and "draft" not in gen.stats.by_proposer
     assert dear.draft.forward_sizes == []
+
+
+class ChunkSensitiveLM(MockLM):
+    """Like an int8 draft with one activation scale per call: when a call feeds the first
+    position together with others, its last row's logits are off (the argmax moves)."""
+
+    def forward(self, input_ids, num_logits=None):
+        spans_start = self.seq_len == 0 and input_ids.shape[1] > 1
+        out = super().forward(input_ids, num_logits)
+        if spans_start and out.shape[1]:
+            out[0, -1] = out[0, -1].roll(1)
+        return out
+
+
+@pytest.mark.parametrize("n_prompt", [2, 3, 12])
+def test_lazy_prefill_drafts_what_an_eager_prefill_drafts(n_prompt):
+    prompt = COPY_PROMPT[:n_prompt]
+    drafts = []
+    for lazy in (False, True):
+        state = RequestState(list(prompt), 0, SamplingParams(), (), None, 50)
+        proposer = DraftModelProposer(ChunkSensitiveLM(50, hashed_logits(50, "chunk")), lazy_prefill=lazy)
+        proposer.reset(state, 100)
+        drafts.append(proposer.propose(state, 4).token_ids.tolist())
+    assert drafts[0] == drafts[1]

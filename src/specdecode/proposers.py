@@ -88,7 +88,14 @@ class DraftModelProposer:
     request's processing) has probability below p_min; that token is not proposed (llama.cpp
     ``--draft-p-min``; transformers' ``assistant_confidence_threshold``). None = always K.
     lazy_prefill: do not prefill the prompt at ``reset``; the first ``propose`` feeds it (a
-    hybrid that may never need the draft model saves the draft's prefill).
+    hybrid that may never need the draft model saves the draft's prefill). Unseen tokens are
+    fed as all but the last, then the last alone, when they start the sequence or number
+    more than two (a lazy prefill, or a catch-up after lookup rounds; as ``reset`` does): an int8
+    draft quantizes each call's activations with one scale, and the prompt's first token
+    (outsized activations) coarsens the last position's logits when they share a call. Fed
+    in one call, the int8 0.5B draft's first token matched the target's on 16 of 23 bench
+    prompts; split, on 18 (the hybrid's lazy prefill had lost the first round of short QA
+    answers this way).
     Raises ValueError for p_min outside [0, 1).
     """
 
@@ -122,6 +129,9 @@ class DraftModelProposer:
         if max(new) >= self.draft.vocab_size:
             self.enabled = False
             return DraftOutput.empty()
+        if len(new) > 2 or (len(new) == 2 and self.draft.seq_len == 0):  # see the class docstring
+            self.draft.forward(torch.tensor([new[:-1]]), num_logits=0)
+            new = new[-1:]
         params, v = state.params, state.target_vocab_size
         feed = torch.tensor([new])
         context = torch.tensor([state.tokens])
