@@ -300,6 +300,12 @@ def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys,
     assert "resuming: 14 generations" in capsys.readouterr().err
     assert cli.main(args + ["--resume", "--max-new-tokens", "7"]) == 2
     assert "max_new_tokens was '6', now '7'" in capsys.readouterr().err
+    assert cli.main(args[:-5] + ["2"] + args[-4:] + ["--resume"]) == 2  # --limit 2: other prompts
+    assert "limit was '1', now '2'" in capsys.readouterr().err
+    older = json.loads((out / "run.json").read_text())
+    del older["limit"]  # a run.json written before the limit was kept
+    (out / "run.json").write_text(json.dumps(older))
+    assert cli.main(args + ["--resume"]) == 0
     resumed = json.loads((out / "results.json").read_text())
     assert [r["seconds"] for r in resumed["records"]] == [
         r["seconds"] for r in results["records"] if r["method"] in ("ar", "hf-ar")]

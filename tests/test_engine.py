@@ -18,7 +18,7 @@ from helpers import MockLM, ScriptedProposer, hashed_logits, reference, tiny_mod
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine, SpecDecodingStats
 from helpers import one_thread  # noqa: F401 (autouse fixture)
-from specdecode.proposers import DraftModelProposer, DraftOutput
+from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer
 
 V = 96
 
@@ -675,6 +675,30 @@ def test_cancel_at_every_round_near_the_limit_then_reuse():
         assert again.token_ids == list(ref(tuple(prompt[:-2]), SamplingParams(max_new_tokens=CTX)))[
             : CTX - len(prompt) + 2]
 
+
+
+def test_a_proposer_serves_one_request_at_a_time():
+    """Two engines on different targets sharing one lookup proposer: interleaving their
+    requests would mix two requests' lookup indexes (an IndexError deep in the proposer, or
+    wrong proposals). The second request is refused with what to do; after the first
+    finishes, the proposer serves the next one."""
+    shared = PromptLookupProposer()
+    a, b = Engine(target(), shared, 4), Engine(tiny_model(1), shared, 4)
+    params = SamplingParams(max_new_tokens=30)
+    first = a.generate(PROMPTS["repetitive"], params)
+    next(iter(first))
+    with pytest.raises(RuntimeError, match="proposer is already generating.*its own proposer"):
+        b.generate(PROMPTS["twenty"], params).run()
+    first.run()
+    assert first.token_ids == list(ref(tuple(PROMPTS["repetitive"]), params))
+    assert len(b.generate(PROMPTS["twenty"], params).run().token_ids) == 30
+
+
+def test_a_draft_model_that_is_the_target_itself_is_refused():
+    tgt = target()
+    with pytest.raises(ValueError, match=r"draft model is the target itself.*fork\(\)"):
+        Engine(tgt, DraftModelProposer(tgt), 4)
+    Engine(tgt, DraftModelProposer(tgt.fork()), 4)  # its own cache: fine
 
 def test_invalid_prompts_are_refused_with_value_error():
     engine = Engine(target(), DraftModelProposer(random_draft()), 4, debug=True)

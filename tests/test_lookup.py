@@ -304,6 +304,32 @@ def test_suffix_session_cache_uses_earlier_outputs():
     assert per_request.stats.num_accepted_tokens == one.stats.num_accepted_tokens
 
 
+
+def test_suffix_session_cache_keeps_only_the_latest_outputs():
+    """Past max_session_tokens the oldest outputs leave the session (down to half the cap):
+    the counts stay bounded, and what is kept is still proposed."""
+    sfx = SuffixProposer(4, 0.0, cache="session", max_session_tokens=40)
+    old_text, new_text = [1, 2, 3, 4, 5, 6, 7, 8], [30, 31, 32, 33, 34, 35, 36, 37]
+
+    def request(output):
+        state = RequestState([99], 0, GREEDY128, (), None, 100)
+        sfx.reset(state, 200)
+        state.tokens += output  # as committed by the engine
+        sfx.on_accept(state)
+
+    request(old_text)
+    for _ in range(5):
+        request(new_text)
+    request([])  # counts the last output
+    assert sfx.continuation([50, 1, 2, 3], 3)[0] == []  # the oldest output was dropped
+    assert sfx.continuation([50, 30, 31, 32], 3)[0] == [33, 34, 35]
+    assert sum(map(len, sfx._outputs)) <= 40
+    sizes = []
+    for i in range(30):  # many more requests, each new text: the table stops growing
+        request([100 + 8 * i + j for j in range(8)])
+        sizes.append(len(sfx.session.table))
+    assert max(sizes[10:]) <= max(sizes[:10])
+
 # ----------------------------------------------------------------------------------------
 # hybrid: stats per proposer
 # ----------------------------------------------------------------------------------------
@@ -365,6 +391,7 @@ def test_draft_p_min_validation(bad):
     (lambda: SuffixProposer(0), "depth=0"),
     (lambda: SuffixProposer(8, 1.0), "min_confidence=1.0"),
     (lambda: SuffixProposer(8, 0.1, "global"), "cache='global'"),
+    (lambda: SuffixProposer(8, 0.1, "session", 0), "max_session_tokens=0"),
 ])
 def test_lookup_options_are_validated(make, match):
     with pytest.raises(ValueError, match=match):

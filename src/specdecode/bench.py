@@ -375,12 +375,13 @@ def _prompt_ids(tokenizer, task: Task, turn: int, answers: list[str]) -> list[in
 
 
 RECORDS_LOG = "records.jsonl"
-RUN_SETTINGS = ("target", "draft", "dtype", "max_new_tokens", "seed", "dataset")
+RUN_SETTINGS = ("target", "draft", "dtype", "max_new_tokens", "seed", "dataset", "limit")
 
 
 def _check_run_settings(args) -> None:
     """--out DIR keeps the settings that make records comparable in DIR/run.json; --resume
-    with other settings is refused (its records would not be comparable)."""
+    with other settings is refused (its records would not be comparable; another --limit
+    chooses other prompts). A run.json written before ``limit`` was kept is not checked for it."""
     path = Path(args.out) / "run.json"
     mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
     if Path(args.dataset).is_file():  # the questions themselves, wherever the file lies
@@ -390,6 +391,7 @@ def _check_run_settings(args) -> None:
             theirs = json.loads(path.read_text())
         except ValueError:
             theirs = {}
+        theirs.setdefault("limit", mine["limit"])
         diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "

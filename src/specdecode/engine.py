@@ -216,6 +216,10 @@ class Engine:
         elif not all(callable(getattr(k, m, None)) for m in ("reset", "next_k", "update")):
             raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64 "
                              "or a K schedule (specdecode.schedule: FixedK, HeuristicK, AutoK)")
+        if proposer is not None and getattr(proposer, "draft", None) is target:
+            raise ValueError("the proposer's draft model is the target itself, whose KV cache the "
+                             "target needs: give the draft its own cache, e.g. "
+                             "DraftModelProposer(target.fork()) (a fork shares the weights)")
         self.schedule = k
         self.debug = debug
 
@@ -253,19 +257,23 @@ class Engine:
         return gen
 
     def _loop(self, *args):
-        """Hold each model's KV cache for the whole request: one request at a time per loaded
-        model (a second one would silently corrupt the first one's cache)."""
+        """Hold each model's KV cache, and the proposer's per-request state, for the whole
+        request: one request at a time per loaded model and per proposer (a second one would
+        silently corrupt the first one's cache or lookup index)."""
         held = []
         try:
-            for lm in (self.target, getattr(self.proposer, "draft", None)):
-                if lm is None:
+            for what, obj in (("model", self.target), ("model", getattr(self.proposer, "draft", None)),
+                              ("proposer", self.proposer)):
+                if obj is None:
                     continue
-                lock = _busy_lock(lm)
+                lock = _busy_lock(obj)
                 if not lock.acquire(blocking=False):
                     raise RuntimeError(
-                        "this model is already generating another request (its KV cache is in "
-                        "use): finish or close() the other generation/stream first, or load a "
-                        "second copy of the model for concurrent requests")
+                        f"this {what} is already generating another request (its "
+                        f"{'KV cache' if what == 'model' else 'per-request state'} is in use): "
+                        f"finish or close() the other generation/stream first, or "
+                        f"{'load a second copy of the model' if what == 'model' else 'give each engine its own proposer'}"
+                        " for concurrent requests")
                 held.append(lock)
             yield from self._rounds(*args)
         finally:

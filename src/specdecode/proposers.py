@@ -6,6 +6,7 @@ each round, ``on_accept`` after verification. "No draft this round" is an empty 
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -302,22 +303,33 @@ class SuffixProposer:
     (so a seeded sampled request gives the same output every time), except with
     ``cache="session"``, where it is kept with the session's counts: proposals then depend on
     earlier requests, and a seed reproduces a sampled output only after the same earlier
-    requests. Proposals are point masses (probs None). Raises ValueError for depth outside 1..64,
-    min_confidence outside [0, 1) or an unknown cache.
+    requests. The session keeps the most recent outputs: once they pass
+    ``max_session_tokens`` tokens (default 20,000, about 130 MB of counts at depth 16), the
+    oldest are dropped until half remain and the counts are rebuilt (SuffixDecoding bounds
+    its global tree the same way, oldest requests first). Proposals are point masses (probs
+    None). Raises ValueError for depth outside 1..64, min_confidence outside [0, 1), an
+    unknown cache or max_session_tokens < 1.
     """
 
     name = "suffix"
     PRIOR_WEIGHT = 2.0
 
-    def __init__(self, depth: int = 16, min_confidence: float = 0.1, cache: str = "request"):
+    def __init__(self, depth: int = 16, min_confidence: float = 0.1, cache: str = "request",
+                 max_session_tokens: int = 20_000):
         if not (isinstance(depth, int) and 1 <= depth <= 64):
             raise ValueError(f"suffix depth={depth!r} is invalid; allowed: an integer 1..64")
         if not (isinstance(min_confidence, (int, float)) and 0 <= min_confidence < 1):
             raise ValueError(f"suffix min_confidence={min_confidence!r} is invalid; allowed: [0, 1)")
         if cache not in ("request", "session"):
             raise ValueError(f"suffix cache={cache!r} is invalid; allowed: 'request', 'session'")
+        if isinstance(max_session_tokens, bool) or not (isinstance(max_session_tokens, int)
+                                                        and max_session_tokens >= 1):
+            raise ValueError(f"suffix max_session_tokens={max_session_tokens!r} is invalid; "
+                             "allowed: an integer >= 1")
         self.depth, self.min_confidence, self.cache = depth, min_confidence, cache
+        self.max_session_tokens = max_session_tokens
         self.session = ContinuationCounts(depth)
+        self._outputs: collections.deque[list[int]] = collections.deque()  # what session counts
         self.calibration: dict[tuple[int, int], list[float]] = {}  # cell -> [accepted, reached]
         self._request = ContinuationCounts(depth)
         self._counted = 0
@@ -328,7 +340,7 @@ class SuffixProposer:
         if self.cache == "session":
             if self._previous is not None:
                 tokens, prompt_len = self._previous
-                self.session.add(tokens[prompt_len:])
+                self._remember(tokens[prompt_len:])
             self._previous = (state.tokens, len(state.tokens))
         else:
             self.calibration = {}
@@ -336,6 +348,18 @@ class SuffixProposer:
         self._counted = 0
         self._pending = None
         self._update(state.tokens)
+
+    def _remember(self, output: list[int]) -> None:
+        """Count a finished request's output in the session, dropping the oldest past the cap."""
+        self._outputs.append(output)
+        self.session.add(output)
+        held = sum(map(len, self._outputs))
+        if held > self.max_session_tokens:
+            while held > self.max_session_tokens // 2:
+                held -= len(self._outputs.popleft())
+            self.session = ContinuationCounts(self.depth)
+            for kept in self._outputs:
+                self.session.add(kept)
 
     def _update(self, tokens: list[int]) -> None:
         self._request.add(tokens, self._counted)
