@@ -304,7 +304,7 @@ class SuffixProposer:
     ``cache="session"``, where it is kept with the session's counts: proposals then depend on
     earlier requests, and a seed reproduces a sampled output only after the same earlier
     requests. The session keeps the most recent outputs: once they pass
-    ``max_session_tokens`` tokens (default 20,000, about 130 MB of counts at depth 16), the
+    ``max_session_tokens`` tokens (default 20,000: up to 135 MiB of counts at depth 16), the
     oldest are dropped until half remain and the counts are rebuilt (SuffixDecoding bounds
     its global tree the same way, oldest requests first). Proposals are point masses (probs
     None). Raises ValueError for depth outside 1..64, min_confidence outside [0, 1), an
