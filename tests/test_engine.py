@@ -676,7 +676,6 @@ def test_cancel_at_every_round_near_the_limit_then_reuse():
             : CTX - len(prompt) + 2]
 
 
-
 def test_a_proposer_serves_one_request_at_a_time():
     """Two engines on different targets sharing one lookup proposer: interleaving their
     requests would mix two requests' lookup indexes (an IndexError deep in the proposer, or
@@ -699,6 +698,7 @@ def test_a_draft_model_that_is_the_target_itself_is_refused():
     with pytest.raises(ValueError, match=r"draft model is the target itself.*fork\(\)"):
         Engine(tgt, DraftModelProposer(tgt), 4)
     Engine(tgt, DraftModelProposer(tgt.fork()), 4)  # its own cache: fine
+
 
 def test_invalid_prompts_are_refused_with_value_error():
     engine = Engine(target(), DraftModelProposer(random_draft()), 4, debug=True)

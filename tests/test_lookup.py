@@ -304,7 +304,6 @@ def test_suffix_session_cache_uses_earlier_outputs():
     assert per_request.stats.num_accepted_tokens == one.stats.num_accepted_tokens
 
 
-
 def test_suffix_session_cache_keeps_only_the_latest_outputs():
     """Past max_session_tokens the oldest outputs leave the session (down to half the cap):
     the counts stay bounded, and what is kept is still proposed."""
@@ -329,6 +328,7 @@ def test_suffix_session_cache_keeps_only_the_latest_outputs():
         request([100 + 8 * i + j for j in range(8)])
         sizes.append(len(sfx.session.table))
     assert max(sizes[10:]) <= max(sizes[:10])
+
 
 # ----------------------------------------------------------------------------------------
 # hybrid: stats per proposer

@@ -262,18 +262,18 @@ class Engine:
         silently corrupt the first one's cache or lookup index)."""
         held = []
         try:
-            for what, obj in (("model", self.target), ("model", getattr(self.proposer, "draft", None)),
-                              ("proposer", self.proposer)):
+            model = ("model", "KV cache", "load a second copy of the model")
+            for obj, (what, state, remedy) in (
+                    (self.target, model), (getattr(self.proposer, "draft", None), model),
+                    (self.proposer, ("proposer", "per-request state", "give each engine its own proposer"))):
                 if obj is None:
                     continue
                 lock = _busy_lock(obj)
                 if not lock.acquire(blocking=False):
                     raise RuntimeError(
-                        f"this {what} is already generating another request (its "
-                        f"{'KV cache' if what == 'model' else 'per-request state'} is in use): "
-                        f"finish or close() the other generation/stream first, or "
-                        f"{'load a second copy of the model' if what == 'model' else 'give each engine its own proposer'}"
-                        " for concurrent requests")
+                        f"this {what} is already generating another request (its {state} is in "
+                        f"use): finish or close() the other generation/stream first, or {remedy} "
+                        "for concurrent requests")
                 held.append(lock)
             yield from self._rounds(*args)
         finally:
