@@ -364,6 +364,9 @@ def test_every_method_and_k_option_equals_plain_decoding(target, draft, kwargs):
 
 
 def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_path):
+    import specdecode.schedule as schedule
+
+    monkeypatch.setattr(schedule, "PROFILE_DIR", None)  # the default place: <cache>/profiles
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     target = specdecode.load(dirs["target"])
     ar = specdecode.generate(target, PROMPT, method="ar", max_new_tokens=30)
@@ -376,8 +379,6 @@ def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_pat
     assert len(times) == 17 and all(t > 0 for t in times)
     # a fresh load of the same model reads the profile instead of measuring again
     again = specdecode.load(dirs["target"])
-    import specdecode.schedule as schedule
-
     monkeypatch.setattr(schedule, "measure_forward_times", lambda *a, **k: pytest.fail("measured twice"))
     assert schedule.verify_profile(again) == times
 

@@ -164,14 +164,36 @@ def test_forward_times_and_ceiling():
     lm = MockLM(50, hashed_logits(50))
     times = bench.measure_forward_times(lm, context_len=20, max_n=6, repeats=2, warmup=1)
     assert len(times) == 6 and all(t > 0 for t in times)
-    # context prefill, then round-robin over n: one warm-up round and two timed ones
-    assert lm.forward_sizes == [20] + [1, 2, 3, 4, 5, 6] * 3
+    # context prefill, then round-robin over n with a T(1) before each larger n (T(1) is what
+    # every ratio is taken against): one warm-up round and two timed ones
+    assert lm.forward_sizes == [20] + [1, 2, 1, 3, 1, 4, 1, 5, 1, 6] * 3
     assert lm.seq_len == 20  # rolled back after every measurement
     # a perfect, free proposer: (K+1) tokens for the price of T(K+1)
     assert bench.ceiling([0.1, 0.12, 0.15, 0.2], 3) == pytest.approx(4 * 0.1 / 0.2)
     assert bench.ceiling([0.1, 0.1, 0.1], 2) == pytest.approx(3.0)
     with pytest.raises(ValueError, match=r"needs T\(4\)"):
         bench.ceiling([0.1, 0.1, 0.1], 3)
+
+
+def test_forward_times_median_t1_ignores_one_slow_pass(monkeypatch):
+    """T(1) is what every T(n)/T(1) is taken against: one pass slowed by the machine's
+    load must not move it (it has max_n - 1 samples a round, not one)."""
+    from specdecode import schedule
+
+    clock, calls = [0.0], []
+
+    class Timed(MockLM):
+        def forward(self, input_ids, num_logits=None):
+            n = input_ids.shape[1]
+            calls.append(n)
+            slow = n == 1 and calls[-2:-1] == [5]  # the first T(1) after the warm-up round
+            clock[0] += 5.0 if slow else 0.1 + 0.01 * (n - 1)
+            return super().forward(input_ids, num_logits)
+
+    monkeypatch.setattr(schedule.time, "perf_counter", lambda: clock[0])
+    times = schedule.measure_forward_times(Timed(50, hashed_logits(50)), 20, max_n=5, repeats=1,
+                                           warmup=1)
+    assert times == pytest.approx([0.1, 0.11, 0.12, 0.13, 0.14])
 
 
 def test_parse_methods():
