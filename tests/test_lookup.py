@@ -572,7 +572,7 @@ def test_hybrid_amortises_the_draft_prefill_over_the_answer_so_far():
     tgt = MockLM(50, hashed_logits(50, "t"))
     prompt = [(i * 7) % 50 for i in range(41)]
     draft = MockLM(50, hashed_logits(50, "t"))  # the target's twin: every draft is accepted
-    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(draft), draft_prefill_cost=0.2)
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(draft, p_min=0.0), draft_prefill_cost=0.2)
     params = SamplingParams(max_new_tokens=120)
     gen, _ = run(tgt, hybrid, 6, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
@@ -587,16 +587,35 @@ def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
     tgt = target()
     prompt = PROMPTS["twenty"]
     expected = list(ref(tuple(prompt), GREEDY128))
-    twin = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(tgt.fork()), draft_k=6)
+    twin = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(tgt.fork(), p_min=0.0), draft_k=6)
     gen, _ = run(tgt, twin, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
     assert gen.token_ids == expected and min(twin.draft_alpha) > 0.9
     assert by["num_draft_tokens"] > 5 * by["num_drafts"]
-    other = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(random_draft()), draft_k=6)
+    other = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(random_draft(), p_min=0.0), draft_k=6)
     gen, _ = run(tgt, other, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
     assert gen.token_ids == expected and other.draft_alpha[0] < 0.3
     assert by["num_drafts"] <= 8 and by["num_draft_tokens"] < 3 * by["num_drafts"]
+
+
+def test_hybrid_draft_stops_where_it_is_unsure():
+    """By default the hybrid's draft stops at a token to which it gives less than
+    DRAFT_P_MIN (0.5): a draft that agrees with the target but is never sure proposes
+    nothing; a sure one drafts; a p_min set by the caller (0: never stop) is kept."""
+    tfn = hashed_logits(50, "t")
+    tgt = MockLM(50, tfn)
+    prompt = [(i * 7) % 50 for i in range(10)]
+    params = SamplingParams(max_new_tokens=60)
+    expected = Engine(tgt).generate(prompt, params).run().token_ids
+    unsure, sure = (lambda toks: tfn(toks) * 0.05), (lambda toks: tfn(toks) * 10)  # same argmax
+    for fn, p_min, drafts in ((unsure, None, False), (unsure, 0.0, True), (sure, None, True)):
+        drafter = DraftModelProposer(MockLM(50, fn), p_min=p_min)
+        hybrid = HybridProposer(SuffixProposer(8, 0.99), drafter)
+        assert drafter.p_min == (HybridProposer.DRAFT_P_MIN if p_min is None else p_min)
+        gen, _ = run(tgt, hybrid, 8, prompt, params)
+        assert gen.token_ids == expected
+        assert ("draft" in gen.stats.by_proposer) == drafts
 
 
 def _sometimes_wrong(logits_fn, salt: str, p: float):
@@ -618,7 +637,7 @@ def test_hybrid_keeps_measuring_positions_past_its_draft_length(salt):
     profile = [1.0, 1.29, 1.32, 1.40, 1.45, 1.52, 1.60, 1.70, 1.76]
     tfn = hashed_logits(50, "t")
     tgt = MockLM(50, tfn)
-    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(MockLM(50, _sometimes_wrong(tfn, salt, 0.16))),
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(MockLM(50, _sometimes_wrong(tfn, salt, 0.16)), p_min=0.0),
                             verify_cost=profile, draft_cost=0.127, draft_prefill_cost=0.0)
     prompt = [(i * 7) % 50 for i in range(10)]
     params = SamplingParams(max_new_tokens=300)
@@ -638,7 +657,7 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
     tgt = MockLM(50, tfn)
     prompt = [(i * 7) % 50 for i in range(10)]
     bad_start = MockLM(50, lambda toks: torch.roll(tfn(toks), 1) if len(toks) < 22 else tfn(toks))
-    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(bad_start))
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(bad_start, p_min=0.0))
     params = SamplingParams(max_new_tokens=150)
     gen, _ = run(tgt, hybrid, 8, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
@@ -646,7 +665,7 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
     assert by["num_accepted_tokens"] > 100 and hybrid.draft_alpha[0] > 0.8
     # a draft that is never right is tried again less and less often
     never = HybridProposer(SuffixProposer(8, 0.99),
-                           DraftModelProposer(MockLM(50, lambda toks: torch.roll(tfn(toks), 1))))
+                           DraftModelProposer(MockLM(50, lambda toks: torch.roll(tfn(toks), 1)), p_min=0.0))
     gen, _ = run(tgt, never, 8, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     assert 3 <= gen.stats.by_proposer["draft"]["num_drafts"] <= 10  # probes after 8, 16, 32, 64 rounds
@@ -679,7 +698,7 @@ def test_hybrid_stops_trusting_a_lookup_that_over_promises():
     confidences are wrong loses its turns to the draft model after a round or two."""
     tgt = target()
     prompt = PROMPTS["twenty"]
-    hybrid = HybridProposer(_Overconfident(8, 0.0), DraftModelProposer(tgt.fork()))
+    hybrid = HybridProposer(_Overconfident(8, 0.0), DraftModelProposer(tgt.fork(), p_min=0.0))
     gen, _ = run(tgt, hybrid, 8, prompt, GREEDY128)
     assert gen.token_ids == list(ref(tuple(prompt), GREEDY128))
     by = gen.stats.by_proposer
@@ -775,7 +794,7 @@ def test_hybrid_sampled_output_follows_target():
     from test_sampling import _mock_draft
 
     params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5)
-    hybrid = HybridProposer(SuffixProposer(8, 0.0), DraftModelProposer(_mock_draft()), draft_cost=0.0)
+    hybrid = HybridProposer(SuffixProposer(8, 0.0), DraftModelProposer(_mock_draft(), p_min=0.0), draft_cost=0.0)
     hybrid.LOOKUP_MARGIN = 1.0  # here the lookup must win some rounds against a free draft
     engine = Engine(_mock_target(), hybrid, 3, debug=True)
     counts = torch.zeros(EV * EV, dtype=torch.long)

@@ -478,6 +478,10 @@ class HybridProposer:
     choices, in every process). ``DraftOutput.source`` tells the engine's stats
     which proposer supplied each round; the draft's cache catches up on the tokens it skipped
     the next time it drafts.
+    The draft model stops drafting at a token whose probability is below ``DRAFT_P_MIN``
+    (0.5) unless its ``p_min`` was set (0 = never stop): its misses are where it is unsure.
+    Measured against p_min unset, interleaved on the same prompts (int8 0.5B draft, fp32 1.5B
+    target, 5 prompts each): 1.06× on math, 1.07× on translation, 0.97–1.04× on HumanEval.
     Raises ValueError for a verify_cost that is not positive, a negative draft_cost or
     draft_prefill_cost, or draft_k < 1.
     """
@@ -489,6 +493,7 @@ class HybridProposer:
     EXPLORE = 0.03
     LOOKUP_MARGIN = 1.3
     PROBE_EVERY = 8
+    DRAFT_P_MIN = 0.5
 
     def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
                  verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6,
@@ -506,6 +511,8 @@ class HybridProposer:
         if not (isinstance(draft_cost, (int, float)) and draft_cost >= 0):
             raise ValueError(f"hybrid draft_cost={draft_cost!r} is invalid; allowed: a number >= 0")
         draft.lazy_prefill = True  # the draft is fed the prompt only if it is ever chosen
+        if draft.p_min is None:
+            draft.p_min = self.DRAFT_P_MIN
         self.lookup, self.drafter = lookup, draft
         self.verify_cost, self.draft_cost = verify_cost, draft_cost
         self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
