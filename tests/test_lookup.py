@@ -844,24 +844,26 @@ def test_engine_rejects_bad_schedules_and_out_of_vocabulary_proposals():
         Engine(target(), _BadIds(), 4).generate([1, 2, 3], GREEDY128).run()
 
 
-def test_verify_profile_busy_model_and_bad_cache_files(tmp_path):
+def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
     from specdecode.backends import LoadedModel
+    from specdecode import schedule
     from specdecode.schedule import verify_profile
 
+    monkeypatch.setattr(schedule, "PROFILE_DIR", tmp_path)
     model = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
     busy = Engine(model.lm).generate([1, 2, 3], SamplingParams(max_new_tokens=5))
     next(iter(busy))  # paused mid-request: its KV cache is in use
     with pytest.raises(RuntimeError, match="generating another request"):
-        verify_profile(model, 4, cache_dir=tmp_path)
+        verify_profile(model, 4)
     busy.close()
     before = len(model.lm.forward_sizes)
-    times = verify_profile(model, 4, cache_dir=tmp_path)
+    times = verify_profile(model, 4)
     assert len(times) == 5 and model.lm.forward_sizes[before] == 64 - 5  # context fits the model
     (path,) = tmp_path.glob("*.json")
     for junk in ("[]", "null", '{"forward_seconds": [0, 0, 0, 0, 0]}', "{not json"):
         path.write_text(junk)
         fresh = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
-        again = verify_profile(fresh, 4, cache_dir=tmp_path)
+        again = verify_profile(fresh, 4)
         assert len(again) == 5 and all(t > 0 for t in again) and fresh.lm.forward_sizes  # measured
 
 

@@ -282,12 +282,13 @@ PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profile
 PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode cache>/profiles
 
 
-def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> list[float]:
+def verify_profile(model, max_k: int = 16) -> list[float]:
     """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
     max_k = 0, a draft model's T(1)), measured once by :func:`measure_forward_times` — one
     untimed round, then 3 timed ones (15 for a draft's T(1) alone), after prefilling 256
     tokens (less for a shorter context) — and cached on disk per model, dtype, thread count,
-    torch version, CPU and ``PROFILE_VERSION``, and in memory on the loaded model. ``model``: a
+    torch version, CPU and ``PROFILE_VERSION`` (in ``PROFILE_DIR``, default <specdecode
+    cache>/profiles), and in memory on the loaded model. ``model``: a
     :class:`~specdecode.backends.LoadedModel`. Measuring uses the model's KV cache, so it
     raises RuntimeError while the model is generating another request. A cache file that
     cannot be read or holds anything but positive times is measured again."""
@@ -302,9 +303,9 @@ def verify_profile(model, max_k: int = 16, cache_dir: Path | None = None) -> lis
     module = lm if isinstance(lm, torch.nn.Module) else getattr(lm, "hf", None)
     first = next(module.parameters(), None) if module is not None else None
     dtype = str(first.dtype) if first is not None else type(lm).__name__
-    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), dtype, torch.get_num_threads(), torch.__version__,
-                      platform.machine(), platform.processor(), _cpu_model(), n])
-    path = (cache_dir or PROFILE_DIR or registry.cache_dir() / "profiles") / (
+    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), dtype, torch.get_num_threads(),
+                      torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
+    path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
         hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     times = None
     try:
