@@ -344,7 +344,7 @@ def test_hybrid_uses_both_and_reports_each():
                  prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     by = gen.stats.by_proposer
-    assert set(by) == {"suffix", "draft"}
+    assert set(by) == {"suffix", "draft", "suffix+draft"}  # the last: lookup tokens the draft read
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert sum(c[key] for c in by.values()) == getattr(gen.stats, key)
     assert gen.stats.to_dict()["by_proposer"] == by
@@ -380,6 +380,58 @@ def test_draft_p_min_stops_drafting_and_stays_lossless():
 def test_draft_p_min_validation(bad):
     with pytest.raises(ValueError, match="p_min"):
         DraftModelProposer(random_draft(), p_min=bad)
+
+
+# ----------------------------------------------------------------------------------------
+# a draft reading another proposer's guess
+# ----------------------------------------------------------------------------------------
+
+GUESS_PROMPT = [(i * 7) % 50 for i in range(10)]
+
+
+def _drafter(fn, p_min=None, params=GREEDY128):
+    drafter = DraftModelProposer(MockLM(50, fn), p_min=p_min)
+    state = RequestState(list(GUESS_PROMPT), 0, params, (), torch.Generator().manual_seed(3), 50)
+    drafter.reset(state, 200)
+    drafter.draft.forward_sizes.clear()
+    return drafter, state
+
+
+@pytest.mark.parametrize("agree", [0, 2, 5])
+def test_draft_reads_a_guess_in_one_pass(agree):
+    """The guess's first ``agree`` tokens are the draft's own greedy tokens, the next is not:
+    the proposal is still the draft's greedy continuation (the agreed tokens, its own token,
+    then drafting on up to k = 4; all 5 agreed: the guess and the draft's next token), read
+    in one pass over the guess, and the cache holds the committed tokens and all of the
+    proposal but its last token (as after autoregressive drafting)."""
+    fn = hashed_logits(50, "d")
+    drafter, state = _drafter(fn)
+    own = drafter.propose(state, 8).token_ids[0].tolist()
+    drafter, state = _drafter(fn)
+    guess = own[:5] if agree == 5 else own[:agree] + [(own[agree] + 1) % 50] + own[agree + 1:5]
+    out = drafter.propose(state, 4, guess).token_ids[0].tolist()
+    want = own[:6] if agree == 5 else own[:4]
+    assert out == want
+    assert drafter.draft.forward_sizes == [len(guess) + 1] + [1] * (len(want) - agree - 1)
+    assert drafter.draft.tokens == GUESS_PROMPT + want[:-1]
+
+
+def test_draft_guess_keeps_what_both_expect_and_stops_where_the_draft_is_unsure():
+    """p_min does not cut tokens the draft and the guess agree on; an own token the draft is
+    unsure of ends the proposal. Sampled requests ignore the guess."""
+    sure = hashed_logits(50, "d")
+    unsure = lambda toks: sure(toks) * 0.05  # same argmax, top probability below 0.5
+    drafter, state = _drafter(sure)
+    own = drafter.propose(state, 8).token_ids[0].tolist()
+    drafter, state = _drafter(unsure, p_min=0.5)
+    assert drafter.propose(state, 4, own[:3]).token_ids[0].tolist() == own[:3]
+    drafter, state = _drafter(unsure, p_min=0.5)
+    assert drafter.propose(state, 4, [(own[0] + 1) % 50]).token_ids.shape[1] == 0
+    assert drafter.draft.tokens == GUESS_PROMPT[:-1]  # nothing kept in its cache
+    sampled = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    a = _drafter(sure, params=sampled)
+    b = _drafter(sure, params=sampled)
+    assert torch.equal(a[0].propose(a[1], 4, own[:3]).token_ids, b[0].propose(b[1], 4).token_ids)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -546,6 +598,24 @@ def test_hybrid_with_the_target_as_draft_accepts_every_draft_round():
     by = gen.stats.by_proposer
     assert by["draft"]["num_drafts"] > 20 and by.get("suffix", {}).get("num_drafts", 0) > 0
     assert by["draft"]["num_accepted_tokens"] == by["draft"]["num_draft_tokens"]
+
+
+def test_hybrid_draft_reads_the_lookup_proposal():
+    """Once the draft has seen the committed tokens, a lookup proposal goes through it
+    (greedy): the hybrid proposes the draft's greedy continuation, the lookup's tokens where
+    the two agree ("suffix+draft"). The target copies its text but deviates in a fifth of
+    the contexts, where the lookup misses; the draft is the target's twin, so every round
+    it read is accepted in full."""
+    tfn = _sometimes_wrong(copying_logits(50), "x", 0.2)
+    tgt = MockLM(50, tfn)
+    params = SamplingParams(max_new_tokens=80)
+    twin = DraftModelProposer(MockLM(50, lambda toks: tfn(toks) * 10))
+    gen, _ = run(tgt, HybridProposer(SuffixProposer(8, 0.05), twin), 8, COPY_PROMPT, params)
+    assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+    by = gen.stats.by_proposer
+    assert by["suffix+draft"]["num_drafts"] > 3
+    for source in set(by) - {"suffix"}:
+        assert by[source]["num_accepted_tokens"] == by[source]["num_draft_tokens"]
 
 
 def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up():

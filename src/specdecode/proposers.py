@@ -7,7 +7,7 @@ each round, ``on_accept`` after verification. "No draft this round" is an empty 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -119,25 +119,57 @@ class DraftModelProposer:
         if len(prompt) > 1 and not self.lazy_prefill:
             self.draft.forward(torch.tensor([prompt[:-1]]), num_logits=0)
 
-    def propose(self, state: RequestState, k: int) -> DraftOutput:
+    def propose(self, state: RequestState, k: int, guess: list[int] | None = None) -> DraftOutput:
+        """Up to k draft tokens [1, ≤k] (with their distributions [1, ≤k, V] when sampling).
+
+        guess (greedy requests; ignored when sampling): tokens another proposer expects next
+        (at most the round's K − 1). The draft reads them in one forward pass and keeps the
+        prefix that is its own argmax at every position (p_min does not apply where both
+        expect the same token), then, where it first differs, its own token if it is sure of
+        it (top probability ≥ p_min), and so after the whole guess; from its own token it
+        drafts on one token at a time up to k tokens in all. Where it is unsure of its own
+        token, the proposal ends before it. At most max(k, len(guess) + 1) tokens.
+        """
         n = len(state.tokens)
         if self._limit - n + 1 <= 0:
             self.enabled = False  # the draft's context is full
-        k = min(k, self._limit - n + 1)
-        if not self.enabled or k <= 0:
+        params, v = state.params, state.target_vocab_size
+        guess = list(guess or []) if params.greedy else []
+        cap = min(max(k, len(guess) + 1) if guess else k, self._limit - n + 1)
+        if not self.enabled or cap <= 0:
             return DraftOutput.empty()
+        k, guess = min(k, cap), guess[:cap - 1]  # the cache holds the guess and the committed tokens
         new = state.tokens[self.draft.seq_len:]
-        if max(new) >= self.draft.vocab_size:
+        if max(new + guess) >= self.draft.vocab_size:
             self.enabled = False
             return DraftOutput.empty()
         if len(new) > 2 or (len(new) == 2 and self.draft.seq_len == 0):  # see the class docstring
             self.draft.forward(torch.tensor([new[:-1]]), num_logits=0)
             new = new[-1:]
-        params, v = state.params, state.target_vocab_size
-        feed = torch.tensor([new])
-        context = torch.tensor([state.tokens])
+        context = torch.cat([torch.tensor([state.tokens]), torch.tensor([guess], dtype=torch.long)], 1)
         ids, dists = [], []
-        for i in range(k):
+        if guess:
+            last = n - 1  # the cache position of the last committed token
+            logits = self.draft.forward(torch.tensor([new + guess]), num_logits=len(guess) + 1)
+            own = False  # the last token is the draft's own (not in the guess)
+            for i in range(min(len(guess) + 1, cap)):
+                row = process_logits(logits[:, i:i + 1, :v], params, context[:, :n + i], None,
+                                     state.num_generated + i, state.eos_token_ids)[:, 0]
+                tok = row.argmax(-1)
+                if i < len(guess) and int(tok) == guess[i]:
+                    ids.append(tok)  # both expect it: kept however sure the draft is
+                    continue
+                if self.p_min is None or float(torch.softmax(row.float(), -1).max()) >= self.p_min:
+                    ids.append(tok)  # the draft's own token, where it is sure
+                    own = True
+                break
+            self.draft.rollback(last + len(ids))  # the kept guess tokens stay in the cache
+            if not own:
+                return self._output(ids, dists)  # the draft is unsure of its own next token
+            context = torch.cat([context[:, :n + len(ids) - 1], ids[-1][:, None]], 1)
+            new = [int(ids[-1])]  # the draft drafts on from its own token
+        feed = torch.tensor([new])
+        for i in range(len(ids), k):
             logits = self.draft.forward(feed, num_logits=1)[..., :v]
             logits = process_logits(logits, params, context, None, state.num_generated + i,
                                     state.eos_token_ids)[:, 0]
@@ -154,6 +186,10 @@ class DraftModelProposer:
             ids.append(tok)
             feed = tok[:, None]
             context = torch.cat([context, feed], 1)
+        return self._output(ids, dists)
+
+    @staticmethod
+    def _output(ids: list, dists: list) -> DraftOutput:
         if not ids:
             return DraftOutput.empty()
         return DraftOutput(torch.stack(ids, 1), torch.stack(dists, 1) if dists else None, "draft")
@@ -478,6 +514,19 @@ class HybridProposer:
     choices, in every process). ``DraftOutput.source`` tells the engine's stats
     which proposer supplied each round; the draft's cache catches up on the tokens it skipped
     the next time it drafts.
+    Greedy requests: the draft reads the lookup's proposal. In a round the draft takes, the
+    lookup's best L tokens (at most K − 1) go to it as a guess (``DraftModelProposer.propose``):
+    it reads them in one forward pass, keeps those it would have drafted itself and drafts on
+    from its own token where they part, so it proposes its own greedy continuation in fewer
+    draft steps. A round the lookup takes goes through the draft the same way when the draft
+    has seen the committed tokens (at most one behind, so the read costs one draft pass over
+    L + 1 tokens) and the lookup expects to lose more than 10 % of it, (1 + E_L)/(1 + L) <
+    ``CHECK_BELOW`` (0.9): where they part, the draft's own token is proposed if it is sure
+    of it (top probability ≥ its p_min), and nothing after the shared tokens if not. A
+    lookup sure of its proposal (code copied in an edit) is not read: on 5 code-edit prompts
+    the read never changed such a proposal and cost 5 %. When the draft's first token is the
+    lookup's, the round's source is ``"suffix+draft"``. Under sampling the draft's tokens are
+    drawn, not compared, and nothing is read.
     The draft model stops drafting at a token whose probability is below ``DRAFT_P_MIN``
     (0.5) unless its ``p_min`` was set (0 = never stop): its misses are where it is unsure.
     Measured against p_min unset, interleaved on the same prompts (int8 0.5B draft, fp32 1.5B
@@ -495,6 +544,7 @@ class HybridProposer:
     LOOKUP_MARGIN = 1.3
     PROBE_EVERY = 8
     DRAFT_P_MIN = 0.5
+    CHECK_BELOW = 0.9
 
     def __init__(self, lookup: SuffixProposer, draft: DraftModelProposer,
                  verify_cost: list[float] | None = None, draft_cost: float = 0.12, draft_k: int = 6,
@@ -603,14 +653,27 @@ class HybridProposer:
         # not fed yet: its catch-up prefill is left to the cost model)
         probe = (d > 0 and lookup_rate <= 1.0 and self._idle >= self._probe_every
                  and self._draft_counts[0][0] > 0)
-        if merit or probe:
-            self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
-            drafted = self.drafter.propose(state, d)
-            if drafted.token_ids.shape[1]:
-                self._drafted = (n, drafted.token_ids.shape[1])
+        # greedy: a draft that has seen the committed tokens reads a lookup proposal that is
+        # not sure, (1 + E_L) / (1 + L) below CHECK_BELOW
+        greedy = state.params.greedy
+        sure = lookup_rate * self._t(length + 1) / (1 + length) if length else 1.0
+        check = (greedy and d > 0 and length > 0 and k > 1 and n - self.draft.seq_len <= 2
+                 and sure < self.CHECK_BELOW)
+        if merit or probe or check:
+            guess = out[:min(length, k - 1)] if greedy else []
+            if not guess:
+                self.lookup.forget_proposal()  # scoring only unused proposals would bias its calibration
+            drafted = self.drafter.propose(state, d, guess)
+            m = drafted.token_ids.shape[1]
+            if m:
+                self._drafted = (n, min(m, self.draft_k))
                 self._idle = 0
-                self._probe_every = self.PROBE_EVERY if merit else 2 * self._probe_every
+                self._probe_every = self.PROBE_EVERY if merit or check else 2 * self._probe_every
+                if guess and int(drafted.token_ids[0, 0]) == guess[0]:
+                    drafted = replace(drafted, source="suffix+draft")
                 return drafted
+            if guess:  # the draft read the lookup's proposal and backs none of it
+                return DraftOutput.empty()
         self._idle += self.drafter.enabled
         if length == 0:  # costs more than it promises; still scored, to keep learning
             return DraftOutput.empty()
