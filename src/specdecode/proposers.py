@@ -120,7 +120,8 @@ class DraftModelProposer:
             self.draft.forward(torch.tensor([prompt[:-1]]), num_logits=0)
 
     def propose(self, state: RequestState, k: int, guess: list[int] | None = None) -> DraftOutput:
-        """Up to k draft tokens [1, ≤k] (with their distributions [1, ≤k, V] when sampling).
+        """Draft tokens [1, m] (with their distributions [1, m, V] when sampling); m ≤ k
+        without a guess, ≤ max(k, len(guess) + 1) with one, 0 when the draft is off or unsure.
 
         guess (greedy requests; ignored when sampling): tokens another proposer expects next
         (at most the round's K − 1). The draft reads them in one forward pass and keeps the
@@ -128,7 +129,7 @@ class DraftModelProposer:
         expect the same token), then, where it first differs, its own token if it is sure of
         it (top probability ≥ p_min), and so after the whole guess; from its own token it
         drafts on one token at a time up to k tokens in all. Where it is unsure of its own
-        token, the proposal ends before it. At most max(k, len(guess) + 1) tokens.
+        token, the proposal ends before it.
         """
         n = len(state.tokens)
         if self._limit - n + 1 <= 0:
