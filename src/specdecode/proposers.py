@@ -147,10 +147,9 @@ class DraftModelProposer:
         if len(new) > 2 or (len(new) == 2 and self.draft.seq_len == 0):  # see the class docstring
             self.draft.forward(torch.tensor([new[:-1]]), num_logits=0)
             new = new[-1:]
-        context = torch.cat([torch.tensor([state.tokens]), torch.tensor([guess], dtype=torch.long)], 1)
+        context = torch.tensor([state.tokens + guess])
         ids, dists = [], []
         if guess:
-            last = n - 1  # the cache position of the last committed token
             logits = self.draft.forward(torch.tensor([new + guess]), num_logits=len(guess) + 1)
             own = False  # the last token is the draft's own (not in the guess)
             for i in range(min(len(guess) + 1, cap)):
@@ -160,11 +159,11 @@ class DraftModelProposer:
                 if i < len(guess) and int(tok) == guess[i]:
                     ids.append(tok)  # both expect it: kept however sure the draft is
                     continue
-                if self.p_min is None or float(torch.softmax(row.float(), -1).max()) >= self.p_min:
+                if not self._unsure(row):
                     ids.append(tok)  # the draft's own token, where it is sure
                     own = True
                 break
-            self.draft.rollback(last + len(ids))  # the kept guess tokens stay in the cache
+            self.draft.rollback(n - 1 + len(ids))  # the kept guess tokens stay in the cache
             if not own:
                 return self._output(ids, dists)  # the draft is unsure of its own next token
             context = torch.cat([context[:, :n + len(ids) - 1], ids[-1][:, None]], 1)
@@ -175,10 +174,8 @@ class DraftModelProposer:
             logits = process_logits(logits, params, context, None, state.num_generated + i,
                                     state.eos_token_ids)[:, 0]
             probs = None if params.greedy else to_probs(logits, params)
-            if self.p_min is not None:
-                top = (torch.softmax(logits.float(), -1) if probs is None else probs).max()
-                if float(top) < self.p_min:
-                    break
+            if self._unsure(logits, probs):
+                break
             if probs is None:
                 tok = logits.argmax(-1)
             else:
@@ -188,6 +185,13 @@ class DraftModelProposer:
             feed = tok[:, None]
             context = torch.cat([context, feed], 1)
         return self._output(ids, dists)
+
+    def _unsure(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> bool:
+        """Whether the draft's top probability ([1, V] logits, or the sampled request's
+        probs) is below p_min."""
+        if self.p_min is None:
+            return False
+        return float((torch.softmax(logits.float(), -1) if probs is None else probs).max()) < self.p_min
 
     @staticmethod
     def _output(ids: list, dists: list) -> DraftOutput:
