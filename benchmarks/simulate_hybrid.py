@@ -8,7 +8,8 @@ prompt). Step 2 replays the real ``HybridProposer`` on them, with a stand-in dra
 that drafts what the draft model would, and adds up each round's modelled cost (the
 target's and the draft's profiled forward times, as the hybrid itself uses), for the hybrid
 with each combination of ``--margins`` (``HybridProposer.LOOKUP_MARGIN``), ``--explore``
-(``EXPLORE``) and ``--prior`` (``DRAFT_PRIOR_ALPHA``), beside the draft model alone at K = 6
+(``EXPLORE``), ``--prior`` (``DRAFT_PRIOR_ALPHA``) and ``--cold`` (``COLD_MARGIN``),
+beside the draft model alone at K = 6
 and prompt lookup. Prints decode-only modelled speedups over plain decoding: medians per
 subtask, overall, and the geometric mean. Usage:
 
@@ -98,7 +99,7 @@ def main() -> None:
     p.add_argument("--margins", default="1.3", help="HybridProposer.LOOKUP_MARGIN values")
     p.add_argument("--prior", default="0.7", help="HybridProposer.DRAFT_PRIOR_ALPHA values")
     p.add_argument("--explore", default="0.03", help="HybridProposer.EXPLORE values")
-    p.add_argument("--payback", default="1", help="HybridProposer.PAYBACK values")
+    p.add_argument("--cold", default="1.1", help="HybridProposer.COLD_MARGIN values")
     p.add_argument("--cache", default=str(registry.cache_dir() / "draft_accepts.json"),
                    help="where step 1's results are kept (default: %(default)s)")
     args = p.parse_args()
@@ -138,12 +139,12 @@ def main() -> None:
         res["prompt-lookup"] = replay(PromptLookupProposer(), prompt, out, 16, vc)[1]
         for m in args.margins.split(","):
             for e, a, b in ((e, a, b) for e in args.explore.split(",") for a in args.prior.split(",")
-                            for b in args.payback.split(",")):
+                            for b in args.cold.split(",")):
                 HybridProposer.LOOKUP_MARGIN, HybridProposer.EXPLORE = float(m), float(e)
-                HybridProposer.DRAFT_PRIOR_ALPHA, HybridProposer.PAYBACK = float(a), float(b)
+                HybridProposer.DRAFT_PRIOR_ALPHA, HybridProposer.COLD_MARGIN = float(a), float(b)
                 d = ReplayDraft(len(prompt), out, acc)
                 h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft)
-                res[f"hybrid margin={m} explore={e} prior={a} payback={b}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
+                res[f"hybrid margin={m} explore={e} prior={a} cold={b}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
         for name, v in res.items():
             rows.setdefault(name, {}).setdefault(sub, []).append(v)
     subtasks = sorted({c[0] for c in cases})
