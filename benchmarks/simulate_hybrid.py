@@ -9,8 +9,8 @@ that drafts what the draft model would, and adds up each round's modelled cost (
 target's and the draft's profiled forward times, as the hybrid itself uses), for the hybrid
 with each combination of ``--margins`` (``HybridProposer.LOOKUP_MARGIN``), ``--explore``
 (``EXPLORE``), ``--prior`` (``DRAFT_PRIOR_ALPHA``) and ``--cold`` (``COLD_MARGIN``),
-beside the draft model alone at K = 6 and prompt lookup. Prints decode-only modelled speedups over plain decoding: medians per
-subtask, overall, and the geometric mean. Usage:
+beside the draft model alone at K = 6 and prompt lookup. Prints decode-only modelled
+speedups over plain decoding: medians per subtask, overall, and the geometric mean. Usage:
 
     python benchmarks/simulate_hybrid.py benchmarks/<run>/records.jsonl --margins 1,1.3 --explore 0,0.03
 

@@ -660,7 +660,8 @@ class HybridProposer:
         self._looked_up = (n, out, conf)
         length, lookup_rate = self._best_lookup(conf)
         d, draft_rate = self._best_draft(n, k)
-        cold = n - 1 - self.draft.seq_len > 2  # the draft must first be fed what it skipped
+        behind = n - 1 - self.draft.seq_len  # committed tokens the draft has not seen
+        cold = behind > 2  # the draft must first be fed what it skipped
         merit = draft_rate > max(lookup_rate / self.LOOKUP_MARGIN, self.COLD_MARGIN if cold else 1.0)
         # a draft given up after a bad start is tried again now and then (never one that was
         # not fed yet: its catch-up prefill is left to the cost model)
@@ -670,7 +671,7 @@ class HybridProposer:
         # not sure, (1 + E_L) / (1 + L) below CHECK_BELOW
         greedy = state.params.greedy
         sure = lookup_rate * self._t(length + 1) / (1 + length) if length else 1.0
-        check = (greedy and d > 0 and length > 0 and k > 1 and n - self.draft.seq_len <= 2
+        check = (greedy and d > 0 and length > 0 and k > 1 and behind <= 1
                  and sure < self.CHECK_BELOW)
         if merit or probe or check:
             guess = out[:min(length, k - 1)] if greedy else []
