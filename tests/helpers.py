@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
 import torch
 
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.model import ModelArgs, Transformer
-from specdecode.proposers import DraftOutput, RequestState
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    barriers make them 10x slower; modules that import this run on one thread (restored
-    afterwards, so the real-model tests keep every core)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from specdecode.models.native import ModelArgs, Transformer
+from specdecode.proposers import DraftOutput, Proposer, RequestState
 
 
 def tiny_args(**overrides) -> ModelArgs:
@@ -46,7 +34,7 @@ def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, **override
         m.model.norm.weight.fill_(scale)
     m.tie_weights()
     if pack:
-        from specdecode.model import pack_linears
+        from specdecode.models.native import pack_linears
         pack_linears(m)
     return m.eval()
 
@@ -107,17 +95,17 @@ def reference(target, prompt, params: SamplingParams, eos=()):
     return gen
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Proposes from a known continuation ``script`` (the full token sequence after the
     prompt, e.g. the target's greedy output): ``right`` = how many of each round's K drafts
     are correct (None = all), the rest are wrong tokens. Point-mass proposals."""
 
+    name = "scripted"
+    default_k = 4
+
     def __init__(self, prompt_len: int, script: list[int], vocab: int, right: int | None = None):
         self.prompt_len, self.script, self.vocab, self.right = prompt_len, script, vocab, right
         self.proposed_rounds: list[int] = []
-
-    def reset(self, state: RequestState, max_total_len: int) -> None:
-        pass
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         g = len(state.tokens) - self.prompt_len
@@ -128,6 +116,3 @@ class ScriptedProposer:
             ids.append(correct if ok else (correct + 1) % self.vocab)
         self.proposed_rounds.append(len(ids))
         return DraftOutput(torch.tensor([ids], dtype=torch.long).reshape(1, len(ids)))
-
-    def on_accept(self, state: RequestState) -> None:
-        pass

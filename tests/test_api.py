@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import specdecode
-from helpers import one_thread  # noqa: F401 (autouse fixture)
-from specdecode import IncompatibleDraftError, LoadedModel, registry
+from specdecode import IncompatibleDraftError, LoadedModel
+from specdecode.models import registry
 from specdecode.api import GenerationResult, StreamChunk
-from specdecode.backends import HFCausalLM, resolve_model_path
-from specdecode.engine import SpecDecodingStats
+from specdecode.models import HFCausalLM, resolve_model_path
+from specdecode.stats import SpecDecodingStats
 
 from helpers import MockLM
 
@@ -331,7 +331,7 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     for name in ("draft+K3", "assistant+num_assistant_tokens3"):
         s = results[name].stats
         assert len(s.accepted_per_position) == 3 and s.num_draft_tokens <= 3 * s.num_drafts
-    assert len(results["draft"].stats.accepted_per_position) == specdecode.api.DEFAULT_K[specdecode.Method.DRAFT]
+    assert len(results["draft"].stats.accepted_per_position) == specdecode.METHODS['draft'].default_k
     a, b = results["draft+K3"].stats, results["assistant+num_assistant_tokens3"].stats
     assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == \
         (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens)
@@ -364,7 +364,7 @@ def test_every_method_and_k_option_equals_plain_decoding(target, draft, kwargs):
 
 
 def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_path):
-    import specdecode.schedule as schedule
+    import specdecode.profile as schedule
 
     monkeypatch.setattr(schedule, "PROFILE_DIR", None)  # the default place: <cache>/profiles
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
@@ -988,7 +988,7 @@ def test_gguf_file_is_converted_once_and_matches(dirs, target, tmp_path, monkeyp
 
 
 def test_max_matching_ngram_size_sets_the_longest_n_gram_and_keeps_the_shortest_below_it():
-    from specdecode.api import speculative_config
+    from specdecode.methods import speculative_config
     assert (speculative_config("prompt-lookup", False).min_ngram,
             speculative_config("prompt-lookup", False).max_ngram) == (2, 5)
     for given, expected in [(1, (1, 1)), (2, (2, 2)), (8, (2, 8))]:

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 import specdecode
-from specdecode import cli, registry
+from specdecode import cli
+from specdecode.models import registry
 
-from helpers import one_thread  # noqa: F401 (autouse fixture)
 from test_api import PROMPT, VOCAB, smol_tokenizer, tiny_dirs_in  # noqa: F401
 
 STATS_KEYS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",

@@ -16,9 +16,9 @@ import torch
 
 from helpers import MockLM, ScriptedProposer, hashed_logits, reference, tiny_model
 from specdecode.config import SamplingParams
-from specdecode.engine import Engine, SpecDecodingStats
-from helpers import one_thread  # noqa: F401 (autouse fixture)
-from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer
+from specdecode.engine import Engine
+from specdecode.stats import SpecDecodingStats
+from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer, Proposer
 
 V = 96
 
@@ -100,20 +100,20 @@ def make_proposer(kind, prompt, script, k):
     raise ValueError(kind)
 
 
-class Recording:
+class Recording(Proposer):
     """Wraps a proposer and records how many draft tokens each propose() really returned."""
+
+    name = "recording"
 
     def __init__(self, inner):
         self.inner = inner
         self.proposed: list[int] = []
 
-    @property
-    def draft(self):
-        return getattr(self.inner, "draft", None)
+    def models(self):
+        return self.inner.models()
 
-    @property
-    def enabled(self):
-        return getattr(self.inner, "enabled", False)
+    def check_invariant(self, state):
+        self.inner.check_invariant(state)
 
     def reset(self, state, max_total_len):
         self.inner.reset(state, max_total_len)
@@ -825,8 +825,10 @@ def test_merge_pools_counts_not_ratios():
     assert s1.num_draft_tokens == 24 and s2.accepted_per_position == [2, 2, 2, 2]
 
 
-class EveryOtherRound:
+class EveryOtherRound(Proposer):
     """Proposes nothing on every other round."""
+
+    name = "every-other-round"
 
     def __init__(self, inner):
         self.inner, self.calls, self.proposed = inner, 0, []

@@ -11,11 +11,13 @@ import random
 import pytest
 import torch
 
-from helpers import MockLM, hashed_logits, one_thread  # noqa: F401 (autouse fixture)
-from specdecode.config import SamplingParams, SpeculativeConfig
+from helpers import MockLM, hashed_logits
+from specdecode.config import SamplingParams
+from specdecode.methods import SpeculativeConfig
 from specdecode.engine import Engine
-from specdecode.proposers import (ContinuationCounts, DraftModelProposer, HybridProposer,
-                                  PromptLookupProposer, RequestState, SuffixProposer)
+from specdecode.proposers import (ContinuationCounts, DraftModelProposer, DraftOutput, Forecast,
+                                  HybridProposer, HybridTuning, PromptLookupProposer, Proposer,
+                                  RequestState, SuffixProposer)
 from specdecode.schedule import AutoK, FixedK, HeuristicK
 from test_engine import PROMPTS, V, noisy_draft, random_draft, ref, run, target
 from test_sampling import EV, N_RUNS, _mock_target, assert_lossless, engine_joint
@@ -33,7 +35,7 @@ def lookup(kind: str):
     if kind == "suffix":
         return SuffixProposer(8, 0.05)
     if kind == "hybrid":
-        return HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy_draft()))
+        return HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(noisy_draft()))
     raise ValueError(kind)
 
 
@@ -255,7 +257,7 @@ def test_continuation_counts_equal_a_rescan_and_pick_the_most_frequent():
     s.reset(state, 100)
     # "1 2" was followed by 9 twice and 7 once: 9 is proposed, then the copy goes on
     assert s.propose(state, 1).token_ids.tolist() == [[9]]
-    out, conf = s.continuation(state.tokens, 4)
+    out, conf = s.forecast(state, 4).tokens, s.forecast(state, 4).confidence
     assert out[0] == 9 and all(a >= b for a, b in zip(conf, conf[1:]))
 
 
@@ -320,8 +322,11 @@ def test_suffix_session_cache_keeps_only_the_latest_outputs():
     for _ in range(5):
         request(new_text)
     request([])  # counts the last output
-    assert sfx.continuation([50, 1, 2, 3], 3)[0] == []  # the oldest output was dropped
-    assert sfx.continuation([50, 30, 31, 32], 3)[0] == [33, 34, 35]
+    def forecast(tokens):
+        return sfx.forecast(RequestState(tokens, 0, GREEDY128, (), None, 100), 3).tokens
+
+    assert forecast([50, 1, 2, 3]) == []  # the oldest output was dropped
+    assert forecast([50, 30, 31, 32]) == [33, 34, 35]
     assert sum(map(len, sfx._outputs)) <= 40
     sizes = []
     for i in range(30):  # many more requests, each new text: the table stops growing
@@ -340,7 +345,7 @@ def test_hybrid_uses_both_and_reports_each():
     noisy = MockLM(50, lambda toks: copying_logits(50)(toks) + hashed_logits(50, "n", 3.0)(toks))
     prompt = [30 + i for i in range(12)]  # no repeats: the copying target begins to repeat
     params = SamplingParams(max_new_tokens=60)
-    gen, _ = run(tgt, HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy)), 4,
+    gen, _ = run(tgt, HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(noisy)), 4,
                  prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     by = gen.stats.by_proposer
@@ -356,7 +361,7 @@ def test_hybrid_uses_both_and_reports_each():
     (dict(draft_k=0), "draft_k=0"), (dict(draft_prefill_cost=-1), "draft_prefill_cost=-1")])
 def test_hybrid_rejects_bad_costs(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
-        HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), **kwargs)
+        HybridProposer(SuffixProposer(), HybridProposer.draft_for(random_draft()), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -409,7 +414,7 @@ def test_draft_reads_a_guess_in_one_pass(agree):
     own = drafter.propose(state, 8).token_ids[0].tolist()
     drafter, state = _drafter(fn)
     guess = own[:5] if agree == 5 else own[:agree] + [(own[agree] + 1) % 50] + own[agree + 1:5]
-    out = drafter.propose(state, 4, guess).token_ids[0].tolist()
+    out = drafter.propose_with_guess(state, 4, guess).token_ids[0].tolist()
     want = own[:6] if agree == 5 else own[:4]
     assert out == want
     assert drafter.draft.forward_sizes == [len(guess) + 1] + [1] * (len(want) - agree - 1)
@@ -424,14 +429,14 @@ def test_draft_guess_keeps_what_both_expect_and_stops_where_the_draft_is_unsure(
     drafter, state = _drafter(sure)
     own = drafter.propose(state, 8).token_ids[0].tolist()
     drafter, state = _drafter(unsure, p_min=0.5)
-    assert drafter.propose(state, 4, own[:3]).token_ids[0].tolist() == own[:3]
+    assert drafter.propose_with_guess(state, 4, own[:3]).token_ids[0].tolist() == own[:3]
     drafter, state = _drafter(unsure, p_min=0.5)
-    assert drafter.propose(state, 4, [(own[0] + 1) % 50]).token_ids.shape[1] == 0
+    assert drafter.propose_with_guess(state, 4, [(own[0] + 1) % 50]).token_ids.shape[1] == 0
     assert drafter.draft.tokens == GUESS_PROMPT[:-1]  # nothing kept in its cache
     sampled = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
     a = _drafter(sure, params=sampled)
     b = _drafter(sure, params=sampled)
-    assert torch.equal(a[0].propose(a[1], 4, own[:3]).token_ids, b[0].propose(b[1], 4).token_ids)
+    assert torch.equal(a[0].propose_with_guess(a[1], 4, own[:3]).token_ids, b[0].propose(b[1], 4).token_ids)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -579,7 +584,7 @@ def test_schedules_validate():
 
 def test_hybrid_draft_model_drafts_at_most_draft_k():
     prompt = PROMPTS["twenty"]
-    proposer = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy_draft()), draft_k=3)
+    proposer = HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(noisy_draft()), draft_k=3)
     gen, _ = run(target(), proposer, 12, prompt, GREEDY128)
     assert gen.token_ids == list(ref(tuple(prompt), GREEDY128))
     by = gen.stats.by_proposer["draft"]
@@ -592,7 +597,7 @@ def test_hybrid_with_the_target_as_draft_accepts_every_draft_round():
     tgt = target()
     prompt = PROMPTS["repetitive"]
     params = SamplingParams(max_new_tokens=520)
-    gen, blocks = run(tgt, HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(tgt.fork())),
+    gen, blocks = run(tgt, HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(tgt.fork())),
                       4, prompt, params)
     assert gen.token_ids == list(ref(tuple(prompt), params))
     by = gen.stats.by_proposer
@@ -627,19 +632,19 @@ def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up
     assert not drafter.enabled  # turned off once prompt + output passed its 30 positions
     assert 0 < gen.stats.num_draft_tokens <= 30
     # a hybrid whose draft is off keeps proposing from the lookup
-    proposer = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50),
+    proposer = HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(MockLM(50, copying_logits(50),
                                                                                  max_context=30)))
     gen, _ = run(tgt, proposer, 4, COPY_PROMPT, params)
     assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
     assert gen.stats.by_proposer["suffix"]["num_accepted_tokens"] > 30
 
 
-def _amortised_run(cost: float):
+def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning()):
     tgt = MockLM(50, hashed_logits(50, "t"))
     prompt = [(i * 7) % 50 for i in range(41)]
     draft = MockLM(50, hashed_logits(50, "t"))  # the target's twin: every draft is accepted
-    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(draft, p_min=0.0),
-                            draft_prefill_cost=cost)
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(draft, p_min=0.0),
+                            draft_prefill_cost=cost, tuning=tuning)
     params = SamplingParams(max_new_tokens=120)
     gen, _ = run(tgt, hybrid, 6, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
@@ -647,19 +652,18 @@ def _amortised_run(cost: float):
     return first_fed_at, gen.stats.by_proposer.get("draft", {}).get("num_accepted_tokens", 0)
 
 
-def test_hybrid_amortises_the_draft_prefill_over_the_answer_so_far(monkeypatch):
+def test_hybrid_amortises_the_draft_prefill_over_the_answer_so_far():
     """A long prompt's draft prefill is paid only once the answer has gone on long enough to
     spread it (RAG: 800 prompt tokens, a 15-token answer), not over max_new_tokens: before
     that the draft is not fed at all. Numbers (default costs, prior acceptance 0.7): 40
-    unseen prompt tokens at 0.12 T(1) each beat plain decoding by COLD_MARGIN (10 %) from
+    unseen prompt tokens at 0.12 T(1) each beat plain decoding by cold_margin (10 %) from
     about 35 generated tokens on; spread over max_new_tokens they would from the start. With
     no margin, a draft that beats plain decoding barely is fed at once."""
     first_fed_at, accepted = _amortised_run(0.12)
     assert 25 <= first_fed_at <= 50
     assert accepted >= 0.8 * (120 - first_fed_at)  # then it serves most of the answer
     assert _amortised_run(0.18) == (None, 0)  # dearer: never pays within 120 tokens
-    monkeypatch.setattr(HybridProposer, "COLD_MARGIN", 1.0)
-    assert _amortised_run(0.12)[0] == 0
+    assert _amortised_run(0.12, HybridTuning(cold_margin=1.0))[0] == 0
 
 
 def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
@@ -668,12 +672,12 @@ def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
     tgt = target()
     prompt = PROMPTS["twenty"]
     expected = list(ref(tuple(prompt), GREEDY128))
-    twin = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(tgt.fork(), p_min=0.0), draft_k=6)
+    twin = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(tgt.fork(), p_min=0.0), draft_k=6)
     gen, _ = run(tgt, twin, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
     assert gen.token_ids == expected and min(twin.draft_alpha) > 0.9
     assert by["num_draft_tokens"] > 5 * by["num_drafts"]
-    other = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(random_draft(), p_min=0.0), draft_k=6)
+    other = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(random_draft(), p_min=0.0), draft_k=6)
     gen, _ = run(tgt, other, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
     assert gen.token_ids == expected and other.draft_alpha[0] < 0.3
@@ -682,8 +686,9 @@ def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
 
 def test_hybrid_draft_stops_where_it_is_unsure():
     """By default the hybrid's draft stops at a token to which it gives less than
-    DRAFT_P_MIN (0.5): a draft that agrees with the target but is never sure proposes
-    nothing; a sure one drafts; a p_min set by the caller (0: never stop) is kept."""
+    HybridTuning.draft_p_min (0.5): a draft that agrees with the target but is never sure
+    proposes nothing; a sure one drafts; a p_min set by the caller (0: never stop) is kept;
+    the hybrid changes nothing of the members it is given."""
     tfn = hashed_logits(50, "t")
     tgt = MockLM(50, tfn)
     prompt = [(i * 7) % 50 for i in range(10)]
@@ -691,9 +696,10 @@ def test_hybrid_draft_stops_where_it_is_unsure():
     expected = Engine(tgt).generate(prompt, params).run().token_ids
     unsure, sure = (lambda toks: tfn(toks) * 0.05), (lambda toks: tfn(toks) * 10)  # same argmax
     for fn, p_min, drafts in ((unsure, None, False), (unsure, 0.0, True), (sure, None, True)):
-        drafter = DraftModelProposer(MockLM(50, fn), p_min=p_min)
+        drafter = HybridProposer.draft_for(MockLM(50, fn), p_min=p_min)
         hybrid = HybridProposer(SuffixProposer(8, 0.99), drafter)
-        assert drafter.p_min == (HybridProposer.DRAFT_P_MIN if p_min is None else p_min)
+        assert drafter.p_min == (HybridTuning.draft_p_min if p_min is None else p_min)
+        assert drafter.lazy_prefill
         gen, _ = run(tgt, hybrid, 8, prompt, params)
         assert gen.token_ids == expected
         assert ("draft" in gen.stats.by_proposer) == drafts
@@ -718,7 +724,7 @@ def test_hybrid_keeps_measuring_positions_past_its_draft_length(salt):
     profile = [1.0, 1.29, 1.32, 1.40, 1.45, 1.52, 1.60, 1.70, 1.76]
     tfn = hashed_logits(50, "t")
     tgt = MockLM(50, tfn)
-    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(MockLM(50, _sometimes_wrong(tfn, salt, 0.16)), p_min=0.0),
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(MockLM(50, _sometimes_wrong(tfn, salt, 0.16)), p_min=0.0),
                             verify_cost=profile, draft_cost=0.127, draft_prefill_cost=0.0)
     prompt = [(i * 7) % 50 for i in range(10)]
     params = SamplingParams(max_new_tokens=300)
@@ -738,7 +744,7 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
     tgt = MockLM(50, tfn)
     prompt = [(i * 7) % 50 for i in range(10)]
     bad_start = MockLM(50, lambda toks: torch.roll(tfn(toks), 1) if len(toks) < 22 else tfn(toks))
-    hybrid = HybridProposer(SuffixProposer(8, 0.99), DraftModelProposer(bad_start, p_min=0.0))
+    hybrid = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(bad_start, p_min=0.0))
     params = SamplingParams(max_new_tokens=150)
     gen, _ = run(tgt, hybrid, 8, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
@@ -746,7 +752,7 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
     assert by["num_accepted_tokens"] > 100 and hybrid.draft_alpha[0] > 0.8
     # a draft that is never right is tried again less and less often
     never = HybridProposer(SuffixProposer(8, 0.99),
-                           DraftModelProposer(MockLM(50, lambda toks: torch.roll(tfn(toks), 1)), p_min=0.0))
+                           HybridProposer.draft_for(MockLM(50, lambda toks: torch.roll(tfn(toks), 1)), p_min=0.0))
     gen, _ = run(tgt, never, 8, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     assert 3 <= gen.stats.by_proposer["draft"]["num_drafts"] <= 10  # probes after 8, 16, 32, 64 rounds
@@ -755,10 +761,10 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
 def test_hybrid_costs_beyond_the_profile_never_fall():
     """A noisy profile may end lower than it starts; extrapolating its slope past the end
     must not reach zero or below (a division by it would crash the request)."""
-    hybrid = HybridProposer(SuffixProposer(), DraftModelProposer(random_draft()), verify_cost=[1.0, 0.5])
+    hybrid = HybridProposer(SuffixProposer(), HybridProposer.draft_for(random_draft()), verify_cost=[1.0, 0.5])
     assert [hybrid._t(n) for n in (1, 2, 3, 40)] == [1.0, 0.5, 0.5, 0.5]
     tgt = MockLM(50, copying_logits(50))
-    hybrid = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))),
+    hybrid = HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(MockLM(50, copying_logits(50))),
                             verify_cost=[2.0, 1.0])
     params = SamplingParams(max_new_tokens=60)
     gen, _ = run(tgt, hybrid, 16, COPY_PROMPT, params)
@@ -768,10 +774,10 @@ def test_hybrid_costs_beyond_the_profile_never_fall():
 class _Overconfident(SuffixProposer):
     """A lookup that proposes k copies of token 0 and swears each is 95 % sure."""
 
-    def continuation(self, tokens, k):
-        self._update(tokens)
+    def forecast(self, state, k):
+        self._update(state.tokens)
         self._pending = None
-        return [0] * k, [0.95 ** (i + 1) for i in range(k)]
+        return Forecast([0] * k, [0.95 ** (i + 1) for i in range(k)])
 
 
 def test_hybrid_stops_trusting_a_lookup_that_over_promises():
@@ -779,11 +785,11 @@ def test_hybrid_stops_trusting_a_lookup_that_over_promises():
     confidences are wrong loses its turns to the draft model after a round or two."""
     tgt = target()
     prompt = PROMPTS["twenty"]
-    hybrid = HybridProposer(_Overconfident(8, 0.0), DraftModelProposer(tgt.fork(), p_min=0.0))
+    hybrid = HybridProposer(_Overconfident(8, 0.0), HybridProposer.draft_for(tgt.fork(), p_min=0.0))
     gen, _ = run(tgt, hybrid, 8, prompt, GREEDY128)
     assert gen.token_ids == list(ref(tuple(prompt), GREEDY128))
     by = gen.stats.by_proposer
-    assert by["suffix"]["num_drafts"] <= 2 and hybrid.lookup_realism < 0.5
+    assert by["suffix"]["num_drafts"] <= 2 and hybrid.lookup_realism() < 0.5
     assert by["draft"]["num_drafts"] > 10
 
 
@@ -856,7 +862,7 @@ def _sampled_runs(make_engine, seeds, fresh: bool):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: Engine(target(), HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(noisy_draft())), 4),
+    lambda: Engine(target(), HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(noisy_draft())), 4),
     lambda: Engine(target(), PromptLookupProposer(), AutoK(_linear_times(17), 16)),
     lambda: Engine(target(), DraftModelProposer(noisy_draft()), AutoK(_linear_times(17), 16, 0.01)),
     lambda: Engine(target(), SuffixProposer(8, 0.05), HeuristicK(4)),
@@ -875,8 +881,9 @@ def test_hybrid_sampled_output_follows_target():
     from test_sampling import _mock_draft
 
     params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5)
-    hybrid = HybridProposer(SuffixProposer(8, 0.0), DraftModelProposer(_mock_draft(), p_min=0.0), draft_cost=0.0)
-    hybrid.LOOKUP_MARGIN = 1.0  # here the lookup must win some rounds against a free draft
+    # here the lookup must win some rounds against a free draft: no margin
+    hybrid = HybridProposer(SuffixProposer(8, 0.0), HybridProposer.draft_for(_mock_draft(), p_min=0.0),
+                            draft_cost=0.0, tuning=HybridTuning(lookup_margin=1.0))
     engine = Engine(_mock_target(), hybrid, 3, debug=True)
     counts = torch.zeros(EV * EV, dtype=torch.long)
     sources = set()
@@ -904,20 +911,15 @@ def test_speculation_lengths_count_rounds_without_speculation():
     assert gen.stats.to_dict()["mean_speculation_length"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-3)
 
 
-class _BadIds:
-    def reset(self, state, max_total_len):
-        pass
+class _BadIds(Proposer):
+    name = "bad"
 
     def propose(self, state, k):
-        from specdecode.proposers import DraftOutput
         return DraftOutput.point_mass([1, V + 5][:k], "bad")
-
-    def on_accept(self, state):
-        pass
 
 
 def test_engine_rejects_bad_schedules_and_out_of_vocabulary_proposals():
-    for bad in ("auto", 4.0, None):
+    for bad in ("auto", 4.0, True, 0, 65):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             Engine(target(), PromptLookupProposer(), bad)
     Engine(target(), None, None)  # plain decoding needs no K
@@ -926,9 +928,9 @@ def test_engine_rejects_bad_schedules_and_out_of_vocabulary_proposals():
 
 
 def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
-    from specdecode.backends import LoadedModel
-    from specdecode import schedule
-    from specdecode.schedule import verify_profile
+    from specdecode.models import LoadedModel
+    from specdecode import profile as schedule
+    from specdecode.profile import verify_profile
 
     monkeypatch.setattr(schedule, "PROFILE_DIR", tmp_path)
     model = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
@@ -949,15 +951,16 @@ def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
 
 
 def test_inapplicable_options_raise():
-    from specdecode.config import KSchedule, SpeculativeConfig
+    from specdecode.config import KSchedule
+    from specdecode.methods import SpeculativeConfig
 
     with pytest.raises(ValueError, match="suffix_cache applies"):
         SpeculativeConfig("draft", suffix_cache="session")
-    with pytest.raises(ValueError, match="n-gram sizes apply to prompt lookup"):
+    with pytest.raises(ValueError, match="n-gram sizes .* apply to 'prompt-lookup', not 'suffix'"):
         SpeculativeConfig("suffix", max_ngram=4)
     with pytest.raises(ValueError, match="max_speculative_tokens caps K"):
         SpeculativeConfig("draft", 4, KSchedule.FIXED, 8)
-    with pytest.raises(ValueError, match="draft_p_min applies to a draft model"):
+    with pytest.raises(ValueError, match="draft_p_min applies to 'draft' and 'hybrid'"):
         SpeculativeConfig("suffix", draft_p_min=0.5)
 
 
@@ -967,9 +970,9 @@ def test_hybrid_prefills_its_draft_only_when_it_drafts():
     plain = DraftModelProposer(MockLM(50, copying_logits(50)))
     plain.reset(state, 200)
     assert plain.draft.seq_len == len(prompt) - 1  # eager: prefilled at reset
-    hybrid = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))))
+    hybrid = HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(MockLM(50, copying_logits(50))))
     hybrid.reset(state, 200)
-    assert hybrid.draft.seq_len == 0
+    assert hybrid.drafter.draft.seq_len == 0
     tgt = MockLM(50, copying_logits(50))
     params = SamplingParams(max_new_tokens=60)
     expected = Engine(tgt).generate(prompt, params).run().token_ids
@@ -977,13 +980,13 @@ def test_hybrid_prefills_its_draft_only_when_it_drafts():
     # token, then the last alone, as an eager prefill would), then one a round
     gen, _ = run(tgt, hybrid, 8, prompt, params)
     assert gen.token_ids == expected and gen.stats.by_proposer["draft"]["num_drafts"] >= 1
-    assert hybrid.draft.forward_sizes[:2] == [len(prompt) - 1, 1]
+    assert hybrid.drafter.draft.forward_sizes[:2] == [len(prompt) - 1, 1]
     # a draft whose prefill is dear next to what the lookup promises is never fed at all
-    dear = HybridProposer(SuffixProposer(8, 0.05), DraftModelProposer(MockLM(50, copying_logits(50))),
+    dear = HybridProposer(SuffixProposer(8, 0.05), HybridProposer.draft_for(MockLM(50, copying_logits(50))),
                           draft_prefill_cost=10.0)
     gen, _ = run(tgt, dear, 8, prompt, params)
     assert gen.token_ids == expected and "draft" not in gen.stats.by_proposer
-    assert dear.draft.forward_sizes == []
+    assert dear.drafter.draft.forward_sizes == []
 
 
 class ChunkSensitiveLM(MockLM):

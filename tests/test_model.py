@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
-from specdecode import registry
-from specdecode.backends import HFCausalLM, load
-from specdecode.model import ModelArgs, Transformer
+from specdecode.models import registry
+from specdecode.models import HFCausalLM, load
+from specdecode.models.native import ModelArgs, Transformer
 
 TOL = 1e-4
 

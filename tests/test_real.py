@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import specdecode
-from specdecode import registry
+from specdecode.models import registry
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import pytest
 import torch
 from gguf import GGUFReader, dequantize
 
-from specdecode import registry
-from specdecode.registry import ModelFetchError, ModelSpec
+from specdecode.cli import models as cli_models
+from specdecode.models import registry
+from specdecode.models.registry import ModelFetchError, ModelSpec
 
 NAME, VERSION = "fake-model", "1.0.0"
 PAYLOAD = b"GGUF" + bytes(range(256)) * 9 + b"tail"  # distinct chunks, so any misordering is caught
@@ -171,7 +172,7 @@ def test_converted_dir_for_gguf_converts_once_per_file_version(fake, tmp_path):
 
 def run_cli(argv):
     parser = argparse.ArgumentParser(prog="specdecode")
-    registry.add_models_parser(parser.add_subparsers(dest="command", required=True))
+    cli_models.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -32,9 +32,9 @@ from transformers.generation.logits_process import (
 from helpers import MockLM, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from helpers import one_thread  # noqa: F401 (autouse fixture)
 from specdecode.proposers import DraftModelProposer
-from specdecode.sampling import process_logits, rejection_sample, to_probs
+from specdecode.sampling import process_logits, to_probs
+from specdecode.verify import rejection_sample
 
 
 

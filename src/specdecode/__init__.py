@@ -4,14 +4,17 @@ Public API: :func:`load`, :func:`generate`, :func:`stream`, :class:`SamplingPara
 :class:`SpeculativeConfig`, :class:`Method`, :class:`Engine`.
 """
 
-from .api import (GenerationResult, IncompatibleDraftError, StreamChunk, check_compatible, generate,
-                  load_pair, stream)
-from .backends import LoadedModel, load
-from .config import Method, SamplingParams, SpeculativeConfig
-from .engine import Engine, SpecDecodingStats
-from .sampling import rejection_sample
+__version__ = "0.1.0"
 
-__all__ = ["Engine", "GenerationResult", "IncompatibleDraftError", "LoadedModel", "Method",
+from .api import GenerationResult, StreamChunk, generate, stream  # noqa: E402
+from .config import SamplingParams  # noqa: E402
+from .engine import Engine  # noqa: E402
+from .methods import METHODS, Method, SpeculativeConfig  # noqa: E402
+from .models.loading import (IncompatibleDraftError, LoadedModel, check_compatible, load,  # noqa: E402
+                             load_pair)
+from .stats import SpecDecodingStats  # noqa: E402
+from .verify import rejection_sample  # noqa: E402
+
+__all__ = ["Engine", "GenerationResult", "IncompatibleDraftError", "LoadedModel", "METHODS", "Method",
            "SamplingParams", "SpecDecodingStats", "SpeculativeConfig", "StreamChunk",
            "check_compatible", "generate", "load", "load_pair", "rejection_sample", "stream"]
-__version__ = "0.1.0"

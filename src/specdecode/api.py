@@ -18,15 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .backends import LoadedModel, load
-from .config import DEFAULT_K, KSchedule, Method, SamplingParams, SpeculativeConfig
-from .engine import Engine, Generation, SpecDecodingStats
-from .proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, SuffixProposer
-from .schedule import AutoK, FixedK, HeuristicK, verify_profile
-
-
-class IncompatibleDraftError(ValueError):
-    """The draft cannot propose tokens for this target (different tokenizer)."""
+from .config import SamplingParams
+from .engine import Engine, Generation
+from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
+                      speculative_config)
+from .models.loading import LoadedModel, load
+from .stats import SpecDecodingStats
+from .text import IncrementalDetokenizer
 
 
 @dataclass
@@ -54,99 +52,6 @@ class StreamChunk:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
-
-
-def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """Check once, at pairing time, that the draft speaks the target's tokens.
-
-    Same tokenizer (vocabulary and special tokens) is required; the embedding rows may
-    differ (Qwen2.5: 151,936 vs 152,064): draft probability of rows it lacks is 0.
-    Raises IncompatibleDraftError saying what to do.
-    """
-    tt, dt = target.tokenizer, draft.tokenizer
-    if tt is None or dt is None:
-        return
-    if tt.get_vocab() != dt.get_vocab() or tt.all_special_tokens != dt.all_special_tokens:
-        raise IncompatibleDraftError(
-            f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
-            f"({len(dt)} vs {len(tt)} tokens, or different special tokens). Draft-model "
-            "speculation needs the same tokenizer: pick a draft of the target's own family "
-            "(CLI --draft NAME|PATH, Python draft=...; the model itself works too), or decode "
-            "without a draft (CLI --method ar, Python method='ar').")
-
-
-def speculative_config(method: str | Method | None, has_draft: bool,
-                       num_speculative_tokens: int | str | None = None,
-                       max_speculative_tokens: int = 16, draft_p_min: float | None = None,
-                       max_ngram: int | None = None, suffix_cache: str = "request") -> SpeculativeConfig:
-    """The :class:`SpeculativeConfig` of the API's / CLI's arguments: method None means
-    "draft" when a draft model is given, else "ar"; K is an integer, "heuristic" or "auto".
-    Raises ValueError naming a bad or inapplicable value."""
-    method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
-    schedule, k = KSchedule.FIXED, num_speculative_tokens
-    if isinstance(k, str):
-        if k not in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
-            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64, "
-                             "'heuristic' or 'auto'")
-        schedule, k = KSchedule(k), None
-    ngram = {}
-    if max_ngram is not None:  # the shortest n-gram stays the default, or max_ngram if below
-        if method is not Method.PROMPT_LOOKUP:
-            raise ValueError(f"n-gram sizes apply to prompt lookup, not {method.value!r} "
-                             f"(got max_ngram={max_ngram!r})")
-        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or not 1 <= max_ngram <= 32:
-            raise ValueError(f"max_ngram={max_ngram!r} (max_matching_ngram_size, --max-ngram) is "
-                             "invalid; allowed: an integer 1..32")
-        ngram = dict(max_ngram=max_ngram, min_ngram=min(SpeculativeConfig.min_ngram, max_ngram))
-    return SpeculativeConfig(method, k, schedule, max_speculative_tokens, draft_p_min,
-                             suffix_cache=suffix_cache, **ngram)
-
-
-def build_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None,
-                   suffix: SuffixProposer | None = None):
-    """The proposer of ``spec.method`` (None for plain decoding). A draft model that is the
-    target itself gets its own KV cache (a fork sharing the weights). ``suffix``: the suffix
-    proposer to use (suffix, hybrid) instead of a new one. Raises ValueError when the method
-    needs a draft model and none is given, IncompatibleDraftError when the draft's tokenizer
-    differs. The hybrid weighs its proposers with both models' forward times
-    (:func:`specdecode.schedule.verify_profile`: measured once per machine, then cached)."""
-    method = spec.method
-    if method is Method.AR:
-        return None
-    drafter = None
-    if method.needs_draft_model:
-        if draft is None:
-            raise ValueError(f"method {method.value!r} needs a draft model (draft= or assistant_model=)")
-        check_compatible(target, draft)
-        drafter = DraftModelProposer(draft.lm.fork() if draft.lm is target.lm else draft.lm,
-                                     p_min=spec.draft_p_min)
-    if method is Method.DRAFT:
-        return drafter
-    if method is Method.PROMPT_LOOKUP:
-        return PromptLookupProposer(spec.max_ngram, spec.min_ngram)
-    suffix = suffix or SuffixProposer(cache=spec.suffix_cache)
-    if method is Method.SUFFIX:
-        return suffix
-    # relative costs from the two models' forward-time profiles (measured once, cached)
-    times = verify_profile(target, spec.max_speculative_tokens)
-    return HybridProposer(suffix, drafter, verify_cost=[t / times[0] for t in times],
-                          draft_cost=verify_profile(draft, 0)[0] / times[0],
-                          draft_k=DEFAULT_K[Method.DRAFT])
-
-
-def build_schedule(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None = None):
-    """The K schedule of ``spec``: fixed K, transformers' heuristic, or auto, which profiles
-    the target's forward times T(1..max_k+1) and, for methods with a draft model, the draft's
-    T(1) once (see :func:`specdecode.schedule.verify_profile`). Call it before
-    :func:`build_proposer`, which then uses the same profiles for the hybrid's costs."""
-    if spec.schedule is KSchedule.HEURISTIC:
-        return HeuristicK(spec.num_speculative_tokens, spec.max_speculative_tokens)
-    if spec.schedule is KSchedule.AUTO:
-        draft_s = (verify_profile(draft, 0)[0]
-                   if spec.method.needs_draft_model and draft is not None else 0.0)
-        return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens,
-                     draft_seconds_per_token=draft_s)
-    return FixedK(spec.num_speculative_tokens)
 
 
 def _as_model(m, dtype: str) -> LoadedModel:
@@ -275,7 +180,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
 
     def completion() -> str:
-        """Text so far: an EOS that ended the request is not text (like vLLM); cut at stop."""
+        """The whole text: an EOS that ended the request is not text (like vLLM); cut at stop."""
         ids = gen.token_ids
         if gen.finish_reason == "stop" and ids and ids[-1] in eos:
             ids = ids[:-1]
@@ -283,20 +188,25 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         # a request cut inside a multi-byte character leaves U+FFFD: drop the partial bytes
         return text.rstrip("\ufffd") if gen.finish_reason == "length" else text
 
-    sent = 0
+    # text is emitted once it is complete UTF-8 and cannot be the start of a stop string; the
+    # last block's comes from one decode of the whole output
+    detok = IncrementalDetokenizer(lambda ids: _decode(tok, ids)) if tok is not None else None
+    sent, final = 0, None
     hold = max((len(s) for s in params.stop), default=1) - 1
     for new in gen:
-        if tok is None:
+        if detok is None:
             yield StreamChunk("", new)
             continue
-        text = completion()
-        stable = len(text) if gen.finish_reason else len(text) - hold
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-            stable = min(stable, len(text.rstrip("\ufffd")) - hold)
-        delta = text[sent:stable] if stable > sent else ""
+        if gen.finish_reason is not None:
+            final = completion()
+            delta = final[sent:]
+        else:
+            detok.add(new)  # no stop string yet: the engine would have ended the request
+            text = detok.text
+            delta = text[sent:max(sent, len(text) - hold)]
         sent += len(delta)
         yield StreamChunk(delta, new)
-    text = completion() if tok is not None else ""
+    text = "" if tok is None else final if final is not None else completion()
     result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids)
     yield StreamChunk(text[sent:], [], result)
 
@@ -318,34 +228,9 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     tgt = _as_model(target, dtype)
     drf = _as_model(draft, dtype) if spec.method.needs_draft_model else None
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
-    schedule = build_schedule(spec, tgt, drf) if spec.method is not Method.AR else None
-    proposer = build_proposer(spec, tgt, drf, _session_suffix(tgt, spec))
+    schedule = build_schedule(spec, tgt, drf)
+    proposer = build_proposer(spec, tgt, drf)
     engine = Engine(tgt.lm, proposer, schedule, debug=debug)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
     gen = engine.generate(prompt_ids, params, tgt.eos_token_ids, decode)
     return gen, tgt, params, prompt_ids
-
-
-def _session_suffix(target: LoadedModel, spec: SpeculativeConfig) -> SuffixProposer | None:
-    """With ``suffix_cache="session"`` the suffix proposer (its counts of earlier outputs and
-    its learned confidence) lives as long as the loaded target, so that later requests match
-    the outputs of earlier ones."""
-    if spec.method not in (Method.SUFFIX, Method.HYBRID) or spec.suffix_cache != "session":
-        return None
-    proposer = getattr(target, "_session_suffix", None)
-    if proposer is None:
-        proposer = target._session_suffix = SuffixProposer(cache="session")
-    return proposer
-
-
-def load_pair(target: str | Path, draft: str | Path | None, dtype: str = "float32",
-              draft_dtype: str = "int8") -> tuple[LoadedModel, LoadedModel | None]:
-    """Load a target and (optionally) a draft, checking their compatibility once.
-
-    The draft's dtype only changes speed and acceptance rate, never the output, so it
-    defaults to int8 (fastest on CPU)."""
-    tgt = load(target, dtype=dtype)
-    drf = load(draft, dtype=draft_dtype) if draft is not None else None
-    if drf is not None:
-        check_compatible(tgt, drf)
-    return tgt, drf

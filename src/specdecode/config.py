@@ -1,4 +1,6 @@
-"""Request and method configuration: frozen dataclasses validated on construction."""
+"""Request configuration: frozen dataclasses validated on construction, and the one check of
+a speculation length K. (A method's configuration, :class:`~specdecode.methods.SpeculativeConfig`,
+lives with the method registry it is validated against.)"""
 
 from __future__ import annotations
 
@@ -6,29 +8,15 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+MAX_K = 64  # the largest speculation length K accepted anywhere
 
-class Method(str, Enum):
-    """Who proposes draft tokens. ``AR`` is plain autoregressive decoding (no proposer);
-    ``DRAFT`` a draft model; ``PROMPT_LOOKUP`` n-gram lookup in the context; ``SUFFIX``
-    suffix matching with continuation frequencies; ``HYBRID`` a lookup when it matches well,
-    the draft model otherwise."""
 
-    AR = "ar"
-    DRAFT = "draft"
-    PROMPT_LOOKUP = "prompt-lookup"
-    SUFFIX = "suffix"
-    HYBRID = "hybrid"
-
-    @property
-    def needs_draft_model(self) -> bool:
-        return self in (Method.DRAFT, Method.HYBRID)
-
-    @classmethod
-    def parse(cls, value: "str | Method") -> "Method":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"method {value!r} is not one of {[m.value for m in cls]}") from None
+def check_k(name: str, k) -> int:
+    """``k`` if it is a speculation length (an integer 1..MAX_K); else ValueError naming
+    ``name`` and the allowed values."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise ValueError(f"{name} = {k!r} is invalid; allowed: an integer 1..{MAX_K}")
+    return k
 
 
 @dataclass(frozen=True)
@@ -101,65 +89,3 @@ class KSchedule(str, Enum):
     FIXED = "fixed"
     HEURISTIC = "heuristic"
     AUTO = "auto"
-
-
-# K when none is given: a draft model pays per drafted token, lookups almost nothing (a
-# hybrid's lookup proposes up to K, its draft model at most DEFAULT_K[DRAFT])
-DEFAULT_K = {Method.DRAFT: 6, Method.HYBRID: 16, Method.PROMPT_LOOKUP: 16, Method.SUFFIX: 16}
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How drafts are proposed and verified.
-
-    ``num_speculative_tokens`` is the speculation length K (draft tokens per verify pass;
-    None = the method's default, :data:`DEFAULT_K`): fixed, or the starting K of the
-    heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
-    schedules. ``draft_p_min``: a draft model stops drafting below this top probability.
-    ``max_ngram`` / ``min_ngram``: prompt lookup's n-gram sizes (default 5..2, BENCHMARKS.md).
-    ``suffix_cache``: "request" or "session" (also match earlier outputs).
-    """
-
-    method: Method = Method.DRAFT
-    num_speculative_tokens: int | None = None
-    schedule: KSchedule = KSchedule.FIXED
-    max_speculative_tokens: int = 16
-    draft_p_min: float | None = None
-    max_ngram: int = 5
-    min_ngram: int = 2
-    suffix_cache: str = "request"
-
-    def __post_init__(self):
-        object.__setattr__(self, "method", Method.parse(self.method))
-        try:
-            object.__setattr__(self, "schedule", KSchedule(self.schedule))
-        except ValueError:
-            raise ValueError(f"speculation length schedule {self.schedule!r} is invalid; allowed: "
-                             f"{[s.value for s in KSchedule]}") from None
-        if self.num_speculative_tokens is None:
-            object.__setattr__(self, "num_speculative_tokens", DEFAULT_K.get(self.method, 1))
-        for name in ("num_speculative_tokens", "max_speculative_tokens"):
-            k = getattr(self, name)
-            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
-                raise ValueError(f"{name} (K) = {k!r} is invalid; allowed: an integer 1..64")
-        p = self.draft_p_min
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
-            raise ValueError(f"draft_p_min = {p!r} is invalid; allowed: a number in [0, 1), or None")
-        if p is not None and not self.method.needs_draft_model:
-            raise ValueError(f"draft_p_min applies to a draft model; method {self.method.value!r} has none")
-        if not (all(isinstance(n, int) and not isinstance(n, bool) for n in (self.min_ngram, self.max_ngram))
-                and 1 <= self.min_ngram <= self.max_ngram <= 32):
-            raise ValueError(f"n-gram sizes min_ngram={self.min_ngram!r} max_ngram={self.max_ngram!r} "
-                             "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")
-        if self.suffix_cache not in ("request", "session"):
-            raise ValueError(f"suffix_cache = {self.suffix_cache!r} is invalid; allowed: 'request', 'session'")
-        # an option the method cannot honour is an error, never silently ignored
-        if self.suffix_cache != "request" and self.method not in (Method.SUFFIX, Method.HYBRID):
-            raise ValueError(f"suffix_cache applies to the suffix and hybrid methods, not {self.method.value!r}")
-        default_ngram = (SpeculativeConfig.min_ngram, SpeculativeConfig.max_ngram)
-        if (self.min_ngram, self.max_ngram) != default_ngram and self.method is not Method.PROMPT_LOOKUP:
-            raise ValueError(f"n-gram sizes apply to prompt lookup, not {self.method.value!r}")
-        if self.max_speculative_tokens != 16 and self.schedule is KSchedule.FIXED:
-            raise ValueError("max_speculative_tokens caps K for the 'heuristic' and 'auto' schedules; "
-                             f"with a fixed K give num_speculative_tokens instead (got "
-                             f"{self.max_speculative_tokens})")

@@ -1,7 +1,7 @@
 """The speculative decoding loop (DESIGN.md), as a generator of token ids.
 
 Each round: the proposer proposes k draft tokens; the target scores ``last + drafts`` in one
-verify pass; :func:`~specdecode.sampling.rejection_sample` keeps an accepted prefix plus one
+verify pass; :func:`~specdecode.verify.rejection_sample` keeps an accepted prefix plus one
 recovered or bonus token; stop conditions are checked on every token of that block; both
 caches roll back to the committed length. Plain autoregressive decoding is the same loop
 with no proposer (k = 0 every round), so both share every line of stop handling.
@@ -9,158 +9,19 @@ with no proposer (k = 0 every round), so both share every line of stop handling.
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from .backends import CausalLM
-from .config import SamplingParams
+from .config import SamplingParams, check_k
+from .models.base import CausalLM, busy_lock
 from .proposers import Proposer, RequestState
-from .sampling import process_logits, rejection_sample, to_probs
-from .schedule import FixedK
-
-
-@dataclass
-class SpecDecodingStats:
-    """Counters of one or more requests, after vLLM's SpecDecodingStats plus phase timers.
-
-    num_drafts: verify passes that checked at least one draft token.
-    num_draft_tokens / num_accepted_tokens: proposed / accepted draft tokens that reached the
-        output (tokens after a stop inside a block are not counted as accepted).
-    accepted_per_position[i]: drafts accepted at position i of their block.
-    num_verify_passes: target forward passes after prefill (each emits >= 1 token).
-    by_proposer: per proposer that supplied drafts (a hybrid has several):
-        {name: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}}.
-    speculation_lengths: K of every round of a speculative request (0: the schedule or the
-        room left chose not to speculate; for a lookup whose proposal the schedule trimmed,
-        the K it kept), to see a K schedule at work.
-    Times in seconds: prefill_s (target + draft prefill), draft_s, verify_s (target forward +
-    acceptance rule), total_s (wall time of the whole request).
-    """
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
-    speculation_lengths: list[int] = field(default_factory=list)
-    num_verify_passes: int = 0
-    num_generated_tokens: int = 0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens (0 when nothing was proposed; None in to_dict)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verify pass: 1 + accepted / verify passes (1.0 = plain decoding)."""
-        return 1.0 + self.num_accepted_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens / total wall time, prefill included."""
-        return self.num_generated_tokens / self.total_s if self.total_s > 0 else 0.0
-
-    @property
-    def other_s(self) -> float:
-        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
-
-    def record_round(self, proposed: int, accepted: int, source: str = "") -> None:
-        self.num_verify_passes += 1
-        if proposed:
-            self.num_drafts += 1
-            self.num_draft_tokens += proposed
-            self.num_accepted_tokens += accepted
-            mine = self.by_proposer.setdefault(source or "draft", {
-                "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})
-            mine["num_drafts"] += 1
-            mine["num_draft_tokens"] += proposed
-            mine["num_accepted_tokens"] += accepted
-            if len(self.accepted_per_position) < proposed:
-                self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
-            for i in range(accepted):
-                self.accepted_per_position[i] += 1
-
-    def merge(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
-        """Pool two requests' counters (rates become Σaccepted / Σproposed)."""
-        out = SpecDecodingStats()
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_verify_passes",
-                     "num_generated_tokens", "prefill_s", "draft_s", "verify_s", "total_s"):
-            setattr(out, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
-        out.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position),
-                                                           pad(other.accepted_per_position))]
-        for src in (self.by_proposer, other.by_proposer):
-            for name, counts in src.items():
-                mine = out.by_proposer.setdefault(name, dict.fromkeys(counts, 0))
-                for key, v in counts.items():
-                    mine[key] += v
-        out.speculation_lengths = self.speculation_lengths + other.speculation_lengths
-        return out
-
-    def to_dict(self) -> dict:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "by_proposer": {name: dict(c) for name, c in self.by_proposer.items()},
-            "mean_speculation_length": (round(sum(self.speculation_lengths)
-                                              / len(self.speculation_lengths), 3)
-                                        if self.speculation_lengths else None),
-            "num_verify_passes": self.num_verify_passes,
-            "num_generated_tokens": self.num_generated_tokens,
-            "acceptance_rate": round(self.acceptance_rate, 4) if self.num_draft_tokens else None,
-            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3),
-            "prefill_s": round(self.prefill_s, 4),
-            "draft_s": round(self.draft_s, 4),
-            "verify_s": round(self.verify_s, 4),
-            "other_s": round(self.other_s, 4),
-            "total_s": round(self.total_s, 4),
-        }
-
-
-_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def _busy_lock(model) -> threading.Lock:
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.Lock()
-        return lock
-
-
-class StopStrings:
-    """Finds the first generated token at which any stop string appears in the text.
-
-    decode: token ids -> text. Checks each token of a block, so a stop string that starts
-    early in a long accepted block, or spans tokens or blocks, is found at its own token.
-    """
-
-    def __init__(self, stop: tuple[str, ...], decode: Callable[[list[int]], str]):
-        self.stop = stop
-        self.decode = decode
-        self.longest = max(len(s) for s in stop)
-        self._checked = 0  # text length already searched
-
-    def hit(self, generated: list[int]) -> bool:
-        text = self.decode(generated)
-        start = max(0, min(self._checked, len(text)) - self.longest - 4)
-        self._checked = len(text)
-        return any(s in text[start:] for s in self.stop)
+from .sampling import process_logits, to_probs
+from .schedule import FixedK, Schedule
+from .stats import SpecDecodingStats
+from .text import StopStrings
+from .verify import rejection_sample
 
 
 class Generation:
@@ -197,26 +58,27 @@ class Generation:
 class Engine:
     """Runs requests on a target with an optional proposer.
 
-    target: a :class:`~specdecode.backends.CausalLM`; proposer: None for plain decoding.
-    num_speculative_tokens: K, the most draft tokens per verify pass, or a K schedule
-    (:mod:`specdecode.schedule`: reset / next_k / update) that picks K each round.
-    debug: assert the cache invariant after every round (target cache length == committed
-    tokens − 1; the proposer's cache a prefix of it).
+    target: a :class:`~specdecode.models.base.CausalLM`; proposer: a
+    :class:`~specdecode.proposers.Proposer`, or None for plain decoding.
+    num_speculative_tokens: K, the most draft tokens per verify pass (default: the
+    proposer's ``default_k``), or a :class:`~specdecode.schedule.Schedule` that picks K each
+    round. debug: assert the cache invariant after every round (target cache length ==
+    committed tokens − 1; the proposer's own position a prefix of it).
+    Raises ValueError for a K outside 1..64 or a proposer that drafts with the target itself.
     """
 
     def __init__(self, target: CausalLM, proposer: Proposer | None = None,
-                 num_speculative_tokens=4, debug: bool = False):
+                 num_speculative_tokens: int | Schedule | None = None, debug: bool = False):
         self.target = target
         self.proposer = proposer
         k = num_speculative_tokens
         if proposer is None:
             k = None  # plain decoding: nothing to schedule
-        elif isinstance(k, int) and not isinstance(k, bool):
-            k = FixedK(k)
-        elif not all(callable(getattr(k, m, None)) for m in ("reset", "next_k", "update")):
-            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..64 "
-                             "or a K schedule (specdecode.schedule: FixedK, HeuristicK, AutoK)")
-        if proposer is not None and getattr(proposer, "draft", None) is target:
+        elif k is None:
+            k = FixedK(proposer.default_k)
+        elif not isinstance(k, Schedule):
+            k = FixedK(check_k("num_speculative_tokens (K)", k))
+        if proposer is not None and any(m is target for m in proposer.models()):
             raise ValueError("the proposer's draft model is the target itself, whose KV cache the "
                              "target needs: give the draft its own cache, e.g. "
                              "DraftModelProposer(target.fork()) (a fork shares the weights)")
@@ -263,12 +125,12 @@ class Engine:
         held = []
         try:
             model = ("model", "KV cache", "load a second copy of the model")
-            for obj, (what, state, remedy) in (
-                    (self.target, model), (getattr(self.proposer, "draft", None), model),
-                    (self.proposer, ("proposer", "per-request state", "give each engine its own proposer"))):
-                if obj is None:
-                    continue
-                lock = _busy_lock(obj)
+            proposer = ("proposer", "per-request state", "give each engine its own proposer")
+            held_objects = [(self.target, model)]
+            if self.proposer is not None:
+                held_objects += [(m, model) for m in self.proposer.models()] + [(self.proposer, proposer)]
+            for obj, (what, state, remedy) in held_objects:
+                lock = busy_lock(obj)
                 if not lock.acquire(blocking=False):
                     raise RuntimeError(
                         f"this {what} is already generating another request (its {state} is in "
@@ -310,7 +172,7 @@ class Engine:
                 t1 = time.perf_counter()
                 draft = proposer.propose(state, k) if k > 0 else None
                 drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
-                if draft is not None and draft.free and drafts.shape[1] and hasattr(schedule, "trim"):
+                if draft is not None and draft.free and drafts.shape[1]:
                     k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen
                     drafts = drafts[:, :k]
                 if proposer is not None:
@@ -342,8 +204,7 @@ class Engine:
                     emitted.append(tok)
                     state.tokens.append(tok)
                     state.num_generated += 1
-                    if tok in eos or (stopper is not None
-                                      and stopper.hit(state.tokens[len(prompt):])):
+                    if tok in eos or (stopper is not None and stopper.hit(tok)):
                         gen.finish_reason = "stop"
                         break
                 stats.record_round(k, min(accepted, len(emitted)), draft.source if k else "")
@@ -365,6 +226,5 @@ class Engine:
     def _check_invariant(self, state: RequestState) -> None:
         n = len(state.tokens)
         assert self.target.seq_len == n - 1, (self.target.seq_len, n)
-        draft = getattr(self.proposer, "draft", None)
-        if draft is not None and getattr(self.proposer, "enabled", False):
-            assert draft.seq_len <= n - 1, (draft.seq_len, n)
+        if self.proposer is not None:
+            self.proposer.check_invariant(state)

@@ -1,55 +1,63 @@
 """Speculation length K per round: fixed, transformers' heuristic, or chosen from a cost model.
 
-A schedule has ``reset()`` (start of a request), ``next_k()`` (K for the next round; 0 =
-no speculation this round) and ``update(proposed, accepted, draft_s, verify_s)`` (after each
-verify pass, with the number of draft tokens actually proposed, possibly 0; the times are
-None for seeded sampled requests, whose K must not depend on the clock: the random draws of
-a round depend on K, and the same seed must give the same output). The engine caps K further
-by the room left in the context; a proposer may propose fewer tokens. A schedule may also
-have ``trim(offered)``: for a free proposal (a lookup's, ``DraftOutput.free``) of ``offered``
-tokens, how many of them to verify (AutoK chooses this way; FixedK and HeuristicK keep all).
+Every schedule is a :class:`Schedule`. The engine caps K further by the room left in the
+context; a proposer may propose fewer tokens. The cost model's maths is
+:mod:`specdecode.costmodel`; the machine's measured forward times, :mod:`specdecode.profile`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import platform
-import statistics
-import time
-from pathlib import Path
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
-import torch
-
-MAX_K = 64
+from .config import check_k
+from .costmodel import chained_acceptance, expected_tokens
 
 
-def _check_k(name: str, k) -> None:
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
-        raise ValueError(f"{name} = {k!r} is invalid; allowed: an integer 1..{MAX_K}")
+class Schedule(ABC):
+    """What the engine asks of a K schedule.
+
+    ``reset()`` at the start of a request; ``next_k()`` before each round (0 = no
+    speculation this round); ``trim(offered)`` after a free proposal (a lookup's,
+    ``DraftOutput.free``) of ``offered`` tokens: how many of them to verify (default all);
+    ``update(proposed, accepted, draft_s, verify_s)`` after each verify pass, with the number
+    of draft tokens actually proposed (possibly 0) and the round's times in seconds — None
+    for seeded sampled requests, whose K must not depend on the clock: the random draws of a
+    round depend on K, and the same seed must give the same output.
+    """
+
+    name: ClassVar[str]
+
+    def reset(self) -> None:
+        """Start a request."""
+
+    @abstractmethod
+    def next_k(self) -> int:
+        """K for the next round."""
+
+    def trim(self, offered: int) -> int:
+        """How many of a free proposal's ``offered`` tokens to verify."""
+        return offered
+
+    def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
+        """Learn from a verify pass."""
 
 
-class FixedK:
+class FixedK(Schedule):
     """K tokens every round. Raises ValueError for K outside 1..64."""
 
     name = "fixed"
 
     def __init__(self, k: int):
-        _check_k("speculation length K", k)
+        check_k("speculation length K", k)
         self.k = k
-
-    def reset(self) -> None:
-        pass
 
     def next_k(self) -> int:
         return self.k
 
-    def update(self, proposed: int, accepted: int, draft_s: float | None, verify_s: float | None) -> None:
-        pass
 
-
-class HeuristicK:
+class HeuristicK(Schedule):
     """transformers' heuristic schedule for K: start at ``start``; +2 after a round whose
     proposed tokens were all accepted, −1 otherwise (never below 1 or above ``max_k``).
     Rounds without a proposal change nothing. Restarts at ``start`` every request, like
@@ -59,8 +67,8 @@ class HeuristicK:
     name = "heuristic"
 
     def __init__(self, start: int, max_k: int = 16):
-        _check_k("starting K", start)
-        _check_k("max K", max_k)
+        check_k("starting K", start)
+        check_k("max K", max_k)
         self.start, self.max_k = min(start, max_k), max_k
         self.k = self.start
 
@@ -75,30 +83,7 @@ class HeuristicK:
             self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
 
-def chained_acceptance(reached, accepted, first_alpha: float, prior_weight: float) -> list[float]:
-    """Per-position acceptance α_1, α_2, ... from counts of how often each position was
-    reached and accepted: α_i = (accepted_i + w·α_{i−1}) / (reached_i + w), with α_0 =
-    ``first_alpha`` and w = ``prior_weight`` — a position seldom reached inherits the rate of
-    the one before it (a draft's misses come in bursts, so K can grow while drafts keep
-    being accepted)."""
-    out, prev = [], first_alpha
-    for r, a in zip(reached, accepted):
-        prev = (a + prior_weight * prev) / (r + prior_weight)
-        out.append(prev)
-    return out
-
-
-def expected_tokens(alphas: list[float], k: int) -> float:
-    """E(K) = 1 + Σ_{i=1..K} Π_{j<=i} α_j: tokens a round of K drafts emits, bonus or
-    recovered token included (Leviathan et al., arXiv:2211.17192 §3.1, α per position)."""
-    total, run = 1.0, 1.0
-    for a in alphas[:k]:
-        run *= a
-        total += run
-    return total
-
-
-class AutoK:
+class AutoK(Schedule):
     """Choose K each round to maximise expected emitted tokens per second.
 
     Model (Leviathan et al., arXiv:2211.17192 §3.4, with a per-position acceptance rate
@@ -136,7 +121,7 @@ class AutoK:
     def __init__(self, forward_seconds: list[float], max_k: int = 16,
                  draft_seconds_per_token: float = 0.0, decay: float = 0.9,
                  prior_weight: float = 1.0, first_alpha: float = 0.6, probe_every: int = 8):
-        _check_k("max K", max_k)
+        check_k("max K", max_k)
         if len(forward_seconds) < 2 or not all(_positive(t) for t in forward_seconds):
             raise ValueError(f"AutoK needs forward times T(1), T(2), ... in seconds (at least 2, "
                              f"all > 0), got {forward_seconds!r}")
@@ -248,97 +233,3 @@ def _finite(x) -> bool:
 
 def _positive(x) -> bool:
     return _finite(x) and x > 0
-
-
-def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 5,
-                          warmup: int = 3) -> list[float]:
-    """T(n) in seconds for n = 1..max_n new tokens after ``context_len`` cached tokens.
-
-    Sizes are measured round-robin (1, 2, ..., max_n, 1, 2, ...) after ``warmup`` untimed
-    rounds, with one more pass of a single token before each size n >= 2 (1, 2, 1, 3, ...,
-    1, max_n), so that drift and a cold first call hit every n alike. T(1) is the cost of
-    plain decoding and every other time is compared with it (T(n)/T(1) steers K), so it
-    gets max(1, max_n - 1) samples a round: with 3 samples, a single slow T(1) moved every
-    ratio by 10 % on this project's 2-core CPU. Each T(n) is the median of its samples.
-    Returns [T(1), ..., T(max_n)]."""
-    lm.allocate(1, context_len + max_n)
-    g = torch.Generator().manual_seed(0)
-    lm.forward(torch.randint(0, lm.vocab_size, (1, context_len), generator=g), num_logits=0)
-    ids = torch.randint(0, lm.vocab_size, (1, max_n), generator=g)
-    order = [1] + [m for n in range(2, max_n + 1) for m in (n, 1)][:-1]
-    samples: list[list[float]] = [[] for _ in range(max_n)]
-    for r in range(warmup + repeats):
-        for n in order:
-            t0 = time.perf_counter()
-            lm.forward(ids[:, :n])
-            if r >= warmup:
-                samples[n - 1].append(time.perf_counter() - t0)
-            lm.rollback(context_len)
-    return [statistics.median(s) for s in samples]
-
-
-PROFILE_CONTEXT = 256
-PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profiles are measured again
-PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode cache>/profiles
-
-
-def verify_profile(model, max_k: int = 16) -> list[float]:
-    """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
-    max_k = 0, a draft model's T(1)), measured once by :func:`measure_forward_times` — one
-    untimed round, then 3 timed ones (15 for a draft's T(1) alone), after prefilling 256
-    tokens (less for a shorter context) — and cached on disk per model, dtype, thread count,
-    torch version, CPU and ``PROFILE_VERSION`` (in ``PROFILE_DIR``, default <specdecode
-    cache>/profiles), and in memory on the loaded model. ``model``: a
-    :class:`~specdecode.backends.LoadedModel`. Measuring uses the model's KV cache, so it
-    raises RuntimeError while the model is generating another request. A cache file that
-    cannot be read or holds anything but positive times is measured again."""
-    from . import registry
-    from .engine import _busy_lock
-
-    n = max_k + 1
-    cached = getattr(model, "_verify_profile", None)
-    if cached is not None and len(cached) >= n:
-        return cached[:n]
-    lm = model.lm
-    module = lm if isinstance(lm, torch.nn.Module) else getattr(lm, "hf", None)
-    first = next(module.parameters(), None) if module is not None else None
-    dtype = str(first.dtype) if first is not None else type(lm).__name__
-    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), dtype, torch.get_num_threads(),
-                      torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
-    path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
-        hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-    times = None
-    try:
-        times = json.loads(path.read_text())["forward_seconds"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    if not (isinstance(times, list) and len(times) == n and all(_positive(t) for t in times)):
-        lock = _busy_lock(lm)
-        if not lock.acquire(blocking=False):
-            raise RuntimeError("this model is generating another request: its forward times for "
-                               "K='auto' can be measured once that request is finished or closed")
-        try:
-            context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
-            # a draft's T(1) alone is cheap: 15 samples of it
-            times = measure_forward_times(lm, context, n, repeats=3 if n > 1 else 15, warmup=1)
-        finally:
-            lock.release()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "forward_seconds": times}))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache only costs the profile again next time
-    model._verify_profile = times
-    return times
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""

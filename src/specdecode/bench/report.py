@@ -1,0 +1,109 @@
+"""The bench's report: per method × subtask summaries, markdown tables and a chart."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def summarize(records: list) -> dict:
+    """Per method × subtask (and "overall") of :class:`~.run.Record`\ s: tokens/s median and mean, speedup vs ar and vs
+    hf-ar (median of per-generation ratios), mean acceptance length, acceptance rate, time
+    shares, mismatches."""
+    by_key = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in records}
+    out: dict[str, dict[str, dict]] = {}
+    subtasks = sorted({r.subtask for r in records})
+    for method in dict.fromkeys(r.method for r in records):
+        out[method] = {}
+        for sub in subtasks + ["overall"]:
+            rs = [r for r in records if r.method == method and (sub == "overall" or r.subtask == sub)]
+            if not rs:
+                continue
+            row = {"n": len(rs),
+                   "tokens_per_second_median": statistics.median(r.tokens_per_second for r in rs),
+                   "tokens_per_second_mean": statistics.fmean(r.tokens_per_second for r in rs)}
+            for base in ("ar", "hf-ar"):
+                ratios = [r.tokens_per_second / b.tokens_per_second for r in rs
+                          if (b := by_key.get((base, r.subtask, r.prompt_id, r.turn))) and b.tokens_per_second]
+                row[f"speedup_vs_{base}"] = statistics.median(ratios) if ratios else None
+            # the same without prefill (which speculation cannot speed up): decode time only
+            ratios = [(b.seconds - b.prefill_s) / (r.seconds - r.prefill_s) for r in rs
+                      if r.prefill_s is not None and r.seconds > r.prefill_s
+                      and (b := by_key.get(("ar", r.subtask, r.prompt_id, r.turn)))
+                      and b.prefill_s is not None and b.new_tokens == r.new_tokens]
+            row["decode_speedup_vs_ar"] = statistics.median(ratios) if ratios else None
+            row["prefill_share"] = (sum(r.prefill_s for r in rs) / sum(r.seconds for r in rs)
+                                    if all(r.prefill_s is not None for r in rs) else None)
+            passes = sum(r.num_verify_passes or 0 for r in rs)
+            proposed = sum(r.num_draft_tokens or 0 for r in rs)
+            accepted = sum(r.num_accepted_tokens or 0 for r in rs)
+            seconds = sum(r.seconds for r in rs)
+            row["mean_acceptance_length"] = 1 + accepted / passes if passes else None
+            row["acceptance_rate"] = accepted / proposed if proposed else None
+            row["draft_share"] = (sum(r.draft_s or 0 for r in rs) / seconds
+                                  if rs[0].draft_s is not None and seconds else None)
+            row["verify_share"] = (sum(r.verify_s or 0 for r in rs) / seconds
+                                   if rs[0].verify_s is not None and seconds else None)
+            checked = [r for r in rs if r.identical is not None]
+            row["mismatches"] = sum(not r.identical for r in checked) if checked else None
+            out[method][sub] = row
+    return out
+
+
+def _fmt(v, spec=".2f", suffix=""):
+    return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: str = "overall") -> str:
+    lines = [f"| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | ceiling | τ | "
+             f"acceptance | draft / verify time | mismatches |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method, rows in summary.items():
+        r = rows.get(subtask)
+        if r is None:
+            continue
+        share = (f"{r['draft_share']:.0%} / {r['verify_share']:.0%}"
+                 if r["draft_share"] is not None else "—")
+        lines.append(
+            f"| {method} | {r['tokens_per_second_median']:.2f} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} | "
+            f"{_fmt(r['speedup_vs_hf-ar'], '.2f', '×')} | {_fmt(ceilings.get(method), '.2f', '×')} | "
+            f"{_fmt(r['mean_acceptance_length'])} | {_fmt(r['acceptance_rate'], '.0%')} | {share} | "
+            f"{_fmt(r['mismatches'], 'd')} |")
+    lines.append("\n\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians; "
+                 "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer; τ = mean acceptance length")
+    return "\n".join(lines)
+
+
+def subtask_table(summary: dict, key: str = "speedup_vs_ar") -> str:
+    subtasks = sorted({s for rows in summary.values() for s in rows if s != "overall"}) + ["overall"]
+    lines = ["| method | " + " | ".join(subtasks) + " |", "|---" * (len(subtasks) + 1) + "|"]
+    for method, rows in summary.items():
+        cells = [_fmt(rows.get(s, {}).get(key), ".2f", "×") for s in subtasks]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, ceilings: dict, path: Path) -> None:
+    """Bar chart of speedup vs ar per subtask per method, the ceiling as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subtasks = sorted({s for rows in summary.values() for s in rows if s != "overall"}) + ["overall"]
+    methods = [m for m in summary if m != "ar"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(subtasks)), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        vals = [summary[m].get(s, {}).get("speedup_vs_ar") or 0 for s in subtasks]
+        ax.bar([x + i * width for x in range(len(subtasks))], vals, width, label=m)
+    top = max((c for c in ceilings.values() if c), default=None)
+    if top:
+        ax.axhline(top, ls="--", color="grey", label=f"ceiling (perfect free proposer) {top:.2f}×")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(subtasks))], subtasks, rotation=20)
+    ax.set_ylabel("speedup vs ar (median)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,291 @@
+"""Running the bench: every task with every method, interleaved, with the lossless check
+and the machine's limit; records are appended as prompts finish, so a run can be resumed.
+
+In the spirit of Spec-Bench (Xia et al., arXiv:2401.07851): greedy decoding, batch size 1,
+speedup = tokens/s of a method / tokens/s of plain decoding of the same target. Methods run
+interleaved per prompt (A B C A B C ...) so that machine drift hits all alike; a warm-up
+generation per method is excluded. Speedups are medians of per-prompt ratios (paired).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models.loading import LoadedModel
+from ..profile import measure_forward_times
+from .report import markdown_table, plot, subtask_table, summarize
+from .runners import BenchModels, fixed_k, is_ours
+from .workloads import Task, prompt_ids
+
+
+@dataclass
+class Record:
+    """One generation: ``seconds`` is wall time including prefill; ``identical`` is the
+    lossless check against the reference method (None when not applicable)."""
+
+    method: str
+    subtask: str
+    prompt_id: str
+    turn: int
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    token_ids: list[int] = field(repr=False, default_factory=list)
+    num_verify_passes: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+    prefill_s: float | None = None
+    identical: bool | None = None
+    first_difference: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def ceiling(times: list[float], k: int) -> float:
+    """Speedup of a perfect, free proposer at speculation length K: (K+1)·T(1)/T(K+1)."""
+    if k >= len(times):
+        raise ValueError(f"the ceiling at K={k} needs T({k + 1}); only T(1..{len(times)}) were measured")
+    return (k + 1) * times[0] / times[k]
+
+
+def weight_bytes(model: LoadedModel) -> int:
+    """Bytes one decode step reads: every weight except the input embedding table (of which
+    one row is read), counting a tied output layer once and oneDNN-packed copies as stored."""
+    lm = model.lm
+    module = lm if isinstance(lm, torch.nn.Module) else lm.hf
+    if isinstance(lm, torch.nn.Module):
+        emb, out = lm.model.embed_tokens.weight, getattr(lm.lm_head, "weight", None)
+    else:
+        emb, out = module.get_input_embeddings().weight, module.get_output_embeddings().weight
+    params = {id(p): p for p in module.parameters()}
+    if emb is not out:
+        params.pop(id(emb), None)
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for m in module.modules():  # oneDNN-packed linears hold their weight outside parameters()
+        packed = getattr(m, "packed", None)
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+    return total
+
+
+RECORDS_LOG = "records.jsonl"
+RUN_SETTINGS = ("target", "draft", "dtype", "max_new_tokens", "seed", "dataset", "limit")
+
+
+def check_run_settings(args) -> None:
+    """--out DIR keeps the settings that make records comparable in DIR/run.json; --resume
+    with other settings is refused (its records would not be comparable; another --limit
+    chooses other prompts). A run.json written before ``limit`` was kept is not checked for it."""
+    path = Path(args.out) / "run.json"
+    mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
+    if Path(args.dataset).is_file():  # the questions themselves, wherever the file lies
+        mine["dataset"] = "sha256:" + hashlib.sha256(Path(args.dataset).read_bytes()).hexdigest()[:16]
+    if args.resume and path.exists():
+        try:
+            theirs = json.loads(path.read_text())
+        except ValueError:
+            theirs = {}
+        theirs.setdefault("limit", mine["limit"])
+        diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
+        if diff:
+            raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "
+                             "resume with the same ones, or choose another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**mine, "commit": _commit(), "command": " ".join(sys.argv),
+                                "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+
+
+def _commit() -> str | None:
+    """The git commit of the code that runs (``git describe --always --dirty``), or None
+    outside a git checkout."""
+    try:
+        proc = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def read_records(path: Path) -> list[Record]:
+    """Records of ``path`` (one JSON object per line, as written during a run); a last line cut
+    short by a killed run is ignored."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(Record(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """First index where two token lists differ (or the shorter length); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
+              progress: bool = True, on_mismatch=None, previous: list[Record] = (),
+              on_task_done=None) -> list[Record]:
+    """Run every task with every method, interleaved; Ctrl-C (or SIGTERM, as a batch system
+    or ``kill`` sends, when called from the main thread) stops and keeps what is done.
+
+    ``previous``: records of an interrupted run; a task whose every method × turn is among
+    them is not run again (a partly done task is run again whole, so that its methods stay
+    back to back). ``on_task_done(records)`` is called with each finished task's records."""
+    from tqdm import tqdm
+
+    have = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in previous}
+
+    def keys_of(task):
+        return [(label, task.subtask, task.prompt_id, turn)
+                for turn in range(len(task.turns)) for label in runners]
+
+    records: list[Record] = []
+    bar = tqdm(total=len(tasks) * len(runners), desc="bench", unit="gen", disable=not progress)
+    i = 0
+    on_term = None
+    if threading.current_thread() is threading.main_thread():
+        on_term = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for i, task in enumerate(tasks):
+            keys = keys_of(task)
+            if all(k in have for k in keys):
+                records += [have[k] for k in keys]
+                bar.update(len(runners))
+                continue
+            start = len(records)
+            answers: dict[str, list[str]] = {label: [] for label in runners}
+            for turn in range(len(task.turns)):
+                done: dict[str, Record] = {}
+                for label, (runner, ref) in runners.items():
+                    ids = prompt_ids(tokenizer, task, turn, answers[label])
+                    out = runner(ids, max_new_tokens)
+                    s = out.stats or {}
+                    rec = Record(label, task.subtask, task.prompt_id, turn, len(ids),
+                                 len(out.token_ids), out.seconds, out.token_ids,
+                                 s.get("num_verify_passes"), s.get("num_draft_tokens"),
+                                 s.get("num_accepted_tokens"), s.get("draft_s"), s.get("verify_s"),
+                                 s.get("prefill_s"))
+                    if ref is not None and ref != label and ref in done:
+                        diff = first_difference(out.token_ids, done[ref].token_ids)
+                        rec.identical, rec.first_difference = diff is None, diff
+                        if diff is not None and on_mismatch is not None:
+                            on_mismatch(rec, ref)
+                    done[label] = rec
+                    records.append(rec)
+                    answers[label].append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
+                    if turn == len(task.turns) - 1:
+                        bar.update(1)
+            if on_task_done is not None:
+                on_task_done(records[start:])
+    except KeyboardInterrupt:
+        print("\ninterrupted: reporting the results so far", file=sys.stderr)
+        # and the finished tasks of the run being resumed that come after this one
+        records += [have[k] for task in tasks[i + 1:] if all(k in have for k in keys_of(task))
+                    for k in keys_of(task)]
+    finally:
+        bar.close()
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+    return records
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM: stop like Ctrl-C, keeping the finished prompts
+
+
+def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) -> dict:
+    target = models.target()
+    tok = target.tokenizer
+    # the limit, at the benchmark's typical context length
+    lengths = sorted(len(prompt_ids(tok, t, 0, [])) for t in tasks)
+    context = lengths[len(lengths) // 2] + max_new_tokens // 2
+    ks = {label: fixed_k(label) for label in runners}
+    # T(1..16), and up to T(K+1) for the largest fixed K of a method
+    times = measure_forward_times(target.lm, context, max(16, 1 + max((k or 0 for k in ks.values()), default=0)))
+    wbytes = weight_bytes(target)
+    ceilings = {label: (ceiling(times, k) if k else None) for label, k in ks.items()}
+    print(f"machine limit at {context} tokens of context: T(1) = {times[0] * 1e3:.0f} ms, "
+          f"{wbytes / 1e9:.2f} GB of weights -> {wbytes / times[0] / 1e9:.1f} GB/s; "
+          f"T(n)/T(1) for n=1..{len(times)}: " + " ".join(f"{t / times[0]:.2f}" for t in times), file=sys.stderr)
+    print(f"ceiling (K+1)·T(1)/T(K+1) for K=1..{len(times) - 1}: "
+          + " ".join(f"{ceiling(times, k):.2f}" for k in range(1, len(times))), file=sys.stderr)
+    for label, (runner, _) in runners.items():  # warm-up, excluded
+        runner(prompt_ids(tok, tasks[0], 0, []), 8)
+
+    def loud(rec, ref):
+        print(f"\nLOSSLESS CHECK FAILED: {rec.method} differs from {ref} on {rec.subtask}/"
+              f"{rec.prompt_id} turn {rec.turn} at generated token {rec.first_difference}",
+              file=sys.stderr)
+
+    previous, on_task_done = [], None
+    if args is not None and getattr(args, "out", None):
+        log = Path(args.out) / RECORDS_LOG
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if getattr(args, "resume", False) and log.exists():
+            previous = read_records(log)
+            print(f"resuming: {len(previous)} generations already in {log}", file=sys.stderr)
+        else:
+            log.write_text("")
+
+        def on_task_done(task_records):
+            with log.open("a") as f:
+                for r in task_records:
+                    f.write(json.dumps(asdict(r)) + "\n")
+
+    records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud,
+                        previous=previous, on_task_done=on_task_done)
+    summary = summarize(records)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    limit = {"context_tokens": context, "forward_seconds": times, "weight_bytes": wbytes,
+             "bandwidth_gb_per_s": wbytes / times[0] / 1e9,
+             "ceiling_by_k": {k: ceiling(times, k) for k in range(1, len(times))}}
+    table = markdown_table(summary, ceilings)
+    by_sub = subtask_table(summary)
+    decode_by_sub = subtask_table({m: rows for m, rows in summary.items() if is_ours(m.split(":", 1)[0])},
+                                  "decode_speedup_vs_ar")
+    print(table)
+    print()
+    print(by_sub)
+    print("\nwithout prefill (decode time only; ours):\n")
+    print(decode_by_sub)
+    mismatches = sum(1 for r in records if r.identical is False)
+    if mismatches:
+        print(f"\nWARNING: {mismatches} generation(s) differ from their reference (lossless check failed)")
+    overall = {m: {k: v for k, v in rows["overall"].items()} for m, rows in summary.items()
+               if "overall" in rows}
+    overall_json = {"methods": overall, "ceiling": {m: c for m, c in ceilings.items()},
+                    "mismatches": mismatches, "peak_rss_bytes": peak_rss}
+    if args is not None and getattr(args, "out", None):
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({
+            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "threads": torch.get_num_threads(), "limit": limit, "summary": summary,
+            "ceilings": ceilings, "peak_rss_bytes": peak_rss}, indent=1))  # records: RECORDS_LOG
+        (out / "report.md").write_text(
+            f"# specdecode bench\n\ncommand: `{' '.join(sys.argv)}`\n\n"
+            f"date: {time.strftime('%Y-%m-%d')}, threads: {torch.get_num_threads()}, "
+            f"peak RSS {peak_rss / 2**30:.1f} GiB\n\n## Overall\n\n{table}\n\n"
+            f"## Speedup vs ar per subtask\n\n{by_sub}\n\n"
+            f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n")
+        plot(summary, ceilings, out / "speedup.png")
+        print(f"wrote {out}/results.json, report.md, speedup.png", file=sys.stderr)
+    return {"summary": summary, "records": records, "limit": limit, "overall_json": overall_json}

@@ -1,0 +1,225 @@
+"""The bench's methods: every entry of the method registry (:mod:`specdecode.methods`), run
+through our engine, beside transformers' plain, assisted and prompt-lookup generation (the
+peers). ``--methods ar,draft:k=4:dtype=float32,...`` names them with options."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import KSchedule, SamplingParams
+from ..engine import Engine
+from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule
+from ..models.loading import LoadedModel, check_compatible, load, resolve_model_path
+
+
+@dataclass
+class Output:
+    """One generation: its ids, wall time in seconds (prefill included), our engine's stats."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: dict | None = None
+
+
+class BenchModels:
+    """Loads each model once, on first use: ours (native) and transformers' copies."""
+
+    def __init__(self, target: str, draft: str, dtype: str):
+        self.target_name, self.draft_name, self.dtype = target, draft, dtype
+        self._cache: dict = {}
+
+    def _get(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def target(self) -> LoadedModel:
+        return self._get("target", lambda: load(self.target_name, dtype=self.dtype))
+
+    def draft(self, dtype: str) -> LoadedModel:
+        def make():
+            d = load(self.draft_name, dtype=dtype)
+            check_compatible(self.target(), d)
+            return d
+        return self._get(("draft", dtype), make)
+
+    def hf(self, which: str):
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model_path(self.target_name if which == "target" else self.draft_name)
+        return self._get(("hf", which), lambda: AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, self.dtype)).eval())
+
+
+Runner = Callable[[list[int], int], Output]
+
+
+def _int(opts: dict, key: str, default: int) -> int:
+    value = opts.pop(key, default)
+    try:
+        return int(value)
+    except ValueError:
+        allowed = "an integer, 'heuristic' or 'auto'" if key == "k" else "an integer"
+        raise ValueError(f"option {key}={value!r} is invalid; allowed: {allowed}") from None
+
+
+def _float(value: str, key: str, allowed: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"option {key}={value!r} is invalid; allowed: {allowed}") from None
+
+
+def _ngram(value: str) -> dict:
+    lo, _, hi = value.partition("-")
+    try:
+        return {"min_ngram": int(lo), "max_ngram": int(hi or lo)}
+    except ValueError:
+        raise ValueError(f"option ngram={value!r} is invalid; allowed: MIN-MAX, e.g. ngram=1-3") from None
+
+
+# bench option -> (the registry option it sets, its SpeculativeConfig fields from the text)
+OPTION_PARSERS: dict[str, tuple[str, Callable[[str], dict]]] = {
+    "p_min": ("draft_p_min", lambda v: {"draft_p_min": _float(v, "p_min", "a number in [0, 1)")}),
+    "ngram": ("ngram", _ngram),
+    "cache": ("suffix_cache", lambda v: {"suffix_cache": v}),
+}
+
+
+def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
+    """The SpeculativeConfig of method ``name`` with bench options (consumed from ``opts``):
+    k=N|heuristic|auto and max_k=N (every speculative method), and the options the method's
+    registry entry honours: p_min=P (draft_p_min), ngram=MIN-MAX, cache=request|session.
+    Raises ValueError naming a bad option."""
+    k = opts.pop("k", None)
+    schedule = KSchedule.FIXED
+    if k in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):
+        schedule, k = KSchedule(k), None
+    elif k is not None:
+        k = _int({"k": k}, "k", 0)
+    kwargs = {}
+    if "max_k" in opts:
+        kwargs["max_speculative_tokens"] = _int(opts, "max_k", 16)
+    for key, (_, parse) in OPTION_PARSERS.items():
+        if key in opts:
+            kwargs.update(parse(opts.pop(key)))
+    return SpeculativeConfig(name, k, schedule, **kwargs)
+
+
+def ours(models: BenchModels, name: str, opts: dict) -> Runner:
+    """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
+    ``dtype=`` the draft's, default int8)."""
+    target = models.target()
+    spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
+    draft = models.draft(opts.pop("dtype", "int8")) if spec.method.needs_draft_model else None
+    engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
+
+    def run(prompt_ids, max_new_tokens):
+        t0 = time.perf_counter()
+        gen = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens),
+                              target.eos_token_ids).run()
+        return Output(gen.token_ids, time.perf_counter() - t0, gen.stats.to_dict())
+    return run
+
+
+def _hf(models: BenchModels, **generate_kwargs) -> Runner:
+    hf = models.hf("target")
+    eos = list(models.target().eos_token_ids)
+
+    def run(prompt_ids, max_new_tokens):
+        ids = torch.tensor([prompt_ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
+                              **generate_kwargs)
+        return Output(out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0)
+    return run
+
+
+def _hf_assisted(models, opts):
+    kwargs = {"assistant_model": models.hf("draft")}
+    if "k" in opts:
+        kwargs["num_assistant_tokens"] = _int(opts, "k", 0)
+    return _hf(models, **kwargs)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A method of another project run beside ours: how to build its runner, its reference
+    for the lossless check, and one line of help."""
+
+    make: Callable[[BenchModels, dict], Runner]
+    reference: str
+    summary: str
+
+
+PEERS: dict[str, Peer] = {
+    "hf-ar": Peer(lambda models, opts: _hf(models), "hf-ar",
+                  "transformers generate, greedy, same weights"),
+    "hf-assisted": Peer(_hf_assisted, "hf-ar",
+                        "transformers assisted generation with the same draft (k=num_assistant_tokens)"),
+    "hf-pld": Peer(lambda models, opts: _hf(models, prompt_lookup_num_tokens=_int(opts, "k", 10)), "hf-ar",
+                   "transformers prompt lookup decoding (k=prompt_lookup_num_tokens, default 10)"),
+}
+DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft"
+
+
+def is_ours(name: str) -> bool:
+    return name in METHODS
+
+
+def parse_methods(spec: str) -> list[tuple[str, str, dict]]:
+    """"ar,draft:k=4:dtype=float32" -> [(label, name, options)]. Raises ValueError naming a
+    bad method or option."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, *opts = item.split(":")
+        if name not in METHODS and name not in PEERS:
+            raise ValueError(f"unknown method {name!r}; available: {', '.join([*METHODS, *PEERS])}")
+        options = {}
+        for o in opts:
+            if "=" not in o:
+                raise ValueError(f"method option {o!r} in {item!r} must look like key=value")
+            key, value = o.split("=", 1)
+            options[key] = value
+        out.append((item, name, options))
+    if not out:
+        raise ValueError("no methods given")
+    labels = [label for label, _, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a method is listed twice in {spec!r}")
+    return out
+
+
+def build_runners(models: BenchModels, methods) -> dict[str, tuple[Runner, str | None]]:
+    """label -> (runner, label of its reference: ``ar`` for ours, ``hf-ar`` for the peers,
+    None when the reference is not in the run). Raises ValueError on unknown options."""
+    runners = {}
+    labels = [label for label, _, _ in methods]
+    for label, name, options in methods:
+        opts = dict(options)
+        if is_ours(name):
+            runner, ref = ours(models, name, opts), "ar"
+        else:
+            runner, ref = PEERS[name].make(models, opts), PEERS[name].reference
+        if opts:
+            raise ValueError(f"method {label!r}: unknown option(s) {sorted(opts)}")
+        runners[label] = (runner, ref if ref in labels else None)
+    return runners
+
+
+def fixed_k(label: str) -> int | None:
+    """Fixed speculation length K of one of our speculative methods (None: not speculative,
+    or K changes from round to round)."""
+    _, name, options = parse_methods(label)[0]
+    if not is_ours(name) or METHODS[name].proposer is None:
+        return None
+    opts = dict(options)
+    opts.pop("dtype", None)
+    spec = speculative_config(name, opts)
+    return spec.num_speculative_tokens if spec.schedule is KSchedule.FIXED else None

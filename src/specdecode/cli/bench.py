@@ -1,0 +1,113 @@
+"""``specdecode bench``: the command line of :mod:`specdecode.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
+from ..bench.runners import DEFAULT_METHODS, PEERS, BenchModels, build_runners, parse_methods
+from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
+                               load_code_edit, load_humaneval, load_spec_bench)
+from ..methods import METHODS
+from ..models import registry
+from .common import add_threads_argument, apply_threads, run_command
+
+
+def _help() -> str:
+    ours = "\n".join(f"  {m.name:<14}{m.summary}" + (
+        f" ({', '.join(OPTION_NAMES[o] for o in sorted(m.options))})" if m.options else "")
+        for m in METHODS.values())
+    peers = "\n".join(f"  {name:<14}{p.summary}" for name, p in PEERS.items())
+    return f"""\
+Benchmark decoding methods side by side on Spec-Bench and HumanEval, greedy, batch size 1,
+interleaved per prompt, against our plain decoding (ar) and transformers (hf-*), with the
+machine's ceiling for a perfect, free proposer.
+
+methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
+{ours}
+  (each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
+  model dtype=int8|float32|bfloat16, the draft's dtype, default int8)
+{peers}
+
+workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,
+math_reasoning, rag), humaneval (code completion), code-edit (a HumanEval solution to
+rewrite with type hints and a docstring: the answer repeats much of the prompt).
+
+example:
+  specdecode bench --limit 5 --methods ar,hf-ar,hf-assisted,draft:k=6 --out bench-out
+  specdecode bench --workloads code-edit --methods ar,hf-pld,prompt-lookup,suffix:k=auto
+"""
+
+
+# the bench's option for each registry option (its values as in --methods)
+OPTION_NAMES = {"draft_p_min": "p_min=P", "ngram": "ngram=MIN-MAX", "suffix_cache": "cache=request|session"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench, HumanEval)",
+                       description=_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model (default %(default)s)")
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model (default %(default)s)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="default: %(default)s")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated from: {', '.join(WORKLOADS)} (default: %(default)s)")
+    p.add_argument("--dataset", default=str(SPEC_BENCH_PATH),
+                   help="Spec-Bench question.jsonl (default: the copy in ../shared/data)")
+    p.add_argument("--subtasks", default=None,
+                   help=f"only these subtasks (comma-separated; Spec-Bench: {', '.join(SPEC_BENCH_SUBTASKS)})")
+    p.add_argument("--limit", type=int, default=5, help="prompts per subtask, seeded choice (default 5)")
+    p.add_argument("--humaneval-limit", type=int, default=None,
+                   help="HumanEval (and code-edit) problems (default: --limit)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target dtype for every method (default float32)")
+    p.add_argument("--out", default=None,
+                   help="write results.json, report.md and speedup.png here; every finished "
+                        "prompt is also appended to records.jsonl as the run goes")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out: prompts already in its "
+                        "records.jsonl are not run again")
+    add_threads_argument(p)
+    p.set_defaults(func=lambda args: run_command(cmd_bench, args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Raises ValueError for bad input, FileNotFoundError for a missing dataset,
+    ModelFetchError when a model cannot be fetched."""
+    apply_threads(args)
+    if args.resume and not args.out:
+        raise ValueError("--resume needs --out DIR (the directory of the run to continue)")
+    methods = parse_methods(args.methods)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad or not workloads:
+        raise ValueError(f"unknown workload(s) {bad}; available: {', '.join(WORKLOADS)}")
+    if args.limit < 1 or args.max_new_tokens < 1:
+        raise ValueError("--limit and --max-new-tokens must be >= 1")
+    tasks = []
+    if "spec-bench" in workloads:
+        tasks += load_spec_bench(args.dataset, args.limit, args.seed)
+    if "humaneval" in workloads:
+        tasks += load_humaneval(args.humaneval_limit or args.limit, args.seed)
+    if "code-edit" in workloads:
+        tasks += load_code_edit(args.humaneval_limit or args.limit, args.seed)
+    if args.subtasks:
+        keep = {s.strip() for s in args.subtasks.split(",")}
+        tasks = [t for t in tasks if t.subtask in keep]
+        if not tasks:
+            raise ValueError(f"no prompts left for subtasks {sorted(keep)}")
+    if args.out and not args.resume and (Path(args.out) / RECORDS_LOG).exists():
+        raise ValueError(f"{Path(args.out) / RECORDS_LOG} holds an earlier run: pass --resume "
+                         "to continue it, or choose another --out")
+    if args.out:
+        check_run_settings(args)
+    models = BenchModels(args.target, args.draft, args.dtype)
+    runners = build_runners(models, methods)
+    report = run_and_report(models, runners, tasks, args.max_new_tokens, args)
+    print(json.dumps(report["overall_json"]))
+    return 0
+
+

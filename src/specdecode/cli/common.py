@@ -1,0 +1,62 @@
+"""What every subcommand shares: the --threads option, K arguments, and one rule for exit
+codes (0 ok; 2 bad input, with one "error: ..." line on stderr; 1 a job that failed, e.g. a
+model that could not be fetched; 130 interrupted)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import torch
+
+from ..config import MAX_K, check_k
+from ..models.registry import ModelFetchError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a subcommand, turning the errors a user can cause into one line and an exit code:
+    ValueError (bad input) -> 2, ModelFetchError or a missing file -> 1."""
+    try:
+        return func(args)
+    except ValueError as e:  # IncompatibleDraftError included
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ModelFetchError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def k_argument(value: str) -> int | str:
+    """argparse type of --k: an integer 1..64, 'heuristic' or 'auto'."""
+    if value in ("heuristic", "auto"):
+        return value
+    try:
+        return check_k("--k", int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--k must be an integer 1..{MAX_K}, 'heuristic' or 'auto', got {value!r}") from None
+
+
+def max_k_argument(value: str) -> int:
+    """argparse type of --max-k: an integer 1..64."""
+    try:
+        return check_k("--max-k", int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-k must be an integer 1..{MAX_K}, got {value!r}") from None
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for PyTorch (default: one per core). On a machine where other "
+                        "work runs, fewer threads avoid OpenMP stalls that can slow decoding 10x")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Raises ValueError for --threads < 1."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)

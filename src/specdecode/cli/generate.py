@@ -1,0 +1,151 @@
+"""``specdecode generate``: the main job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..api import _sampling_params, stream
+from ..methods import METHODS, Method, speculative_config
+from ..models import registry
+from ..models.loading import load_pair
+from .common import add_threads_argument, apply_threads, k_argument, max_k_argument, run_command
+
+GENERATE_HELP = """\
+Generate a completion with speculative decoding, streaming it as it is produced, then print
+the statistics. Output is identical to the target's own greedy decoding (or, when sampling,
+distributed exactly as the target's sampling).
+
+examples:
+  specdecode generate --prompt "Write a Python function that checks for primes." --chat
+  specdecode generate --prompt "def quicksort(xs):" --k 6 --compare
+  specdecode generate --prompt "Once upon a time" --temperature 0.8 --seed 1 --json
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text (speculative decoding)", description=GENERATE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    p.add_argument("--target", default=registry.DEFAULT_TARGET,
+                   help=f"target model: a name from `specdecode models list`, a model directory, a "
+                        f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                   help=f"draft model for --method draft or hybrid, same forms as --target "
+                        f"(default: {registry.DEFAULT_DRAFT})")
+    p.add_argument("--method", default=Method.DRAFT.value, choices=list(METHODS),
+                   help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
+                        + ". Default: draft")
+    defaults = ", ".join(f"{m.default_k} for {m.name}" for m in METHODS.values() if m.default_k)
+    p.add_argument("--k", type=k_argument, default=None,
+                   help=f"speculation length K: draft tokens per verify pass, 1..64 (default: {defaults}); "
+                        "'heuristic': +2 after a fully accepted round, "
+                        "-1 otherwise (transformers); 'auto': K chosen each round from this machine's "
+                        "measured forward times and the acceptance so far")
+    p.add_argument("--max-k", type=max_k_argument, default=None,
+                   help="largest K for --k heuristic/auto, 1..64 (default 16)")
+    p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                   help="stop drafting where the draft model's top probability is below P "
+                        "(llama.cpp --draft-p-min; default: 0.5 for hybrid, off for draft; 0 = off)")
+    p.add_argument("--max-ngram", type=int, default=None,
+                   help="prompt lookup: longest n-gram matched (default 5; shortest 2)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (transformers' meaning)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="no EOS before this many new tokens")
+    p.add_argument("--stop", nargs="+", default=None, metavar="STR",
+                   help="stop when any of these strings is generated (cut from the text); taken "
+                        "literally: use $'\\n' in bash for a newline")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="target weights dtype (default float32: exact on CPU)")
+    p.add_argument("--draft-dtype", default="int8", choices=["int8", "float32", "bfloat16", "float16"],
+                   help="draft weights dtype; never changes the output, only speed and acceptance "
+                        "(default int8: dynamic int8 quantization, ~3x faster drafts on CPU)")
+    add_threads_argument(p)
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain autoregressive decoding of the target and report the speedup "
+                        "and (greedy) whether the outputs are identical")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (last line of stdout) instead of streamed text")
+    p.set_defaults(func=lambda args: run_command(cmd_generate, args))
+
+
+def _print_stats(label: str, stats: dict, finish: str, out) -> None:
+    line = (f"[{label}] {stats['num_generated_tokens']} tokens in {stats['total_s']:.2f} s = "
+            f"{stats['tokens_per_second']:.2f} tokens/s, finish: {finish}")
+    if stats["num_draft_tokens"]:
+        line += (f" | acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
+                 f"{stats['mean_acceptance_length']:.2f} | time: prefill {stats['prefill_s']:.2f} s, "
+                 f"draft {stats['draft_s']:.2f} s, verify {stats['verify_s']:.2f} s, "
+                 f"other {stats['other_s']:.2f} s")
+        if stats["mean_speculation_length"] is not None:
+            line += f" | mean K {stats['mean_speculation_length']}"
+        if len(stats["by_proposer"]) > 1:
+            line += " | accepted by proposer: " + ", ".join(
+                f"{name} {c['num_accepted_tokens']}/{c['num_draft_tokens']}"
+                for name, c in stats["by_proposer"].items())
+    print(line, file=out)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    method = Method(args.method)
+    apply_threads(args)
+    # check every value before spending seconds on loading models
+    _sampling_params(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                     temperature=args.temperature, do_sample=None, top_k=args.top_k,
+                     top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                     seed=args.seed, stop=args.stop, eos_token_id=None)
+    if args.max_k is not None and not isinstance(args.k, str):
+        raise ValueError("--max-k caps K for --k heuristic or --k auto; with a fixed K use --k N")
+    spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k or 16,
+                     draft_p_min=args.draft_p_min, max_matching_ngram_size=args.max_ngram)
+    speculative_config(method, True, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    t0 = time.perf_counter()
+    target, draft = load_pair(args.target, args.draft if method.needs_draft_model else None,
+                             args.dtype, args.draft_dtype)
+    load_s = time.perf_counter() - t0
+    common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
+                  min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                  seed=args.seed, stop=args.stop)
+    chunks = stream(target, prompt, draft=draft, method=method, **spec_args, **common)
+    info = sys.stderr if args.json else sys.stdout
+    if not args.json:
+        print(f"# loaded {target.name}" + (f" + draft {draft.name}" if draft else "")
+              + f" in {load_s:.1f} s", file=sys.stderr)
+    result = None
+    for chunk in chunks:
+        if not args.json:
+            print(chunk.text, end="", flush=True)
+        result = chunk.result or result
+    if not args.json:
+        print()
+    _print_stats(method.value, result.stats.to_dict(), result.finish_reason, info)
+    out = result.to_dict()
+    if args.compare:
+        ar = None
+        for chunk in stream(target, prompt, method=Method.AR, **common):
+            ar = chunk.result or ar
+        speedup = result.stats.tokens_per_second / ar.stats.tokens_per_second
+        identical = ar.token_ids == result.token_ids
+        _print_stats("ar", ar.stats.to_dict(), ar.finish_reason, info)
+        verdict = ("identical to plain decoding" if identical else "DIFFERENT from plain decoding")
+        print(f"speedup {speedup:.2f}x over plain decoding; output "
+              + (verdict if args.temperature == 0 else "(sampled: not compared)"), file=info)
+        out["ar"] = {"text": ar.text, "token_ids": ar.token_ids,
+                     "tokens_per_second": round(ar.stats.tokens_per_second, 3)}
+        out["speedup"] = round(speedup, 4)
+        out["identical"] = identical
+    if args.json:
+        print(json.dumps(out))
+    return 0

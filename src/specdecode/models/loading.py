@@ -1,0 +1,182 @@
+"""Loading models: names, directories, GGUF files and hub ids to a :class:`LoadedModel`, and
+the one check that a draft can serve a target.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from . import registry
+from .base import CausalLM
+from .hf import HFCausalLM
+from .native import SUPPORTED_MODEL_TYPES, Transformer, quantize_int8
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "native", "transformers")
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A model ready for the engine plus what only the text layer needs.
+
+    ``tokenizer`` is a transformers tokenizer or None (token-id-only use);
+    ``eos_token_ids`` are the ids that end generation by default (generation_config ∪ tokenizer).
+    State that lives as long as the loaded model:
+    ``forward_seconds``: its measured forward times T(1..n) in seconds, once profiled
+    (:func:`specdecode.profile.verify_profile`); ``session_proposers``: proposers whose state
+    carries over between this model's requests (``suffix_cache="session"``), by method name.
+    Compared by identity (two loads of the same files are two models, with two KV caches).
+    """
+
+    lm: CausalLM
+    tokenizer: object | None = None
+    name: str = "model"
+    eos_token_ids: tuple[int, ...] = ()
+    path: Path | None = field(default=None, repr=False)
+    forward_seconds: list[float] | None = field(default=None, repr=False)
+    session_proposers: dict[str, object] = field(default_factory=dict, repr=False)
+
+
+def resolve_model_path(name_or_path: str | Path) -> Path:
+    """Turn a specdecode model name, a local directory, a GGUF file or a hub id into a local
+    directory in transformers layout (config.json + weights + tokenizer files).
+
+    Known names are fetched on first use; GGUF files are converted once into the cache; a hub
+    id goes through ``huggingface_hub.snapshot_download`` (the standard ``from_pretrained``
+    resolution, honouring HF_HOME and HF_HUB_OFFLINE). Raises ValueError when nothing matches.
+    """
+    s = str(name_or_path)
+    if not s.strip():
+        raise ValueError("the model name/path is empty; give one of " + ", ".join(registry.KNOWN_MODELS)
+                         + ", a model directory, a .gguf file or a hub id")
+    if s in registry.KNOWN_MODELS:
+        return registry.fetch(s) if not registry.is_present(s) else registry.model_dir(s)
+    p = Path(s).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ValueError(f"{p} is a directory without config.json; expected a Hugging Face "
+                             "model directory (config.json, *.safetensors, tokenizer files)")
+        return p
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"{p} is a file but not a .gguf file; pass a GGUF file, a model "
+                             "directory, a hub id, or one of " + ", ".join(registry.KNOWN_MODELS))
+        return registry.converted_dir_for_gguf(p)
+    if s.count("/") == 1 and not s.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(s, allow_patterns=[
+                "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
+        except Exception as e:  # noqa: BLE001 - re-raised with what to do
+            raise ValueError(f"could not fetch hub model {s!r} ({type(e).__name__}: {e}); use a "
+                             "local directory, a GGUF file, or one of "
+                             + ", ".join(registry.KNOWN_MODELS)) from e
+    raise ValueError(f"model {s!r} not found: not a known name ({', '.join(registry.KNOWN_MODELS)}), "
+                     "not an existing directory or .gguf file, and not a hub id of the form org/name")
+
+
+def load(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32",
+         backend: str = "auto", tokenizer: bool = True) -> LoadedModel:
+    """Load a model for use as target or draft.
+
+    ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM)
+    or "auto" (native when the architecture allows). ``dtype``: float32 (default; exactness
+    on CPU), bfloat16, float16, or int8 (int8 dynamic quantization of the linear layers: fast
+    drafts on CPU). Raises ValueError naming the bad value.
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES and dtype != "int8":
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES) + ['int8']}")
+        dtype = DTYPES.get(dtype, dtype)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+    path = resolve_model_path(name_or_path)
+    config = json.loads((path / "config.json").read_text())
+    native_ok = config.get("model_type") in SUPPORTED_MODEL_TYPES and any(path.glob("*.safetensors"))
+    if backend == "native" and not native_ok:
+        raise ValueError(f"{name_or_path}: model_type {config.get('model_type')!r} with these weights "
+                         f"is not supported natively ({SUPPORTED_MODEL_TYPES}); use backend='transformers'")
+    try:
+        if backend == "transformers" or not native_ok:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
+            lm = HFCausalLM(quantize_int8(hf) if dtype == "int8" else hf)
+        else:
+            lm = Transformer.from_pretrained(path, dtype=dtype)
+        tok = None
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, RuntimeError, KeyError, SafetensorError) as e:
+        raise ValueError(
+            f"could not load the model in {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
+            "The files may be missing, truncated or corrupt: re-copy them (for a known model, "
+            "delete that directory and run `specdecode models fetch NAME`)") from e
+    return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
+                       eos_token_ids=_default_eos(path, tok), path=path)
+
+
+def _default_eos(path: Path, tok) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    if gen.exists():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    if tok is not None and tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft cannot propose tokens for this target (different tokenizer)."""
+
+
+# target -> drafts already checked against it: the check compares whole vocabularies (tens of
+# milliseconds for 150k tokens), so it runs once per pair, not once per request
+_PAIRED: "weakref.WeakKeyDictionary[LoadedModel, weakref.WeakSet[LoadedModel]]" = weakref.WeakKeyDictionary()
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Check once per pair that the draft speaks the target's tokens.
+
+    Same tokenizer (vocabulary and special tokens) is required; the embedding rows may
+    differ (Qwen2.5: 151,936 vs 152,064): draft probability of rows it lacks is 0. A pair
+    that passed is not checked again (llama.cpp checks at init, ``common/speculative.cpp``).
+    Raises IncompatibleDraftError saying what to do.
+    """
+    checked = _PAIRED.setdefault(target, weakref.WeakSet())
+    if draft in checked:
+        return
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None and (
+            tt.get_vocab() != dt.get_vocab() or tt.all_special_tokens != dt.all_special_tokens):
+        raise IncompatibleDraftError(
+            f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
+            f"({len(dt)} vs {len(tt)} tokens, or different special tokens). Draft-model "
+            "speculation needs the same tokenizer: pick a draft of the target's own family "
+            "(CLI --draft NAME|PATH, Python draft=...; the model itself works too), or decode "
+            "without a draft (CLI --method ar, Python method='ar').")
+    checked.add(draft)
+
+
+def load_pair(target: str | Path, draft: str | Path | None, dtype: str = "float32",
+              draft_dtype: str = "int8") -> tuple[LoadedModel, LoadedModel | None]:
+    """Load a target and (optionally) a draft, checking their compatibility once.
+
+    The draft's dtype only changes speed and acceptance rate, never the output, so it
+    defaults to int8 (fastest on CPU). Raises ValueError (IncompatibleDraftError for a draft
+    of another tokenizer) or ModelFetchError."""
+    tgt = load(target, dtype=dtype)
+    drf = load(draft, dtype=draft_dtype) if draft is not None else None
+    if drf is not None:
+        check_compatible(tgt, drf)
+    return tgt, drf

@@ -1,0 +1,109 @@
+"""The machine's measured forward times T(n): what a verify pass of n tokens costs here,
+measured once per model, dtype, thread count and CPU, and cached on disk (the K schedule's
+and the hybrid's cost model read them)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .models import registry
+from .models.base import busy_lock
+from .models.loading import LoadedModel
+
+
+def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 5,
+                          warmup: int = 3) -> list[float]:
+    """T(n) in seconds for n = 1..max_n new tokens after ``context_len`` cached tokens.
+
+    Sizes are measured round-robin (1, 2, ..., max_n, 1, 2, ...) after ``warmup`` untimed
+    rounds, with one more pass of a single token before each size n >= 2 (1, 2, 1, 3, ...,
+    1, max_n), so that drift and a cold first call hit every n alike. T(1) is the cost of
+    plain decoding and every other time is compared with it (T(n)/T(1) steers K), so it
+    gets max(1, max_n - 1) samples a round: with 3 samples, a single slow T(1) moved every
+    ratio by 10 % on this project's 2-core CPU. Each T(n) is the median of its samples.
+    Returns [T(1), ..., T(max_n)]."""
+    lm.allocate(1, context_len + max_n)
+    g = torch.Generator().manual_seed(0)
+    lm.forward(torch.randint(0, lm.vocab_size, (1, context_len), generator=g), num_logits=0)
+    ids = torch.randint(0, lm.vocab_size, (1, max_n), generator=g)
+    order = [1] + [m for n in range(2, max_n + 1) for m in (n, 1)][:-1]
+    samples: list[list[float]] = [[] for _ in range(max_n)]
+    for r in range(warmup + repeats):
+        for n in order:
+            t0 = time.perf_counter()
+            lm.forward(ids[:, :n])
+            if r >= warmup:
+                samples[n - 1].append(time.perf_counter() - t0)
+            lm.rollback(context_len)
+    return [statistics.median(s) for s in samples]
+
+
+PROFILE_CONTEXT = 256
+PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profiles are measured again
+PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode cache>/profiles
+
+
+def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
+    """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
+    max_k = 0, a draft model's T(1)), measured once by :func:`measure_forward_times` — one
+    untimed round, then 3 timed ones (15 for a draft's T(1) alone), after prefilling 256
+    tokens (less for a shorter context) — and cached on disk per model, dtype, thread count,
+    torch version, CPU and ``PROFILE_VERSION`` (in ``PROFILE_DIR``, default <specdecode
+    cache>/profiles), and in memory on the loaded model (``LoadedModel.forward_seconds``). Measuring uses the model's KV cache, so it
+    raises RuntimeError while the model is generating another request. A cache file that
+    cannot be read or holds anything but positive times is measured again."""
+    n = max_k + 1
+    cached = model.forward_seconds
+    if cached is not None and len(cached) >= n:
+        return cached[:n]
+    lm = model.lm
+    module = lm if isinstance(lm, torch.nn.Module) else getattr(lm, "hf", None)
+    first = next(module.parameters(), None) if module is not None else None
+    dtype = str(first.dtype) if first is not None else type(lm).__name__
+    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), dtype, torch.get_num_threads(),
+                      torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
+    path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
+        hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    times = None
+    try:
+        times = json.loads(path.read_text())["forward_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not (isinstance(times, list) and len(times) == n and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times)):
+        lock = busy_lock(lm)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("this model is generating another request: its forward times for "
+                               "K='auto' can be measured once that request is finished or closed")
+        try:
+            context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
+            # a draft's T(1) alone is cheap: 15 samples of it
+            times = measure_forward_times(lm, context, n, repeats=3 if n > 1 else 15, warmup=1)
+        finally:
+            lock.release()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "forward_seconds": times}))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache only costs the profile again next time
+    model.forward_seconds = times
+    return times
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

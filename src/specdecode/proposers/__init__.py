@@ -1,0 +1,15 @@
+"""Proposers: anything that proposes draft tokens for the target to verify.
+
+One file per proposer; :mod:`.base` holds the contract (:class:`Proposer`) and the types
+they exchange with the engine. A new method is a new file here plus one entry in
+:mod:`specdecode.methods`.
+"""
+
+from .base import DraftOutput, Forecast, Proposer, RequestState
+from .draft_model import DraftModelProposer
+from .hybrid import HybridProposer, HybridTuning
+from .prompt_lookup import PromptLookupProposer
+from .suffix import ContinuationCounts, SuffixProposer
+
+__all__ = ["ContinuationCounts", "DraftModelProposer", "DraftOutput", "Forecast", "HybridProposer",
+           "HybridTuning", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer"]

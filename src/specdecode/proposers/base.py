@@ -1,0 +1,141 @@
+"""The proposer contract: everything the engine and the hybrid may ask of a proposer.
+
+A proposer proposes draft tokens for the target to verify (DESIGN.md): ``reset`` at the start
+of a request, ``propose`` each round, ``on_accept`` after verification. "No draft this round"
+is an empty tensor. Every other capability the engine or a policy over proposers (the hybrid)
+uses is declared here with a default, so a new proposer overrides only what it has.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..config import SamplingParams
+from ..models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """Draft tokens of one round.
+
+    token_ids: [B,k] int64, k >= 0 (k == 0: no draft this round).
+    probs: [B,k,V] the distributions the tokens were sampled from, or None when each token
+        is a point mass (greedy drafts, lookups) — the verifier must know exactly which.
+    source: which proposer supplied the tokens (a hybrid's stats count accepted tokens per source).
+    free: True when the tokens cost nothing to propose (lookups), so the K schedule may cut
+        the proposal short after seeing it (``Schedule.trim``); False for a draft model's tokens.
+    """
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor | None = None
+    source: str = ""
+    free: bool = False
+
+    @classmethod
+    def empty(cls, batch: int = 1) -> "DraftOutput":
+        return cls(torch.empty(batch, 0, dtype=torch.long))
+
+    @classmethod
+    def point_mass(cls, tokens: list[int], source: str) -> "DraftOutput":
+        """Deterministic proposals (lookups): [1,k] ids, no distribution."""
+        return cls(torch.tensor([tokens], dtype=torch.long).reshape(1, len(tokens)), None, source, True)
+
+
+@dataclass
+class RequestState:
+    """What a proposer may read about the request in flight (B = 1 for now).
+
+    tokens: committed token ids (prompt + generated), a Python list.
+    num_generated: how many of them were generated.
+    """
+
+    tokens: list[int]
+    num_generated: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None
+    target_vocab_size: int
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """What a free proposer (a lookup) would propose now, before anyone decides to use it.
+
+    tokens: up to k proposed token ids.
+    confidence: [len(tokens)] floats, confidence[i] = the probability that tokens[0..i] are
+        all accepted (non-increasing, in (0, 1]).
+    """
+
+    tokens: list[int]
+    confidence: list[float]
+
+
+class Proposer(ABC):
+    """Base of every proposer.
+
+    Required: ``name`` (stats and ``DraftOutput.source``), ``propose``. ``default_k``: the
+    speculation length K used when none is given (a proposer that pays per drafted token
+    wants a short one; lookups, whose proposals are free, a long one). ``free``: proposals
+    cost nothing to make (lookups); a free proposer must implement :meth:`forecast`, which
+    the hybrid reads. The rest has defaults for proposers that hold no model and learn
+    nothing from their proposals.
+    """
+
+    name: ClassVar[str]
+    default_k: ClassVar[int] = 16
+    free: ClassVar[bool] = False
+
+    def reset(self, state: RequestState, max_total_len: int) -> None:
+        """Start a request: ``state.tokens`` is the prompt; at most ``max_total_len`` tokens."""
+
+    @abstractmethod
+    def propose(self, state: RequestState, k: int) -> DraftOutput:
+        """Propose up to k draft tokens to follow ``state.tokens``."""
+
+    def on_accept(self, state: RequestState) -> None:
+        """``state.tokens`` now holds the committed tokens after verification."""
+
+    def models(self) -> tuple[CausalLM, ...]:
+        """The models whose KV caches this proposer uses: the engine holds them for the whole
+        request (one request at a time per model) and refuses the target among them."""
+        return ()
+
+    @property
+    def active(self) -> bool:
+        """False once the proposer can propose nothing more in this request (a draft model
+        whose context is full, or that met a token outside its vocabulary)."""
+        return True
+
+    def check_invariant(self, state: RequestState) -> None:
+        """Raise AssertionError when the proposer's own position disagrees with the committed
+        tokens (the engine calls it after every round in debug mode)."""
+
+    # -- what a policy over proposers (the hybrid) uses
+
+    def forecast(self, state: RequestState, k: int) -> Forecast:
+        """A free proposer's proposal of up to k tokens with its confidences (see
+        :class:`Forecast`); the next ``on_accept`` scores it against the committed tokens
+        whether or not it was verified. Raises NotImplementedError for proposers that are
+        not free."""
+        raise NotImplementedError(f"{type(self).__name__} is not a free proposer: it has no forecast")
+
+    def discard_last_proposal(self) -> None:
+        """The last forecast was neither verified nor read by another proposer: a proposer
+        that learns from its proposals must not learn from this one."""
+
+    def unseen(self, state: RequestState) -> int:
+        """Committed tokens the proposer must first process before it can propose (a draft
+        model's catch-up after rounds it skipped; 0 for lookups)."""
+        return 0
+
+    reads_guess: ClassVar[bool] = False
+
+    def propose_with_guess(self, state: RequestState, k: int, guess: list[int]) -> DraftOutput:
+        """Propose up to k tokens after reading ``guess`` (tokens another proposer expects
+        next, greedy requests only), keeping those this proposer would have proposed too.
+        Proposers with ``reads_guess`` False ignore the guess."""
+        return self.propose(state, k)
