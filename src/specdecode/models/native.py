@@ -4,11 +4,15 @@ The shape follows gpt-fast's ``model.py``: a frozen :class:`ModelArgs`, a preall
 :class:`KVCache` and a plain forward. What ``transformers`` hides and speculative decoding
 needs is explicit here: the cache is a buffer plus a position pointer, so rolling back
 rejected draft tokens is ``rollback(n)`` (no copy), and logits can be computed for only the
-last positions (prefill needs none).
+last positions (prefill needs none). For draft heads, draft trees, layer skipping and batched
+serving, :meth:`Transformer.forward_rows` runs rows of their own cache lengths, a tree mask
+over the new tokens, a subset of the layers, and returns chosen hidden states;
+:meth:`Transformer.rollback_rows` and :meth:`Transformer.compact` edit the cache per row.
 
 Parameter names match ``transformers``' Llama/Qwen2/Mistral checkpoints, so a safetensors
 file saved by ``save_pretrained`` loads with ``load_state_dict`` unchanged. Logits equal
-``transformers``' within fp32 rounding (tested: max abs diff <= 1e-4).
+``transformers``' within fp32 rounding (tested: max abs diff <= 1e-4; the forward_rows
+features <= 1e-5, ``tests/test_model_interface.py``).
 """
 
 from __future__ import annotations
@@ -182,8 +186,9 @@ class RMSNorm(nn.Module):
 class KVCache:
     """Preallocated key/value buffers [B, n_kv_heads, max_len, head_dim] for one layer.
 
-    The number of valid positions is kept by the model (``Transformer.seq_len``), so rolling
-    back is moving that pointer; stale entries past it are overwritten by the next forward.
+    The number of valid positions of each row is kept by the model
+    (``Transformer.row_lengths``), so rolling back is moving that pointer; stale entries past
+    it are overwritten by the next forward.
     """
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
@@ -191,11 +196,21 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v [B, H_kv, T, D] at positions start..start+T-1; return views up to there."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+    def update(self, where, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [B, H_kv, T, D]; return views [B, H_kv, end, D] of slots 0..end-1.
+
+        where: an int ``start`` (every row writes its T tokens at start..start+T-1, end =
+        start+T), or index tensors ``(rows, slots, toks, end)`` [N] (token toks[i] of row
+        rows[i] goes to slot slots[i]; rows of their own lengths, padding never written).
+        """
+        if isinstance(where, int):
+            end = where + k.shape[2]
+            self.k[:, :, where:end] = k
+            self.v[:, :, where:end] = v
+        else:
+            rows, slots, toks, end = where
+            self.k[rows, :, slots] = k[rows, :, toks]
+            self.v[rows, :, slots] = v[rows, :, toks]
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
@@ -209,14 +224,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
 
-    def forward(self, x, cos, sin, start: int, mask, cache: KVCache):
+    def forward(self, x, cos, sin, where, mask, cache: KVCache):
+        """cos, sin: [T, D] or [B, 1, T, D]; where: see :meth:`KVCache.update`; mask: None
+        (all visible), bool [T, end] or [B, 1, T, end], True where a query sees a key."""
         b, t, _ = x.shape
         a = self.args
         q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cache.update(start, k, v)
+        k, v = cache.update(where, k, v)
         if t > SDPA_MIN_TOKENS:  # long prefill: the fused kernel
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                enable_gqa=a.n_kv_heads != a.n_heads)
@@ -224,8 +241,9 @@ class Attention(nn.Module):
             g = a.n_heads // a.n_kv_heads
             q = q.reshape(b, a.n_kv_heads, g * t, a.head_dim)
             scores = (q @ k.transpose(-1, -2)) * (a.head_dim ** -0.5)
-            if mask is not None:
-                scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+            if mask is not None:  # the g query heads of a group are stacked along the T axis
+                mask = mask.repeat((1,) * (mask.dim() - 2) + (g, 1))
+                scores = scores.masked_fill(~mask, float("-inf"))
             # (softmax over a length-1 axis is pathologically slow on CPU in torch 2.13)
             probs = scores.float().softmax(-1) if scores.shape[-1] > 1 else torch.ones_like(scores)
             y = (probs.to(q.dtype) @ v).view(b, a.n_heads, t, a.head_dim)
@@ -258,8 +276,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, start, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, mask, cache)
+    def forward(self, x, cos, sin, where, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, where, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -273,6 +291,25 @@ class _Body(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 
+FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head's input)
+
+
+@dataclass
+class ForwardOutput:
+    """What :meth:`Transformer.forward_rows` returns.
+
+    logits: fp32 [B, n, V] for n = num_logits positions (see forward_rows). hidden: the
+    requested hidden states, each [B, T, dim] in the model dtype, for every new token (padding
+    positions hold unspecified values): key i in 0..n_layers-1 is the residual stream after
+    decoder layer i, before any norm (transformers' ``output_hidden_states`` entry i+1 for
+    i < n_layers-1; transformers has no un-normed entry for the last layer); key
+    :data:`FINAL` (-1) is the final norm's output, transformers' last entry.
+    """
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+
+
 class Transformer(nn.Module):
     """Llama-family decoder with a pointer-rollback KV cache.
 
@@ -280,6 +317,12 @@ class Transformer(nn.Module):
     appends T tokens at positions ``seq_len .. seq_len+T-1`` and returns logits
     [B, num_logits, V] for the last ``num_logits`` of them (fp32 of the model dtype);
     ``rollback(n)`` forgets every position from n on.
+
+    For draft heads, draft trees, layer skipping and batched serving, each row keeps its own
+    length (``row_lengths``; ``seq_len`` is their common value) and :meth:`forward_rows` takes
+    per-row lengths, explicit positions, a mask over the new tokens, a subset of layers and
+    returns hidden states; :meth:`rollback_rows` and :meth:`compact` edit single rows.
+    ``forward`` is ``forward_rows(...).logits``: one code path.
 
     Chunked prefill: more than ``PREFILL_CHUNK`` (512) tokens are run as consecutive forward
     passes of at most 512 tokens, as llama.cpp's default micro-batch (``--ubatch-size``)
@@ -296,7 +339,10 @@ class Transformer(nn.Module):
         self.args = args
         self.model = _Body(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.seq_len = 0
+        self.row_lengths: list[int] = [0]  # valid cached positions per row; replaced, never mutated
+        # None while every layer's cache holds row_lengths; after a pass that skipped layers,
+        # [layer][row] -> positions that layer holds (see forward_rows' ``layers``)
+        self._layer_lengths: list[list[int]] | None = None
         self.max_len = 0
         self.caches: list[KVCache] = []  # one per layer; not registered, see fork()
         self._cos = self._sin = None
@@ -308,6 +354,22 @@ class Transformer(nn.Module):
     @property
     def max_context(self) -> int:
         return self.args.max_position_embeddings
+
+    @property
+    def seq_len(self) -> int:
+        """Positions in the KV cache, the same in every row (the single-request interface).
+
+        Raises ValueError when the rows hold different numbers (read ``row_lengths``).
+        Setting it moves every row's pointer, unchecked, as it always did.
+        """
+        r = self.row_lengths
+        if len(r) > 1 and r.count(r[0]) != len(r):
+            raise ValueError(f"seq_len is undefined: the rows hold {r} positions; read row_lengths")
+        return r[0]
+
+    @seq_len.setter
+    def seq_len(self, length: int):
+        self._set_lengths([length] * len(self.row_lengths))
 
     def tie_weights(self):
         if self.args.tie_embeddings:
@@ -328,46 +390,277 @@ class Transformer(nn.Module):
             freqs = torch.outer(pos, rope_inv_freq(a).to(w.device))
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos().to(w.dtype), emb.sin().to(w.dtype)
-        self.seq_len = 0
+        self.row_lengths, self._layer_lengths = [0] * batch, None
 
     def fork(self) -> "Transformer":
         """A second handle on the same weights with its own (empty) KV cache: lets one model
         be its own draft without the two sharing cache state."""
         other = copy.copy(self)
-        other.caches, other.seq_len, other.max_len = [], 0, 0
+        other.caches, other.max_len = [], 0
+        other.row_lengths, other._layer_lengths = [0], None
         return other
 
+    def _set_lengths(self, lengths: list[int]):
+        self.row_lengths = lengths
+        if self._layer_lengths is not None:
+            ll = [[min(h, n) for h, n in zip(held, lengths)] for held in self._layer_lengths]
+            self._layer_lengths = None if all(h == lengths for h in ll) else ll
+
     def rollback(self, length: int):
-        """Keep only the first ``length`` cached positions (0 <= length <= seq_len)."""
-        if not 0 <= length <= self.seq_len:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.seq_len} positions")
-        self.seq_len = length
+        """Keep only the first ``length`` cached positions of every row
+        (0 <= length <= the shortest row's length; ValueError otherwise)."""
+        r = self.row_lengths
+        if not 0 <= length <= min(r):
+            ragged = "" if r.count(r[0]) == len(r) else f" in its shortest row (rows: {r})"
+            raise ValueError(f"cannot roll back to {length}: cache holds {min(r)} "
+                             f"positions{ragged}")
+        self._set_lengths([length] * len(r))
+
+    def rollback_rows(self, lengths: list[int]):
+        """Keep only the first ``lengths[b]`` cached positions of row b, for each row.
+
+        Raises ValueError unless there is one int per row with 0 <= lengths[b] <= row_lengths[b].
+        """
+        r = self.row_lengths
+        if len(lengths) != len(r):
+            raise ValueError(f"rollback_rows got {len(lengths)} lengths for {len(r)} cache rows")
+        for row, (n, held) in enumerate(zip(lengths, r)):
+            if not (isinstance(n, int) and 0 <= n <= held):
+                raise ValueError(f"cannot roll back row {row} to {n!r}: it holds {held} "
+                                 f"positions (allowed: 0..{held})")
+        self._set_lengths(list(lengths))
+
+    @torch.inference_mode()  # the caches may be inference tensors (allocated under it)
+    def compact(self, row: int, start: int, keep: list[int]):
+        """Keep only some of the positions a pass wrote from ``start`` on in one row.
+
+        After a tree pass that wrote slots start..start+T-1 of ``row`` (T = row_lengths[row] -
+        start), the entries at offsets ``keep`` (strictly increasing, each in 0..T-1; for an
+        accepted root-to-leaf path, node keep[i] at depth i, so that its RoPE position
+        start+i is also its new slot) move to slots start, start+1, ... and the row's length
+        becomes start+len(keep), in every layer's cache. Raises ValueError for a row outside
+        0..B-1, a start outside 0..row_lengths[row], or offsets that break those rules.
+        """
+        r = self.row_lengths
+        if not (isinstance(row, int) and 0 <= row < len(r)):
+            raise ValueError(f"compact: row {row!r} is not a cache row (allowed: 0..{len(r) - 1})")
+        if not (isinstance(start, int) and 0 <= start <= r[row]):
+            raise ValueError(f"compact: start {start!r} is out of range for row {row} "
+                             f"(allowed: 0..{r[row]}, its length)")
+        t = r[row] - start
+        keep = list(keep)
+        if not all(isinstance(o, int) and 0 <= o < t for o in keep) or \
+                any(a >= b for a, b in zip(keep, keep[1:])):
+            raise ValueError(f"compact: keep={keep} must be strictly increasing offsets in "
+                             f"0..{t - 1} (row {row} holds {t} positions from start {start})")
+        n = len(keep)
+        if keep != list(range(n)):  # else already in place
+            src = torch.tensor(keep, device=self._cos.device) + start
+            for c in self.caches:
+                for buf in (c.k[row], c.v[row]):
+                    buf[:, start:start + n] = buf[:, src]
+        if self._layer_lengths is not None:
+            # a layer skipped by part of the pass holds only a prefix of the offsets
+            for held in self._layer_lengths:
+                if held[row] > start:
+                    held[row] = start + sum(1 for o in keep if o < held[row] - start)
+        self._set_lengths(r[:row] + [start + n] + r[row + 1:])
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
+        """Append ``input_ids`` [B, T] to every row at seq_len..seq_len+T-1; return fp32
+        logits [B, num_logits, V] of the last num_logits positions (all T when None)."""
+        return self.forward_rows(input_ids, num_logits=num_logits).logits
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
+    def forward_rows(self, input_ids: torch.Tensor, lengths: list[int] | None = None,
+                     num_logits: int | None = None, attn_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None, output_hidden=(),
+                     layers: list[int] | None = None) -> ForwardOutput:
+        """Append new tokens to each row, rows with their own lengths and positions.
+
+        input_ids: [B, T] token ids (B = the allocated batch). Row b appends its first
+        ``lengths[b]`` tokens (default T; the rest is padding: computed, never cached) to
+        cache slots row_lengths[b] .. row_lengths[b]+lengths[b]-1. Each new token sees all
+        of its row's cached positions and, among the new tokens, those ``attn_mask`` allows:
+        bool [B, T, T] or [T, T], True at [i, j] where token i sees token j (a draft tree:
+        its ancestors and itself; the diagonal must be True); default causal.
+        position_ids: int [B, T] or [T], absolute RoPE positions of the new tokens (a tree
+        node at depth d: row_lengths[b] + d); default row_lengths[b] + 0..T-1; required with
+        attn_mask. Cache slots stay consecutive whatever the positions (see :meth:`compact`).
+        num_logits: n in 0..T. Default: logits [B, T, V] aligned with input_ids (padding
+        positions unspecified); n: [B, n, V] of each row's last n new tokens, the last at
+        index n-1 (entries before a row's first new token unspecified).
+        output_hidden: keys of the hidden states to return (see :class:`ForwardOutput`):
+        layer indices in ``layers`` and/or FINAL (-1).
+        layers: sorted unique layer indices in 0..n_layers-1 to run, for layer skipping
+        (default all). A skipped layer's cache gets nothing for the new positions; a later
+        pass that runs that layer raises ValueError until those positions are rolled back
+        (draft with a subset, roll back, verify with all layers).
+
+        Runs in chunks of PREFILL_CHUNK when T exceeds it, unless lengths differ or
+        attn_mask is given. Raises ValueError, before anything runs, for input that is not
+        [B, T] of the allocated batch, lengths or num_logits out of range, a cache overflow,
+        a mask or positions of the wrong shape, dtype or range, bad layer or hidden keys, or
+        a layer whose cache misses positions of a row (see ``layers``).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
-        start = self.seq_len
-        if start + t > self.max_len:
-            raise ValueError(f"KV cache overflow: {start}+{t} positions > allocated {self.max_len}")
+        starts = self.row_lengths
+        if b != len(starts):
+            raise ValueError(f"input_ids has {b} rows, the KV cache {len(starts)} "
+                             "(allocate(batch, max_len) sets it)")
+        if lengths is None:
+            lens, ragged = [t] * b, False
+        else:
+            lens = list(lengths)
+            if len(lens) != b:
+                raise ValueError(f"got {len(lens)} lengths for {b} rows")
+            for row, n in enumerate(lens):
+                if not (isinstance(n, int) and 0 <= n <= t):
+                    raise ValueError(f"lengths[{row}]={n!r} is out of range (allowed: 0..{t}, "
+                                     "the width of input_ids)")
+            ragged = lens.count(t) != b
+        for row, (s, n) in enumerate(zip(starts, lens)):
+            if s + n > self.max_len:
+                raise ValueError(f"KV cache overflow: {s}+{n} positions > allocated "
+                                 f"{self.max_len}" + (f" in row {row}" if b > 1 else ""))
         n = t if num_logits is None else num_logits
-        if t > self.PREFILL_CHUNK:  # chunked prefill (see the class docstring)
-            out = []
+        if not (isinstance(n, int) and 0 <= n <= t):
+            raise ValueError(f"num_logits={num_logits!r} is out of range (allowed: 0..{t})")
+        run = self._check_layers(layers, output_hidden, lens)
+        dev = input_ids.device
+        if attn_mask is not None or position_ids is not None:
+            tok = torch.arange(t, device=dev)
+            valid = tok < torch.tensor(lens, device=dev)[:, None]
+            attn_mask, position_ids = self._check_tree(attn_mask, position_ids, valid)
+        if t > self.PREFILL_CHUNK and not ragged and attn_mask is None:  # see the class docstring
+            outs = []
             for s in range(0, t, self.PREFILL_CHUNK):
                 e = min(t, s + self.PREFILL_CHUNK)
-                out.append(self.forward(input_ids[:, s:e], max(0, e - max(s, t - n))))
-            return torch.cat(out, 1)
-        cos = self._cos[start:start + t]
-        sin = self._sin[start:start + t]
-        mask = None
-        if t > 1:  # causal over the new tokens; every cached position is visible
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=input_ids.device).tril(start)
+                pos = None if position_ids is None else position_ids[:, s:e]
+                outs.append(self.forward_rows(input_ids[:, s:e], None, max(0, e - max(s, t - n)),
+                                              None, pos, output_hidden, layers))
+            hidden = {k: torch.cat([o.hidden[k] for o in outs], 1) for k in outs[0].hidden}
+            return ForwardOutput(torch.cat([o.logits for o in outs], 1), hidden)
+
+        s0 = starts[0]
+        same_start = starts.count(s0) == b
+        if same_start and not ragged:  # the single-request path: slices, no index tensors
+            where, end = s0, s0 + t
+        else:
+            tok = torch.arange(t, device=dev)
+            start_t, len_t = torch.tensor(starts, device=dev), torch.tensor(lens, device=dev)
+            valid = tok < len_t[:, None]
+            rows, toks = valid.nonzero(as_tuple=True)
+            end = max(s + n_ for s, n_ in zip(starts, lens))
+            where = (rows, start_t[rows] + toks, toks, end)
+        if position_ids is None and same_start:
+            cos, sin = self._cos[s0:s0 + t], self._sin[s0:s0 + t]
+        else:
+            pos = start_t[:, None] + tok if position_ids is None else position_ids
+            if ragged:  # padding may run past the RoPE table
+                pos = pos.masked_fill(~valid, 0)
+            cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
+        if attn_mask is None and same_start and not ragged:
+            mask = None  # causal over the new tokens; every cached position is visible
+            if t > 1:
+                mask = torch.ones(t, end, dtype=torch.bool, device=dev).tril(s0)
+        else:
+            if same_start and not ragged:
+                start_t, len_t = torch.tensor(starts, device=dev), torch.tensor(lens, device=dev)
+            tree = attn_mask if attn_mask is not None else \
+                torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+            rel = torch.arange(end, device=dev) - start_t[:, None]  # [B, end]: slot - row start
+            new = (rel >= 0) & (rel < len_t[:, None])
+            col = rel.clamp(0, max(t - 1, 0))[:, None].expand(b, t, end)
+            sees = tree.expand(b, t, t).gather(2, col)  # [B, T, end]: tree[b, i, slot's offset]
+            # padding queries see every slot: never a fully masked (NaN) row
+            mask = ((rel < 0)[:, None] | (sees & new[:, None]) | ~valid[:, :, None])[:, None]
+
         x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, self.caches):
-            x = layer(x, cos, sin, start, mask, cache)
-        self.seq_len = start + t
+        want, hidden = output_hidden, {}
+        blocks = zip(self.model.layers, self.caches) if layers is None else \
+            ((self.model.layers[i], self.caches[i]) for i in layers)
+        for i, (layer, cache) in zip(run, blocks):
+            x = layer(x, cos, sin, where, mask, cache)
+            if want and i in want:
+                hidden[i] = x
+        if want and FINAL in want:
+            hidden[FINAL] = self.model.norm(x)
+        self._advance(run, layers, lens)
+
         if n == 0:
-            return x.new_zeros(b, 0, self.args.vocab_size)
-        return self.lm_head(self.model.norm(x[:, t - n:])).float()
+            logits = x.new_zeros(b, 0, self.args.vocab_size)
+        elif not ragged or num_logits is None:
+            logits = self.lm_head(self.model.norm(x[:, t - n:])).float()
+        else:
+            idx = (len_t[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
+            x = x.gather(1, idx[:, :, None].expand(b, n, x.shape[-1]))
+            logits = self.lm_head(self.model.norm(x)).float()
+        return ForwardOutput(logits, hidden)
+
+    def _check_layers(self, layers, output_hidden, lens) -> range | list[int]:
+        """Validate ``layers`` and ``output_hidden``; return the layers to run."""
+        nl = self.args.n_layers
+        run = range(nl)
+        if layers is not None:
+            run = list(layers)
+            if not all(isinstance(i, int) and 0 <= i < nl for i in run):
+                raise ValueError(f"layers={run}: each must be a layer index in 0..{nl - 1}")
+            if any(a >= b for a, b in zip(run, run[1:])):
+                raise ValueError(f"layers={run} must be sorted and unique")
+        for k in output_hidden:
+            if not (k == FINAL or (isinstance(k, int) and k in run)):
+                raise ValueError(f"output_hidden key {k!r} is not allowed: FINAL (-1) or a layer "
+                                 f"that runs ({'0..' + str(nl - 1) if layers is None else run})")
+        if self._layer_lengths is not None:
+            for i in run:
+                rows = zip(self._layer_lengths[i], self.row_lengths, lens)
+                for row, (held, s, n) in enumerate(rows):
+                    if n and held != s:
+                        raise ValueError(
+                            f"layer {i} holds {held} positions of row {row}, which holds {s}: "
+                            f"a pass that skipped layer {i} wrote {held}..{s - 1}; roll the row "
+                            f"back to {held} before running layer {i}")
+        return run
+
+    def _check_tree(self, attn_mask, position_ids, valid):
+        """Validate the mask and positions of new tokens (``valid`` [B, T]: not padding);
+        return them as [B, T, T] bool / [B, T] long (or None)."""
+        b, t = valid.shape
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool or attn_mask.shape not in ((t, t), (b, t, t)):
+                raise ValueError(f"attn_mask must be bool [{t}, {t}] or [{b}, {t}, {t}], got "
+                                 f"{attn_mask.dtype} {list(attn_mask.shape)}")
+            attn_mask = attn_mask.to(valid.device).expand(b, t, t)
+            if not (attn_mask.diagonal(dim1=1, dim2=2) | ~valid).all():
+                raise ValueError("attn_mask must be True on its diagonal (a token sees itself)")
+            if position_ids is None:
+                raise ValueError("attn_mask needs explicit position_ids (a tree node at depth d "
+                                 "sits at position row_length + d)")
+        if position_ids is not None:
+            if position_ids.is_floating_point() or position_ids.is_complex() or \
+                    position_ids.shape not in ((t,), (b, t)):
+                raise ValueError(f"position_ids must be integer [{t}] or [{b}, {t}], got "
+                                 f"{position_ids.dtype} {list(position_ids.shape)}")
+            position_ids = position_ids.to(valid.device, torch.long).expand(b, t)
+            p = position_ids[valid]
+            if p.numel() and not (p.min() >= 0 and p.max() < self.max_len):
+                raise ValueError(f"position_ids span {p.min().item()}..{p.max().item()}: allowed "
+                                 f"0..{self.max_len - 1} (the allocated max_len)")
+        return attn_mask, position_ids
+
+    def _advance(self, run, layers, lens):
+        """Move the row pointers past the new tokens; track layers a pass skipped."""
+        new = [s + n for s, n in zip(self.row_lengths, lens)]
+        if layers is not None or self._layer_lengths is not None:
+            ll = self._layer_lengths or [list(self.row_lengths) for _ in range(self.args.n_layers)]
+            ll = [list(h) for h in ll]
+            for i in run:
+                ll[i] = [e if n else h for e, h, n in zip(new, ll[i], lens)]
+            self._layer_lengths = None if all(h == new for h in ll) else ll
+        self.row_lengths = new
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
