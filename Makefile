@@ -6,7 +6,7 @@ SD     := $(VENV)/bin/specdecode
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
 DEMO_PROMPT := Write a Python function that merges two sorted lists into one sorted list, with a docstring and an example.
 
-.PHONY: install models demo test clean
+.PHONY: install models demo test test-fast clean
 
 
 install: $(VENV)/.installed
@@ -23,8 +23,13 @@ models: install
 demo: models
 	$(SD) generate --chat --compare --max-new-tokens 128 --prompt "$(DEMO_PROMPT)"
 
+# everything: the real models (fetched first) and the long distribution tests included
 test: models
 	$(PY) -m pytest -q
+
+# no model download, no network: unit, engine, API and CLI tests on tiny models (a few minutes)
+test-fast: install
+	$(PY) -m pytest -q -m "not real and not slow"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

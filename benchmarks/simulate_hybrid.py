@@ -7,8 +7,8 @@ measures the first by running the draft at every position (cached in ``--cache``
 prompt). Step 2 replays the real ``HybridProposer`` on them, with a stand-in draft model
 that drafts what the draft model would, and adds up each round's modelled cost (the
 target's and the draft's profiled forward times, as the hybrid itself uses), for the hybrid
-with each combination of ``--margins`` (``HybridProposer.LOOKUP_MARGIN``), ``--explore``
-(``EXPLORE``), ``--prior`` (``DRAFT_PRIOR_ALPHA``) and ``--cold`` (``COLD_MARGIN``),
+with each combination of ``--margins`` (``HybridTuning.lookup_margin``), ``--explore``
+(``explore``), ``--prior`` (``draft_prior_alpha``) and ``--cold`` (``cold_margin``),
 beside the draft model alone at K = 6 and prompt lookup. Prints decode-only modelled
 speedups over plain decoding: medians per subtask, overall, and the geometric mean. Usage:
 
@@ -22,6 +22,7 @@ replay's: a guide, not a measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -29,9 +30,10 @@ from pathlib import Path
 import torch
 
 from simulate_lookup import load_cases, replay
-from specdecode import bench, registry
-from specdecode.proposers import DraftOutput, HybridProposer, PromptLookupProposer, SuffixProposer
-from specdecode.schedule import verify_profile
+from specdecode.bench.runners import BenchModels
+from specdecode.models import registry
+from specdecode.proposers import DraftOutput, HybridProposer, HybridTuning, PromptLookupProposer, Proposer, SuffixProposer
+from specdecode.profile import verify_profile
 
 DRAFT_K = 6
 DRAFT_PREFILL_COST = 0.008  # HybridProposer's default draft_prefill_cost, per token / T(1)
@@ -57,22 +59,30 @@ def draft_accepts(lm, prompt: list[int], out: list[int]) -> list[int]:
     return accepts
 
 
-class ReplayDraft:
+class ReplayDraft(Proposer):
     """Stands in for DraftModelProposer: drafts out's next tokens as far as the draft model's
     greedy continuation would match them, then a wrong token; ``caught_up``: the committed
     tokens its last round had to feed first (its lazy prefill, then what lookups skipped)."""
 
+    name = "draft"
+    reads_guess = True
+
     def __init__(self, prompt_len: int, out: list[int], accepts: list[int]):
         self.prompt_len, self.out, self.accepts = prompt_len, out, accepts
-        self.enabled, self.lazy_prefill, self.seq_len, self.p_min = True, True, 0, None
-        self.draft = self
+        self.seq_len = 0
         self.fed = self.caught_up = 0
+
+    def unseen(self, state):
+        return max(0, len(state.tokens) - 1 - self.seq_len)
 
     def reset(self, state, max_total_len):
         self.seq_len = self.fed = 0
 
-    def propose(self, state, d, guess=None):
-        """As DraftModelProposer.propose (greedy, p_min not modelled): with a guess, the
+    def propose(self, state, d):
+        return self.propose_with_guess(state, d, [])
+
+    def propose_with_guess(self, state, d, guess):
+        """As DraftModelProposer.propose_with_guess (greedy, p_min not modelled): with a guess, the
         draft's continuation as far as it agrees with the guess, then on to d tokens."""
         n = len(state.tokens)
         j = n - self.prompt_len
@@ -95,15 +105,15 @@ class ReplayDraft:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("records")
-    p.add_argument("--margins", default="1.3", help="HybridProposer.LOOKUP_MARGIN values")
-    p.add_argument("--prior", default="0.7", help="HybridProposer.DRAFT_PRIOR_ALPHA values")
-    p.add_argument("--explore", default="0.03", help="HybridProposer.EXPLORE values")
-    p.add_argument("--cold", default="1.1", help="HybridProposer.COLD_MARGIN values")
+    p.add_argument("--margins", default="1.3", help="HybridTuning.lookup_margin values")
+    p.add_argument("--prior", default="0.7", help="HybridTuning.draft_prior_alpha values")
+    p.add_argument("--explore", default="0.03", help="HybridTuning.explore values")
+    p.add_argument("--cold", default="1.1", help="HybridTuning.cold_margin values")
     p.add_argument("--cache", default=str(registry.cache_dir() / "draft_accepts.json"),
                    help="where step 1's results are kept (default: %(default)s)")
     args = p.parse_args()
     records = [json.loads(line) for line in open(args.records) if line.strip()]
-    models = bench.BenchModels(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, "float32")
+    models = BenchModels(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, "float32")
     target, draft = models.target(), models.draft("int8")
     cases = load_cases(records, target.tokenizer)
     cache_path = Path(args.cache)
@@ -139,10 +149,10 @@ def main() -> None:
         for m in args.margins.split(","):
             for e, a, b in ((e, a, b) for e in args.explore.split(",") for a in args.prior.split(",")
                             for b in args.cold.split(",")):
-                HybridProposer.LOOKUP_MARGIN, HybridProposer.EXPLORE = float(m), float(e)
-                HybridProposer.DRAFT_PRIOR_ALPHA, HybridProposer.COLD_MARGIN = float(a), float(b)
+                tuning = dataclasses.replace(HybridTuning(), lookup_margin=float(m), explore=float(e),
+                                             draft_prior_alpha=float(a), cold_margin=float(b))
                 d = ReplayDraft(len(prompt), out, acc)
-                h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft)
+                h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft, tuning=tuning)
                 res[f"hybrid margin={m} explore={e} prior={a} cold={b}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
         for name, v in res.items():
             rows.setdefault(name, {}).setdefault(sub, []).append(v)

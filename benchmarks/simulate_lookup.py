@@ -6,7 +6,7 @@ lookup proposer's verify passes, mean acceptance length and — with the T(n) a 
 measured — its speedup over plain decoding can be computed exactly for those prompts, and
 proposer settings compared in seconds. Usage:
 
-    python benchmarks/simulate_lookup.py benchmarks/<run>/results.json [more runs...]
+    python benchmarks/simulate_lookup.py benchmarks/<run>/results.json [more runs...]  (reads records.jsonl beside it)
 
 Prints, per subtask and setting: τ (tokens per verify pass) and the predicted speedup
 Σ T(1) / Σ T(k_round + 1) (lookup drafting cost ignored: it is microseconds).
@@ -19,7 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from specdecode import bench, registry
+from specdecode.bench import workloads
+from specdecode.models import registry
 from specdecode.proposers import PromptLookupProposer, RequestState, SuffixProposer
 from specdecode.config import SamplingParams
 from specdecode.schedule import AutoK, FixedK, HeuristicK
@@ -60,13 +61,13 @@ def load_cases(records: list[dict], tok) -> list[tuple[str, str, int, list[int],
     """(subtask, prompt id, turn, prompt ids, recorded output) of every ``ar`` record, the
     prompt rebuilt as the bench built it (a second turn after ``ar``'s own first answer)."""
     tasks = {(t.subtask, t.prompt_id): t for t in
-             bench.load_spec_bench(bench.SPEC_BENCH_PATH) + bench.load_humaneval()
-             + bench.load_code_edit()}
+             workloads.load_spec_bench(workloads.SPEC_BENCH_PATH) + workloads.load_humaneval()
+             + workloads.load_code_edit()}
     answers: dict = {}
     cases = []
     for r in sorted((r for r in records if r["method"] == "ar"), key=lambda r: r["turn"]):
         key = (r["subtask"], r["prompt_id"])
-        prompt = bench._prompt_ids(tok, tasks[key], r["turn"], answers.get(key, []))
+        prompt = workloads.prompt_ids(tok, tasks[key], r["turn"], answers.get(key, []))
         answers.setdefault(key, []).append(tok.decode(r["token_ids"], skip_special_tokens=True))
         cases.append((*key, r["turn"], prompt, r["token_ids"]))
     return cases
@@ -81,8 +82,9 @@ def main(paths: list[str]) -> None:
         p = Path(p)
         if p.suffix == ".json":
             data = json.loads(p.read_text())
-            records += data["records"]
             times = data["limit"]["forward_seconds"]
+            log = p.with_name("records.jsonl")  # results.json holds no records: they are beside it
+            records += [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         else:
             records += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     if times is None:

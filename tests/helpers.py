@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -116,3 +117,99 @@ class ScriptedProposer(Proposer):
             ids.append(correct if ok else (correct + 1) % self.vocab)
         self.proposed_rounds.append(len(ids))
         return DraftOutput(torch.tensor([ids], dtype=torch.long).reshape(1, len(ids)))
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+          " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+_TOKENIZER = []
+
+
+def local_tokenizer():
+    """A byte-level BPE tokenizer trained here, in well under a second, with ChatML special
+    tokens (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2: the EOS) and a chat template — the
+    shape of SmolLM2's and Qwen2.5's, so that the API, CLI and bench tests need no download."""
+    if not _TOKENIZER:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        t = Tokenizer(models.BPE())
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        t.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=2048, show_progress=False,
+                                      special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        corpus = ["Hello there, how are you today? The quick brown fox jumps over the lazy dog. "
+                  "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+                  "Write a Python function that checks for primes. Once upon a time there was a "
+                  "binary search in a sorted list, and the answer was 42.",
+                  "Xin chào thế giới 🌍🚀 你好世界 naïve café Tiếng Việt 日本語のテキスト"]
+        t.train_from_iterator(corpus * 20, trainer)
+        tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|im_start|>",
+                                      eos_token="<|im_end|>", unk_token="<|endoftext|>",
+                                      pad_token="<|endoftext|>")
+        tok.chat_template = CHATML
+        _TOKENIZER.append(tok)
+    return _TOKENIZER[0]
+
+
+# the engine tests' tiny models, prompts and references
+
+V = 96
+
+
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return tiny_model(0)
+
+
+@functools.lru_cache(maxsize=None)
+def random_draft():
+    return tiny_model(1)
+
+
+@functools.lru_cache(maxsize=None)
+def noisy_draft():
+    """The target's weights plus a little noise: accepts some drafts and rejects others."""
+    d = tiny_model(0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    return d
+
+
+def _randint(n, seed, high=V):
+    return torch.randint(0, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = {
+    "one": [7],
+    "twenty": _randint(20, 0),
+    "long": _randint(300, 1),
+    "repetitive": [11, 23, 5, 42, 17] * 12,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def ref(prompt: tuple, params: SamplingParams, eos: tuple = (), model=None):
+    """Plain greedy decoding of ``model`` (default: the target); returns the token ids."""
+    gen = reference(model or target(), list(prompt), params, eos)
+    assert gen.stats.num_drafts == 0 and gen.stats.num_draft_tokens == 0
+    return tuple(gen.token_ids)
+
+
+def run(tgt, proposer, k, prompt, params, eos=(), decode=None):
+    """Run one request; returns (generation, blocks yielded)."""
+    gen = Engine(tgt, proposer, k, debug=True).generate(list(prompt), params, eos, decode)
+    blocks = [list(b) for b in gen]
+    assert [t for b in blocks for t in b] == gen.token_ids  # the stream is the result
+    assert all(blocks)  # every round yields at least one token
+    assert gen.stats.num_generated_tokens == len(gen.token_ids)
+    assert 0.0 <= gen.stats.acceptance_rate <= 1.0
+    assert gen.stats.num_accepted_tokens <= gen.stats.num_draft_tokens
+    assert gen.stats.num_verify_passes == len(blocks)
+    return gen, blocks

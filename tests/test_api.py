@@ -1,7 +1,8 @@
 """Tests of the Python API (specdecode.generate / stream / load / load_pair) with a real
-tokenizer (SmolLM2's byte-level BPE, 49,152 tokens, chat template).
+tokenizer (a byte-level BPE trained here with ChatML special tokens and a chat template, the
+shape of SmolLM2's and Qwen2.5's: :func:`helpers.local_tokenizer`; no download).
 
-Models: tiny random Llama decoders saved as Hugging Face directories with SmolLM2's tokenizer
+Models: tiny random Llama decoders saved as Hugging Face directories with that tokenizer
 (built once per session, a few MB each), and ``MockLM`` models whose logits force an exact
 token script, so that the output is exactly the tokens of a chosen text (multi-byte UTF-8,
 stop strings, EOS at chosen positions). No real model weights are loaded.
@@ -28,13 +29,15 @@ from specdecode.api import GenerationResult, StreamChunk
 from specdecode.models import HFCausalLM, resolve_model_path
 from specdecode.stats import SpecDecodingStats
 
-from helpers import MockLM
+from helpers import MockLM, local_tokenizer
+from tiny_dirs import (ASCII_TEXT, EOS, PROMPT, UNICODE_TEXT, VOCAB, WIDE_VOCAB, build_tiny_dirs,
+                       tiny_dirs_in)
 
 
 def _fewer_page_faults() -> None:
     """Keep freed memory in the heap instead of returning it to the OS after every step.
 
-    Each decode step allocates a few [1, 49152] fp32 tensors; with glibc's default mmap
+    Each decode step allocates a few [1, V] fp32 tensors; with glibc's default mmap
     threshold every one of them is a fresh mmap, and on some VMs page faults are so slow that
     this alone makes a 40-token generation of a 2-layer toy model take seconds. Speed only."""
     if sys.platform.startswith("linux"):
@@ -48,135 +51,11 @@ def _fewer_page_faults() -> None:
 
 _fewer_page_faults()
 
-SMOL = "smollm2-135m-instruct"
-VOCAB = 49152  # SmolLM2 tokenizer size == embedding rows of the tiny target
-WIDE_VOCAB = 49280  # same tokenizer, more embedding rows (like Qwen2.5 151,936 vs 152,064)
-EOS = 2  # <|im_end|>
-PROMPT = "Hello there, how are you today?"
-UNICODE_TEXT = ("Xin chào thế giới 🌍🚀 你好世界 naïve café 👩‍👩‍👧 Tiếng Việt có dấu: ổ ữ ặ. "
-                "Emoji 🎉🧪 and CJK 日本語のテキスト end.")
-ASCII_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-              "How vexingly quick daft zebras jump!")
-
-
 # --------------------------------------------------------------------------- fixtures
-
-def smol_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(registry.fetch(SMOL, progress=False))
-
-
-def _randomize(model, seed: int, std: float = 0.3, final_norm: float = 4.0) -> None:
-    """Weights N(0, std), unit norms, a sharpened final norm: diverse greedy text, no near-ties."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        model.model.norm.weight.fill_(final_norm)
-
-
-def _llama_config(vocab_size: int, hidden: int = 32):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=EOS,
-                       bos_token_id=1)
-
-
-def _foreign_tokenizer():
-    """A genuinely different byte-level BPE tokenizer (trained here, 300-odd tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator([PROMPT + " " + ASCII_TEXT] * 10, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-
-
-def build_tiny_dirs(root: Path) -> dict[str, Path]:
-    """Tiny model directories that ``specdecode.load`` accepts.
-
-    target: random 2-layer Llama, 49,152 rows, SmolLM2 tokenizer.
-    draft: the target's weights plus noise (another seed): same tokenizer, accepts part of
-        each block, so blocks end at varying positions and rollback is exercised.
-    wide: the target's weights with 128 extra (zero) embedding rows: same tokenizer.
-    wide_draft: the same with large random extra rows (they dominate the draft's raw logits).
-    gpt2: a GPT-2 (not a native architecture), SmolLM2 tokenizer.
-    foreign: a different tokenizer (and vocabulary size).
-    """
-    from transformers import LlamaForCausalLM
-
-    tok = smol_tokenizer()
-    dirs = {name: root / name for name in ("target", "draft", "wide", "wide_draft", "gpt2", "foreign")}
-    target = LlamaForCausalLM(_llama_config(VOCAB))
-    _randomize(target, seed=0)
-    target.save_pretrained(dirs["target"])
-
-    draft = LlamaForCausalLM(_llama_config(VOCAB))
-    draft.load_state_dict(target.state_dict())
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    draft.save_pretrained(dirs["draft"])
-
-    wide = LlamaForCausalLM(_llama_config(WIDE_VOCAB))
-    state = dict(target.state_dict())
-    emb = state["model.embed_tokens.weight"]
-    state["model.embed_tokens.weight"] = torch.cat([emb, torch.zeros(WIDE_VOCAB - VOCAB, emb.shape[1])])
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    wide.load_state_dict(state)
-    wide.save_pretrained(dirs["wide"])
-
-    # as a draft: the same, but its extra rows would win every argmax if the draft's logits
-    # were not cut to the target's width
-    loud = torch.randn(WIDE_VOCAB - VOCAB, emb.shape[1], generator=torch.Generator().manual_seed(4)) * 3.0
-    state["model.embed_tokens.weight"] = state["lm_head.weight"] = torch.cat([emb, loud])
-    wide.load_state_dict(state)
-    wide.save_pretrained(dirs["wide_draft"])
-
-    for name in ("target", "draft", "wide", "wide_draft"):
-        tok.save_pretrained(dirs[name])
-
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=32, n_layer=2,
-                                      n_head=4, bos_token_id=1, eos_token_id=EOS))
-    gpt2.save_pretrained(dirs["gpt2"])
-    tok.save_pretrained(dirs["gpt2"])
-
-    ftok = _foreign_tokenizer()
-    foreign = LlamaForCausalLM(_llama_config(len(ftok), hidden=16))
-    _randomize(foreign, seed=3)
-    foreign.save_pretrained(dirs["foreign"])
-    ftok.save_pretrained(dirs["foreign"])
-    return dirs
-
-
-_DIRS: dict[str, Path] = {}
-
-
-def tiny_dirs_in(tmp_path_factory) -> dict[str, Path]:
-    """Build the tiny model dirs once per session (shared with test_cli.py)."""
-    if not _DIRS:
-        _DIRS.update(build_tiny_dirs(tmp_path_factory.mktemp("tiny_models")))
-    return _DIRS
-
 
 @pytest.fixture(scope="session")
 def tok():
-    return smol_tokenizer()
+    return local_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -381,6 +260,7 @@ def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_pat
     again = specdecode.load(dirs["target"])
     monkeypatch.setattr(schedule, "measure_forward_times", lambda *a, **k: pytest.fail("measured twice"))
     assert schedule.verify_profile(again) == times
+    assert again.forward_seconds == times  # declared state of the loaded model, kept in memory
 
 
 @pytest.mark.parametrize("method", ["suffix", "hybrid"])
@@ -393,6 +273,24 @@ def test_suffix_session_cache_lives_with_the_loaded_target(dirs, draft, method):
     assert one.token_ids == two.token_ids == specdecode.generate(target, input_ids=ids, max_new_tokens=40).token_ids
     by_suffix = [r.stats.by_proposer.get("suffix", {}).get("num_accepted_tokens", 0) for r in (one, two)]
     assert by_suffix[1] > by_suffix[0] + 20
+    assert list(target.session_proposers) == ["suffix"]  # declared state of the loaded model
+
+
+def test_a_pair_is_checked_once(dirs, monkeypatch):
+    """The tokenizer check compares whole vocabularies: it runs when a draft first meets a
+    target, not on every request."""
+    target, draft = specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
+    calls = []
+    real = type(target.tokenizer).get_vocab
+    monkeypatch.setattr(type(target.tokenizer), "get_vocab", lambda self: calls.append(1) or real(self))
+    for _ in range(3):
+        specdecode.generate(target, PROMPT, draft=draft, max_new_tokens=3)
+    assert len(calls) == 2  # target's and draft's vocabularies, once
+    other = specdecode.load(dirs["draft"])
+    specdecode.generate(target, PROMPT, draft=other, max_new_tokens=3)
+    assert len(calls) == 4  # a new draft is checked
+    with pytest.raises(IncompatibleDraftError):
+        specdecode.generate(target, PROMPT, draft=specdecode.load(dirs["foreign"]), max_new_tokens=3)
 
 
 def test_do_sample_true_samples_like_temperature(target, draft):
@@ -660,7 +558,7 @@ def test_draft_with_more_embedding_rows(dirs, target):
     assert r.token_ids == ar.token_ids
     # on the target's rows the wide draft has the target's weights: all drafts accepted
     assert r.stats.acceptance_rate == 1.0 and r.stats.num_draft_tokens > 0
-    # sampling: the draft's distribution over the target's 49,152 rows
+    # sampling: the draft's distribution over the target's VOCAB rows
     s1 = specdecode.generate(target, PROMPT, draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
     s2 = specdecode.generate(target, PROMPT, draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
     assert s1.token_ids == s2.token_ids and len(s1.token_ids) == 30
@@ -675,7 +573,7 @@ def test_target_with_more_embedding_rows_than_draft(dirs, target):
     assert ar.token_ids == specdecode.generate(target, PROMPT, max_new_tokens=40).token_ids
     r = specdecode.generate(wide, PROMPT, draft=target, num_speculative_tokens=4, max_new_tokens=40)
     assert r.token_ids == ar.token_ids and r.stats.acceptance_rate == 1.0
-    # sampling: draft distributions of 49,152 rows against target ones of 49,280 (padded with 0)
+    # sampling: draft distributions of VOCAB rows against target ones of WIDE_VOCAB (padded with 0)
     s1 = specdecode.generate(wide, PROMPT, draft=target, temperature=0.8, seed=2, max_new_tokens=30)
     s2 = specdecode.generate(wide, PROMPT, draft=target, temperature=0.8, seed=2, max_new_tokens=30)
     assert s1.token_ids == s2.token_ids and s1.stats.num_accepted_tokens > 0

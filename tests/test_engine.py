@@ -14,75 +14,12 @@ import math
 import pytest
 import torch
 
-from helpers import MockLM, ScriptedProposer, hashed_logits, reference, tiny_model
+from helpers import (PROMPTS, V, MockLM, ScriptedProposer, hashed_logits, noisy_draft, random_draft,
+                     ref, reference, run, target, tiny_model)
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.stats import SpecDecodingStats
 from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer, Proposer
-
-V = 96
-
-
-
-
-# ----------------------------------------------------------------------------------------
-# models, prompts, references
-# ----------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def target():
-    return tiny_model(0)
-
-
-@functools.lru_cache(maxsize=None)
-def random_draft():
-    return tiny_model(1)
-
-
-@functools.lru_cache(maxsize=None)
-def noisy_draft():
-    """The target's weights plus a little noise: accepts some drafts and rejects others."""
-    d = tiny_model(0)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    return d
-
-
-def _randint(n, seed, high=V):
-    return torch.randint(0, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-PROMPTS = {
-    "one": [7],
-    "twenty": _randint(20, 0),
-    "long": _randint(300, 1),
-    "repetitive": [11, 23, 5, 42, 17] * 12,
-}
-
-
-@functools.lru_cache(maxsize=None)
-def ref(prompt: tuple, params: SamplingParams, eos: tuple = (), model=None):
-    """Plain greedy decoding of ``model`` (default: the target); returns the token ids."""
-    gen = reference(model or target(), list(prompt), params, eos)
-    assert gen.stats.num_drafts == 0 and gen.stats.num_draft_tokens == 0
-    return tuple(gen.token_ids)
-
-
-def run(tgt, proposer, k, prompt, params, eos=(), decode=None):
-    """Run one request; returns (generation, blocks yielded)."""
-    gen = Engine(tgt, proposer, k, debug=True).generate(list(prompt), params, eos, decode)
-    blocks = [list(b) for b in gen]
-    assert [t for b in blocks for t in b] == gen.token_ids  # the stream is the result
-    assert all(blocks)  # every round yields at least one token
-    assert gen.stats.num_generated_tokens == len(gen.token_ids)
-    assert 0.0 <= gen.stats.acceptance_rate <= 1.0
-    assert gen.stats.num_accepted_tokens <= gen.stats.num_draft_tokens
-    assert gen.stats.num_verify_passes == len(blocks)
-    return gen, blocks
-
 
 def make_proposer(kind, prompt, script, k):
     if kind == "random-draft":
@@ -910,3 +847,15 @@ def test_debug_invariant_catches_a_target_rollback_that_trims_too_much():
     engine = Engine(OverTrimmingTarget(tiny_model(0)), DraftModelProposer(random_draft()), 4, debug=True)
     with pytest.raises(AssertionError):
         engine.generate(prompt, GREEDY128).run()
+
+
+def test_default_k_is_the_proposers():
+    """Without a K the engine drafts the proposer's default_k tokens a round (6 for a draft
+    model, the configured default; it was 4 here and 6 through the API)."""
+    prompt = PROMPTS["twenty"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    for proposer, k in ((DraftModelProposer(target().fork()), 6),
+                         (ScriptedProposer(len(prompt), expected, V), ScriptedProposer.default_k)):
+        gen = Engine(target(), proposer).generate(prompt, GREEDY128)
+        gen.run()
+        assert gen.token_ids == expected and max(gen.stats.speculation_lengths) == k

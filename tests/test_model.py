@@ -90,6 +90,7 @@ def test_chunked_prefill_equals_transformers(tmp_path, num_logits):
     assert model.seq_len == 40
 
 
+@pytest.mark.real
 def test_smollm2_logits_equal_transformers():
     path = registry.fetch("smollm2-135m-instruct")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

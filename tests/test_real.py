@@ -8,6 +8,8 @@ import transformers
 import specdecode
 from specdecode.models import registry
 
+pytestmark = pytest.mark.real
+
 
 @pytest.fixture(scope="module")
 def smollm2():

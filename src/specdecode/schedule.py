@@ -90,7 +90,7 @@ class AutoK(Schedule):
     instead of one i.i.d. α): with α_i the probability that draft i is accepted given that
     drafts 1..i−1 were, a round of K drafts emits E(K) = 1 + Σ_{i=1..K} Π_{j<=i} α_j tokens
     and costs C(K) = c_draft·K + s·T(K+1), where T(n) is the target's measured forward time
-    for n tokens (``forward_seconds``, profiled once per machine: :func:`verify_profile`),
+    for n tokens (``forward_seconds``, profiled once per machine: :func:`specdecode.profile.verify_profile`),
     c_draft the draft cost per proposed token (``draft_seconds_per_token``, e.g. the draft
     model's profiled T(1); 0 for lookups) and s = 1. When the engine passes round times, both
     follow what this request measures: c_draft the drafting time per proposed token, s the

@@ -7,9 +7,9 @@ from pathlib import Path
 
 
 def summarize(records: list) -> dict:
-    """Per method × subtask (and "overall") of :class:`~.run.Record`\ s: tokens/s median and mean, speedup vs ar and vs
-    hf-ar (median of per-generation ratios), mean acceptance length, acceptance rate, time
-    shares, mismatches."""
+    """Per method × subtask (and "overall") of the run's records: tokens/s median and mean,
+    speedup vs ar and vs hf-ar (median of per-generation ratios), mean acceptance length,
+    acceptance rate, time shares, mismatches."""
     by_key = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in records}
     out: dict[str, dict[str, dict]] = {}
     subtasks = sorted({r.subtask for r in records})

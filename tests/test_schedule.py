@@ -1,0 +1,203 @@
+"""K schedules (fixed, heuristic, auto), the forward-time profile, and the engine's checks of
+what schedules and proposers hand it; option validation of the method registry."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import MockLM, hashed_logits
+from specdecode.config import SamplingParams
+from specdecode.methods import SpeculativeConfig
+from specdecode.engine import Engine
+from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer, Proposer
+from specdecode.schedule import AutoK, FixedK, HeuristicK
+from helpers import PROMPTS, V, noisy_draft, ref, run, target
+from lookups import GREEDY128, linear_times
+
+
+def test_heuristic_schedule_follows_transformers():
+    h = HeuristicK(5, max_k=9)
+    seq = []
+    for proposed, accepted in [(5, 5), (7, 7), (9, 9), (9, 9), (9, 3), (8, 0), (0, 0), (7, 0),
+                               (6, 0), (5, 0), (4, 0), (3, 0), (2, 0), (1, 0), (1, 1)]:
+        seq.append(h.next_k())
+        h.update(proposed, accepted, 0.0, 0.0)
+    assert seq == [5, 7, 9, 9, 9, 8, 7, 7, 6, 5, 4, 3, 2, 1, 1]
+    assert h.next_k() == 3
+    h.reset()
+    assert h.next_k() == 5
+
+
+def test_auto_expected_tokens_is_leviathans_formula():
+    a = AutoK(linear_times(9), 8, first_alpha=0.7)
+    for k in range(9):  # no data: every α_i is the prior 0.7
+        assert a.expected_tokens(k) == pytest.approx((1 - 0.7 ** (k + 1)) / (1 - 0.7))
+
+
+def test_auto_grows_k_when_everything_is_accepted_and_shrinks_when_nothing_is():
+    times = linear_times(17, 0.2, 0.03)
+    a = AutoK(times, 16)
+    for _ in range(40):
+        k = a.next_k()
+        a.update(k, k, 0.0, times[k])
+    assert a.next_k() == 16
+    seen = []
+    for _ in range(40):
+        k = a.next_k()
+        seen.append(k)
+        a.update(k, 0, 0.0, times[k])
+    # nothing accepted: K falls to 0 (no speculation), probing one token every 8 rounds
+    assert seen[-16:].count(0) >= 14 and set(seen[-16:]) <= {0, 1}
+
+
+def test_auto_k_accounts_for_draft_cost():
+    """Each draft accepted with probability 0.7 (given the ones before): a free proposer is
+    worth about 6 tokens a round on this cost curve, a draft costing a quarter of T(1) per
+    token about 2."""
+    times = linear_times(17, 0.2, 0.005)
+    rng = random.Random(0)
+    picks = {}
+    for per_token in (0.0, 0.05):
+        a = AutoK(times, 16)
+        for _ in range(400):
+            k = a.next_k()
+            accepted = 0
+            while accepted < k and rng.random() < 0.7:
+                accepted += 1
+            a.update(k, accepted, per_token * k, times[k])
+        picks[per_token] = a.next_k()
+    assert 4 <= picks[0.0] <= 9 and 1 <= picks[0.05] <= 3
+
+
+def test_auto_trims_free_proposals_by_offered_length():
+    """Lookups: K is chosen after the proposal is seen, from how proposals of that length
+    fared. Long ones that keep being accepted are verified whole; one-token guesses that are
+    always wrong are dropped (one probe every 8 rounds) without touching the long ones."""
+    times = linear_times(17, 0.2, 0.01)
+    a = AutoK(times, 16)
+    assert a.next_k() < 16  # before any lookup: the cost model's K
+    for _ in range(30):
+        k = a.trim(16)
+        a.update(k, k, 0.0, times[k])
+        k = a.trim(1)
+        a.update(k, 0, 0.0, times[k])
+    assert a.next_k() == 16  # a lookup offers everything it has
+    assert a.trim(16) == 16 and a.trim(12) == 12  # 8..15 inherits nothing from 16: prior 8/9
+    a.update(12, 12, 0.0, times[12])
+    ones = []
+    for _ in range(16):
+        ones.append(a.trim(1))
+        a.update(ones[-1], 0, 0.0, times[ones[-1]])
+    assert ones.count(0) == 14 and ones.count(1) == 2
+    a.reset()
+    assert a.next_k() < 16
+
+
+def test_auto_trims_a_proposal_where_its_acceptance_runs_out():
+    """Proposals of 16 whose first 3 tokens are always right and the 4th always wrong: K = 3
+    or 4 (the 4th costs one more token of verify pass for nothing, the rest would too)."""
+    times = linear_times(17, 0.2, 0.02)
+    a = AutoK(times, 16)
+    for _ in range(40):
+        k = a.trim(16)
+        a.update(k, min(k, 3), 0.0, times[k])
+    assert 3 <= a.trim(16) <= 4
+
+
+def test_engine_trims_only_free_proposals():
+    """The engine asks the schedule to trim lookups' proposals, never a draft model's (whose
+    tokens are already paid for and whose K the schedule chose before drafting)."""
+    class TrimToOne(FixedK):
+        calls = 0
+
+        def trim(self, offered):
+            TrimToOne.calls += 1
+            return 1
+
+    prompt = PROMPTS["repetitive"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    gen, _ = run(target(), PromptLookupProposer(), TrimToOne(8), prompt, GREEDY128)
+    assert gen.token_ids == expected and TrimToOne.calls > 0
+    assert gen.stats.num_draft_tokens == gen.stats.num_drafts == TrimToOne.calls  # one each
+    assert gen.stats.speculation_lengths.count(1) == TrimToOne.calls
+    TrimToOne.calls = 0
+    gen, _ = run(target(), DraftModelProposer(noisy_draft()), TrimToOne(4), prompt, GREEDY128)
+    assert gen.token_ids == expected and TrimToOne.calls == 0 and gen.stats.num_draft_tokens > 100
+
+
+def test_schedules_validate():
+    for bad in (0, 65, 2.5, True):
+        with pytest.raises(ValueError, match="K"):
+            FixedK(bad)
+    with pytest.raises(ValueError, match="forward times"):
+        AutoK([0.1], 4)
+
+
+def test_speculation_lengths_count_rounds_without_speculation():
+    """A proposer that is always wrong: auto K falls to 0 (no speculation) in most rounds, and
+    those rounds count in the mean K."""
+    from helpers import ScriptedProposer
+
+    prompt = PROMPTS["twenty"]
+    expected = list(ref(tuple(prompt), GREEDY128))
+    gen, blocks = run(target(), ScriptedProposer(len(prompt), expected, V, right=0),
+                      AutoK(linear_times(17, 0.2, 0.05), 16), prompt, GREEDY128)
+    assert gen.token_ids == expected
+    lengths = gen.stats.speculation_lengths
+    assert len(lengths) == len(blocks) and lengths.count(0) > len(lengths) // 2
+    assert gen.stats.to_dict()["mean_speculation_length"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-3)
+
+
+class _BadIds(Proposer):
+    name = "bad"
+
+    def propose(self, state, k):
+        return DraftOutput.point_mass([1, V + 5][:k], "bad")
+
+
+def test_engine_rejects_bad_schedules_and_out_of_vocabulary_proposals():
+    for bad in ("auto", 4.0, True, 0, 65):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            Engine(target(), PromptLookupProposer(), bad)
+    Engine(target(), None, None)  # plain decoding needs no K
+    with pytest.raises(ValueError, match=f"outside the target's vocabulary \\[0, {V}\\)"):
+        Engine(target(), _BadIds(), 4).generate([1, 2, 3], GREEDY128).run()
+
+
+def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
+    from specdecode.models import LoadedModel
+    from specdecode import profile as schedule
+    from specdecode.profile import verify_profile
+
+    monkeypatch.setattr(schedule, "PROFILE_DIR", tmp_path)
+    model = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
+    busy = Engine(model.lm).generate([1, 2, 3], SamplingParams(max_new_tokens=5))
+    next(iter(busy))  # paused mid-request: its KV cache is in use
+    with pytest.raises(RuntimeError, match="generating another request"):
+        verify_profile(model, 4)
+    busy.close()
+    before = len(model.lm.forward_sizes)
+    times = verify_profile(model, 4)
+    assert len(times) == 5 and model.lm.forward_sizes[before] == 64 - 5  # context fits the model
+    (path,) = tmp_path.glob("*.json")
+    for junk in ("[]", "null", '{"forward_seconds": [0, 0, 0, 0, 0]}', "{not json"):
+        path.write_text(junk)
+        fresh = LoadedModel(MockLM(30, hashed_logits(30), max_context=64), name="mock")
+        again = verify_profile(fresh, 4)
+        assert len(again) == 5 and all(t > 0 for t in again) and fresh.lm.forward_sizes  # measured
+
+
+def test_inapplicable_options_raise():
+    from specdecode.config import KSchedule
+    from specdecode.methods import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="suffix_cache applies"):
+        SpeculativeConfig("draft", suffix_cache="session")
+    with pytest.raises(ValueError, match="n-gram sizes .* apply to 'prompt-lookup', not 'suffix'"):
+        SpeculativeConfig("suffix", max_ngram=4)
+    with pytest.raises(ValueError, match="max_speculative_tokens caps K"):
+        SpeculativeConfig("draft", 4, KSchedule.FIXED, 8)
+    with pytest.raises(ValueError, match="draft_p_min applies to 'draft' and 'hybrid'"):
+        SpeculativeConfig("suffix", draft_p_min=0.5)
