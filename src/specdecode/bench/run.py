@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -106,8 +107,13 @@ def check_run_settings(args) -> None:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "
                              "resume with the same ones, or choose another --out")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**mine, "commit": _commit(), "command": " ".join(sys.argv),
+    path.write_text(json.dumps({**mine, "commit": _commit(), "command": command_line(),
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+
+
+def command_line() -> str:
+    """The command that runs, as a user would type it (``specdecode bench ...``)."""
+    return " ".join(["specdecode"] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def _commit() -> str | None:
@@ -277,11 +283,11 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({
-            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": command_line(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "threads": torch.get_num_threads(), "limit": limit, "summary": summary,
             "ceilings": ceilings, "peak_rss_bytes": peak_rss}, indent=1))  # records: RECORDS_LOG
         (out / "report.md").write_text(
-            f"# specdecode bench\n\ncommand: `{' '.join(sys.argv)}`\n\n"
+            f"# specdecode bench\n\ncommand: `{command_line()}`\n\n"
             f"date: {time.strftime('%Y-%m-%d')}, threads: {torch.get_num_threads()}, "
             f"peak RSS {peak_rss / 2**30:.1f} GiB\n\n## Overall\n\n{table}\n\n"
             f"## Speedup vs ar per subtask\n\n{by_sub}\n\n"

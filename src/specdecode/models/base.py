@@ -16,10 +16,14 @@ import torch
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """What the engine needs from a model.
+    """What the engine needs from a model (one request, one row).
 
     Attributes: ``vocab_size`` (embedding rows = logits width V), ``max_context`` (positions),
-    ``seq_len`` (positions now in the KV cache).
+    ``seq_len`` (positions now in the KV cache). The native decoder also offers what draft
+    heads, draft trees, layer skipping and batching need (rows with their own lengths,
+    attention masks, hidden states, a subset of layers, compaction:
+    :meth:`~specdecode.models.native.Transformer.forward_rows`); the transformers adapter
+    does not.
     """
 
     vocab_size: int
