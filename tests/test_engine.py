@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from helpers import (PROMPTS, V, MockLM, ScriptedProposer, hashed_logits, noisy_draft, random_draft,
+from helpers import (PROMPTS, V, MockLM, randint, ScriptedProposer, hashed_logits, noisy_draft, random_draft,
                      ref, reference, run, target, tiny_model)
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
@@ -121,7 +121,7 @@ def test_same_model_draft_every_round_emits_k_plus_1(k):
     assert s.mean_acceptance_length == pytest.approx(n / len(blocks))
 
 
-LONG_RUN_PROMPT = _randint(20, 8)
+LONG_RUN_PROMPT = randint(20, 8)
 
 
 def _min_top2_gap(prompt, tokens):
@@ -530,7 +530,7 @@ def test_draft_with_short_context(same_weights, sampled):
 
 def test_prompt_longer_than_draft_context():
     draft = tiny_model(0, max_position_embeddings=40)
-    prompt = _randint(60, 3)
+    prompt = randint(60, 3)
     params = SamplingParams(max_new_tokens=40)
     gen, blocks = run(target(), DraftModelProposer(draft), 4, prompt, params)
     assert gen.token_ids == list(ref(tuple(prompt), params))
@@ -547,7 +547,7 @@ CTX = 64
 def test_target_context_limit(kind, k):
     """Prompts near the target's context: exactly context - prompt tokens come out."""
     limited = tiny_model(0, max_position_embeddings=CTX)
-    base = _randint(CTX, 4)
+    base = randint(CTX, 4)
     for p in range(CTX - 2 * k - 3, CTX):
         prompt = base[:p]
         g = list(ref(tuple(prompt), SamplingParams(max_new_tokens=CTX)))[: CTX - p]
@@ -566,7 +566,7 @@ def test_target_context_limit(kind, k):
 def test_eos_at_every_position_near_the_target_context_limit():
     k = 4
     limited = tiny_model(0, max_position_embeddings=CTX)
-    prompt = _randint(CTX - 2 * k - 3, 4)
+    prompt = randint(CTX - 2 * k - 3, 4)
     g = list(ref(tuple(prompt), SamplingParams(max_new_tokens=CTX)))[: CTX - len(prompt)]
     js = _first_appearances(g, len(g))
     assert len(js) >= k
@@ -581,8 +581,8 @@ def test_prompt_that_fills_the_context_is_refused():
     engine = Engine(limited, DraftModelProposer(limited.fork()), 4, debug=True)
     for p in (CTX, CTX + 3):
         with pytest.raises(ValueError):
-            engine.generate(_randint(p, 5), SamplingParams(max_new_tokens=4)).run()
-    gen = engine.generate(_randint(CTX - 1, 5), SamplingParams(max_new_tokens=4)).run()
+            engine.generate(randint(p, 5), SamplingParams(max_new_tokens=4)).run()
+    gen = engine.generate(randint(CTX - 1, 5), SamplingParams(max_new_tokens=4)).run()
     assert len(gen.token_ids) == 1 and gen.finish_reason == "length"
 
 
@@ -591,7 +591,7 @@ def test_cancel_at_every_round_near_the_limit_then_reuse():
     engine then serves a new request exactly."""
     k = 4
     limited = tiny_model(0, max_position_embeddings=CTX)
-    prompt = _randint(CTX - 3 * k, 6)
+    prompt = randint(CTX - 3 * k, 6)
     params = SamplingParams(max_new_tokens=100)
     g = list(ref(tuple(prompt), SamplingParams(max_new_tokens=CTX)))[: CTX - len(prompt)]
     engine = Engine(limited, DraftModelProposer(limited.fork()), k, debug=True)

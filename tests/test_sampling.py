@@ -128,14 +128,14 @@ def test_narrow_draft_vocab_rows_it_lacks_have_q_zero():
 
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_greedy_verification_accepts_exactly_the_matching_prefix(k):
-    """Greedy = one-hot target via toprobs_of(temperature 0): for every j, drafts equal to the
+    """Greedy = one-hot target via to_probs(temperature 0): for every j, drafts equal to the
     argmax on the first j positions and wrong at j -> exactly j accepted + the argmax at j."""
     v = 32
     params = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(k)
     for j in range(k + 1):
         logits = torch.randn(4, k + 1, v, generator=g)
-        p = toprobs_of(process_logits(logits, params, torch.zeros(4, 1, dtype=torch.long), None, 0, ()),
+        p = to_probs(process_logits(logits, params, torch.zeros(4, 1, dtype=torch.long), None, 0, ()),
                      params)
         assert ((p == 0) | (p == 1)).all() and (p.sum(-1) == 1).all()
         argmax = logits.argmax(-1)
@@ -209,16 +209,16 @@ def _round(first_ctx: torch.Tensor | None, k: int, params_t, params_d, mode, g, 
     dctx = ctx
     for i in range(k):
         dl = logits_at(offset + i, d1, d2, d3, gen_tokens + ids)
-        q = toprobs_of(process_logits(dl[:, None], params_d, dctx, None, 0, ()), params_d)[:, 0]
+        q = to_probs(process_logits(dl[:, None], params_d, dctx, None, 0, ()), params_d)[:, 0]
         x = _draw(q, mode in ("greedy_point", "greedy_soft"), g)
         if params_q is not None:  # report a distribution other than the one drawn from
-            q = toprobs_of(process_logits(dl[:, None], params_q, dctx, None, 0, ()), params_q)[:, 0]
+            q = to_probs(process_logits(dl[:, None], params_q, dctx, None, 0, ()), params_q)[:, 0]
         ids.append(x)
         qs.append(q)
         dctx = torch.cat([dctx, x[:, None]], 1)
     drafts = torch.stack(ids, 1)
     logits = torch.stack([logits_at(offset + i, t1, t2, t3, gen_tokens + ids) for i in range(k + 1)], 1)
-    p = toprobs_of(process_logits(logits, params_t, ctx, drafts, 0, ()), params_t)
+    p = to_probs(process_logits(logits, params_t, ctx, drafts, 0, ()), params_t)
     draft_probs = None if mode in ("greedy_point", "sampled_as_point") else torch.stack(qs, 1)
     return rejection_sample(drafts, draft_probs, p, g)
 

@@ -7,17 +7,11 @@ from pathlib import Path
 
 import torch
 
-from helpers import local_tokenizer
+from helpers import ASCII_TEXT, PROMPT, UNICODE_TEXT, local_tokenizer  # noqa: F401 (re-exported)
 
 VOCAB = len(local_tokenizer())  # the test tokenizer's size == embedding rows of the tiny target
 WIDE_VOCAB = VOCAB + 128  # same tokenizer, more embedding rows (like Qwen2.5 151,936 vs 152,064)
 EOS = 2  # <|im_end|>
-PROMPT = "Hello there, how are you today?"
-UNICODE_TEXT = ("Xin chào thế giới 🌍🚀 你好世界 naïve café 👩‍👩‍👧 Tiếng Việt có dấu: ổ ữ ặ. "
-                "Emoji 🎉🧪 and CJK 日本語のテキスト end.")
-ASCII_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-              "How vexingly quick daft zebras jump!")
-
 
 
 def _randomize(model, seed: int, std: float = 0.3, final_norm: float = 4.0) -> None:
