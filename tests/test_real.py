@@ -1,12 +1,15 @@
 """Real models (fetched by `make models` / `specdecode models fetch`): SmolLM2-135M as its own
 draft, and the default Qwen2.5-Coder pair, against plain greedy decoding."""
 
+import random
+
 import pytest
 import torch
 import transformers
 
 import specdecode
 from specdecode.models import registry
+from specdecode.text import IncrementalDetokenizer
 
 pytestmark = pytest.mark.real
 
@@ -37,6 +40,22 @@ def test_smollm2_as_its_own_draft(smollm2, k):
     assert spec.stats.num_draft_tokens > 0
     # every full round emits K+1 tokens
     assert spec.stats.num_verify_passes == -(-len(spec.token_ids) // (k + 1))
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", registry.DEFAULT_TARGET])
+def test_streamed_text_of_real_tokenizers_equals_one_decode(name):
+    """The incremental detokenizer on the real tokenizers (byte-level BPE of SmolLM2 and
+    Qwen2.5): random ids, many of them lone bytes of multi-byte characters, and a
+    multilingual text, fed one id and several at a time, give the text of one decode."""
+    tok = transformers.AutoTokenizer.from_pretrained(registry.fetch(name, progress=False))
+    rng = random.Random(0)
+    text = "Xin chào thế giới 🌍🚀 你好世界 naïve café 👩‍👩‍👧 def f(x):\n    return x  # ổ ữ ặ"
+    for ids in ([rng.randrange(len(tok)) for _ in range(400)], tok.encode(text)):
+        for block in (1, 5):
+            detok = IncrementalDetokenizer(lambda x: tok.decode(x, skip_special_tokens=True))
+            pieces = [detok.add(ids[i:i + block]) for i in range(0, len(ids), block)]
+            full = tok.decode(ids, skip_special_tokens=True)
+            assert "".join(pieces) == full.rstrip("\ufffd") and full.startswith("".join(pieces))
 
 
 @pytest.fixture(scope="module")
