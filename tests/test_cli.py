@@ -226,14 +226,14 @@ def test_k_zero_is_an_argparse_error(capsys, dirs):
             cli.main(["generate", "--target", str(dirs["target"]), "--prompt", PROMPT, "--k", bad])
         assert exc.value.code == 2
         err = capsys.readouterr().err
-        assert "--k must be an integer 1..64" in err and bad in err
+        assert "argument --k: must be an integer 1..64" in err and bad in err
     for bad in ("auto", "100"):
         with pytest.raises(SystemExit) as exc:
             cli.main(["generate", "--target", str(dirs["target"]), "--prompt", PROMPT, "--k", "auto",
                       "--max-k", bad])
         assert exc.value.code == 2
         err = capsys.readouterr().err
-        assert "--max-k must be an integer 1..64" in err and bad in err
+        assert "argument --max-k: must be an integer 1..64" in err and bad in err
 
 
 def test_incompatible_draft_is_a_clear_error(capsys, dirs):
@@ -307,3 +307,6 @@ def test_exit_codes_follow_one_rule(capsys, dirs, monkeypatch, tmp_path):
                        "--prompt", "hi")
     assert code == 1 and err.startswith("error: pip could not download")
     assert run(capsys, "generate", "--target", dirs["target"], "--prompt", "hi", "--top-p", "2")[0] == 2
+    code, _, err = run(capsys, "generate", "--target", dirs["target"], "--method", "ar", "--k", "4",
+                       "--prompt", "hi")
+    assert code == 2 and "does not apply" in err  # a K that nothing uses is refused, not ignored

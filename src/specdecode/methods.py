@@ -155,6 +155,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculation length schedule {self.schedule!r} is invalid; allowed: "
                              f"{[s.value for s in KSchedule]}") from None
         spec = self.method.spec
+        if spec.proposer is None and self.num_speculative_tokens is not None:
+            raise ValueError(f"method {spec.name!r} proposes nothing: a speculation length K "
+                             f"(num_speculative_tokens={self.num_speculative_tokens!r}) does not apply")
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", spec.default_k or 1)
         check_k("num_speculative_tokens (K)", self.num_speculative_tokens)

@@ -10,7 +10,7 @@ import sys
 
 from .. import __version__
 from . import bench, generate, models
-from .common import EXIT_INTERRUPTED
+from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,8 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specdecode",
         description="Lossless speculative decoding: faster LLM generation with the target's own "
                     "output (measured speedups: BENCHMARKS.md).",
-        epilog="exit codes: 0 ok, 1 a job failed (e.g. a model could not be fetched), 2 bad "
-               "input, 130 interrupted")
+        epilog=EXIT_CODES_HELP)
     parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)

@@ -12,7 +12,7 @@ from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SU
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..methods import METHODS
 from ..models import registry
-from .common import add_threads_argument, apply_threads, run_command
+from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command
 
 
 def _help() -> str:
@@ -47,7 +47,8 @@ OPTION_NAMES = {"draft_p_min": "p_min=P", "ngram": "ngram=MIN-MAX", "suffix_cach
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench, HumanEval)",
-                       description=_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=_help(), epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model (default %(default)s)")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model (default %(default)s)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="default: %(default)s")

@@ -14,6 +14,8 @@ from ..config import MAX_K, check_k
 from ..models.registry import ModelFetchError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_CODES_HELP = ("exit codes: 0 ok, 1 a job failed (e.g. a model could not be fetched), 2 bad "
+                   "input, 130 interrupted")
 
 
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -21,7 +23,7 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
     ValueError (bad input) -> 2, ModelFetchError or a missing file -> 1."""
     try:
         return func(args)
-    except ValueError as e:  # IncompatibleDraftError included
+    except ValueError as e:  # IncompatibleDraftError and UnknownModelError included
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (ModelFetchError, FileNotFoundError) as e:
@@ -37,7 +39,7 @@ def k_argument(value: str) -> int | str:
         return check_k("--k", int(value))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--k must be an integer 1..{MAX_K}, 'heuristic' or 'auto', got {value!r}") from None
+            f"must be an integer 1..{MAX_K}, 'heuristic' or 'auto', got {value!r}") from None
 
 
 def max_k_argument(value: str) -> int:
@@ -45,7 +47,7 @@ def max_k_argument(value: str) -> int:
     try:
         return check_k("--max-k", int(value))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--max-k must be an integer 1..{MAX_K}, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer 1..{MAX_K}, got {value!r}") from None
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:

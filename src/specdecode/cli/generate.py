@@ -11,7 +11,8 @@ from ..api import _sampling_params, stream
 from ..methods import METHODS, Method, speculative_config
 from ..models import registry
 from ..models.loading import load_pair
-from .common import add_threads_argument, apply_threads, k_argument, max_k_argument, run_command
+from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, k_argument, max_k_argument,
+                     run_command)
 
 GENERATE_HELP = """\
 Generate a completion with speculative decoding, streaming it as it is produced, then print
@@ -27,7 +28,7 @@ examples:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text (speculative decoding)", description=GENERATE_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     p.add_argument("--target", default=registry.DEFAULT_TARGET,

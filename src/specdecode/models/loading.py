@@ -49,7 +49,8 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
 
     Known names are fetched on first use; GGUF files are converted once into the cache; a hub
     id goes through ``huggingface_hub.snapshot_download`` (the standard ``from_pretrained``
-    resolution, honouring HF_HOME and HF_HUB_OFFLINE). Raises ValueError when nothing matches.
+    resolution, honouring HF_HOME and HF_HUB_OFFLINE). Raises ValueError when nothing matches,
+    ModelFetchError when a hub id or a known model cannot be fetched.
     """
     s = str(name_or_path)
     if not s.strip():
@@ -75,7 +76,7 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
             return Path(snapshot_download(s, allow_patterns=[
                 "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
         except Exception as e:  # noqa: BLE001 - re-raised with what to do
-            raise ValueError(f"could not fetch hub model {s!r} ({type(e).__name__}: {e}); use a "
+            raise registry.ModelFetchError(f"could not fetch hub model {s!r} ({type(e).__name__}: {e}); use a "
                              "local directory, a GGUF file, or one of "
                              + ", ".join(registry.KNOWN_MODELS)) from e
     raise ValueError(f"model {s!r} not found: not a known name ({', '.join(registry.KNOWN_MODELS)}), "

@@ -35,6 +35,10 @@ class ModelFetchError(RuntimeError):
     """A model could not be fetched, verified or converted; the message says what to do."""
 
 
+class UnknownModelError(ModelFetchError, ValueError):
+    """A model name that is not a known one (bad input: also a ValueError)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Where a known model's GGUF file comes from and how to verify it.
@@ -95,24 +99,24 @@ def _spec(name: str) -> ModelSpec:
     try:
         return KNOWN_MODELS[name]
     except KeyError:
-        raise ModelFetchError(
+        raise UnknownModelError(
             f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}") from None
 
 
 def model_dir(name: str) -> Path:
-    """Directory of the converted model ``name`` (may not exist yet). Raises ModelFetchError for an unknown name."""
+    """Directory of the converted model ``name`` (may not exist yet). Raises UnknownModelError for an unknown name."""
     return cache_dir() / "models" / _spec(name).name
 
 
 def gguf_path(name: str) -> Path:
-    """Path of the verified GGUF file of ``name`` (may not exist yet). Raises ModelFetchError for an unknown name."""
+    """Path of the verified GGUF file of ``name`` (may not exist yet). Raises UnknownModelError for an unknown name."""
     return cache_dir() / "gguf" / f"{_spec(name).name}.gguf"
 
 
 def is_present(name: str) -> bool:
     """True when ``name`` is fetched and converted, i.e. ``fetch(name)`` would do no work.
 
-    Raises ModelFetchError for an unknown name.
+    Raises UnknownModelError for an unknown name.
     """
     return model_dir(name).is_dir()
 
