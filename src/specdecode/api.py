@@ -15,7 +15,6 @@ accepted with transformers' meaning, and so are ``prompt_lookup_num_tokens=``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 from .config import SamplingParams

@@ -20,11 +20,12 @@ from .proposers import (DraftModelProposer, HybridProposer, PromptLookupProposer
                         SuffixProposer)
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
-# option -> (its name in messages, what it means); each method names the ones it honours
+# option -> how messages name it; each method names the ones it honours (MethodSpec.options):
+# draft_p_min (a draft model's p_min), ngram (prompt lookup's n-gram sizes), suffix_cache
 OPTIONS = {
-    "draft_p_min": ("draft_p_min applies", "stop drafting where the draft model's top probability is below P"),
-    "ngram": ("n-gram sizes (min_ngram, max_ngram) apply", "prompt lookup's n-gram sizes (default 2..5)"),
-    "suffix_cache": ("suffix_cache applies", "'request', or 'session' to also match earlier outputs"),
+    "draft_p_min": "draft_p_min applies",
+    "ngram": "n-gram sizes (min_ngram, max_ngram) apply",
+    "suffix_cache": "suffix_cache applies",
 }
 
 
@@ -122,7 +123,7 @@ Method.__doc__ = ("Who proposes draft tokens: one member per :data:`METHODS` ent
 def _inapplicable(option: str, method: str) -> str:
     """The error message for ``option`` given to a ``method`` that does not honour it."""
     honouring = " and ".join(repr(m.name) for m in METHODS.values() if option in m.options)
-    return f"{OPTIONS[option][0]} to {honouring}, not {method!r}"
+    return f"{OPTIONS[option]} to {honouring}, not {method!r}"
 
 
 @dataclass(frozen=True)

@@ -82,11 +82,12 @@ def _ngram(value: str) -> dict:
         raise ValueError(f"option ngram={value!r} is invalid; allowed: MIN-MAX, e.g. ngram=1-3") from None
 
 
-# bench option -> (the registry option it sets, its SpeculativeConfig fields from the text)
-OPTION_PARSERS: dict[str, tuple[str, Callable[[str], dict]]] = {
-    "p_min": ("draft_p_min", lambda v: {"draft_p_min": _float(v, "p_min", "a number in [0, 1)")}),
-    "ngram": ("ngram", _ngram),
-    "cache": ("suffix_cache", lambda v: {"suffix_cache": v}),
+# bench option -> (the registry option it sets, its values for help, its SpeculativeConfig
+# fields from the text)
+OPTION_PARSERS: dict[str, tuple[str, str, Callable[[str], dict]]] = {
+    "p_min": ("draft_p_min", "P", lambda v: {"draft_p_min": _float(v, "p_min", "a number in [0, 1)")}),
+    "ngram": ("ngram", "MIN-MAX", _ngram),
+    "cache": ("suffix_cache", "request|session", lambda v: {"suffix_cache": v}),
 }
 
 
@@ -104,7 +105,7 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
     kwargs = {}
     if "max_k" in opts:
         kwargs["max_speculative_tokens"] = _int(opts, "max_k", 16)
-    for key, (_, parse) in OPTION_PARSERS.items():
+    for key, (_, _, parse) in OPTION_PARSERS.items():
         if key in opts:
             kwargs.update(parse(opts.pop(key)))
     return SpeculativeConfig(name, k, schedule, **kwargs)

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
-from ..bench.runners import DEFAULT_METHODS, PEERS, BenchModels, build_runners, parse_methods
+from ..bench.runners import (DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
+                             parse_methods)
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..methods import METHODS
@@ -17,7 +18,8 @@ from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_co
 
 def _help() -> str:
     ours = "\n".join(f"  {m.name:<14}{m.summary}" + (
-        f" ({', '.join(OPTION_NAMES[o] for o in sorted(m.options))})" if m.options else "")
+        f" ({', '.join(f'{key}={values}' for key, (o, values, _) in OPTION_PARSERS.items() if o in m.options)})"
+        if m.options else "")
         for m in METHODS.values())
     peers = "\n".join(f"  {name:<14}{p.summary}" for name, p in PEERS.items())
     return f"""\
@@ -39,10 +41,6 @@ example:
   specdecode bench --limit 5 --methods ar,hf-ar,hf-assisted,draft:k=6 --out bench-out
   specdecode bench --workloads code-edit --methods ar,hf-pld,prompt-lookup,suffix:k=auto
 """
-
-
-# the bench's option for each registry option (its values as in --methods)
-OPTION_NAMES = {"draft_p_min": "p_min=P", "ngram": "ngram=MIN-MAX", "suffix_cache": "cache=request|session"}
 
 
 def add_parser(sub) -> None:

@@ -185,13 +185,12 @@ class HybridProposer(Proposer):
                 best = (j, rate)
         return best
 
-    def _best_draft(self, state: RequestState, k: int) -> tuple[int, float]:
-        """(D, tokens per unit of time) of the best draft length (0, 0.0 if none)."""
+    def _best_draft(self, n: int, k: int, behind: int) -> tuple[int, float]:
+        """(D, tokens per unit of time) of the best draft length (0, 0.0 if none), after n
+        committed tokens of which the draft has not seen ``behind``."""
         if not self.drafter.active:
             return 0, 0.0
-        n = len(state.tokens)
         alpha = self.draft_alpha
-        behind = self.drafter.unseen(state)
         horizon = max(1, min(self._max_total_len - n, max(self.tuning.horizon, n - self._prompt_len)))
         rates = []
         for d in range(1, min(k, self.draft_k) + 1):
@@ -215,8 +214,8 @@ class HybridProposer(Proposer):
                 best = (rate, length, arm, fc)
         lookup_rate, length, arm, fc = best
         out = fc.tokens
-        d, draft_rate = self._best_draft(state, k)
-        behind = self.drafter.unseen(state)
+        behind = self.drafter.unseen(state)  # committed tokens the draft has not seen
+        d, draft_rate = self._best_draft(n, k, behind)
         cold = behind > 2  # the draft must first be fed what it skipped
         merit = draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
         # a draft given up after a bad start is tried again now and then (never one that was
