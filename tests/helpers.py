@@ -26,9 +26,11 @@ def tiny_args(**overrides) -> ModelArgs:
     return ModelArgs(**base)
 
 
-def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, **overrides) -> Transformer:
+def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, int8: str | None = None,
+               **overrides) -> Transformer:
     """A random fp32 Llama-family decoder; ``scale`` sharpens its logits so that greedy
-    decoding has no near-ties and repeats rarely."""
+    decoding has no near-ties and repeats rarely. ``int8``: a layout ("kn", "nk") to
+    quantize it to the W8A8 model (``Transformer.quantize``)."""
     torch.manual_seed(seed)
     m = Transformer(tiny_args(**overrides))
     with torch.no_grad():
@@ -39,6 +41,8 @@ def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, **override
             layer.post_attention_layernorm.weight.fill_(1.0)
         m.model.norm.weight.fill_(scale)
     m.tie_weights()
+    if int8:
+        m.quantize(int8)
     if pack:
         from specdecode.models.native import pack_linears
         pack_linears(m)
@@ -52,6 +56,7 @@ class MockLM:
     def __init__(self, vocab_size: int, logits_fn, max_context: int = 4096):
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.weight_format = "mock"
         self.logits_fn = logits_fn
         self.tokens: list[int] = []
         self.max_len = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 
 from helpers import ASCII_TEXT, PROMPT, UNICODE_TEXT, local_tokenizer  # noqa: F401 (re-exported)
 
@@ -119,3 +120,33 @@ def tiny_dirs_in(tmp_path_factory) -> dict[str, Path]:
     if not _DIRS:
         _DIRS.update(build_tiny_dirs(tmp_path_factory.mktemp("tiny_models")))
     return _DIRS
+
+
+# transformers models without a tokenizer, one per architecture switch of the native decoder
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+CONFIGS = {
+    "llama-gqa-untied": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
+    "llama3-rope-scaling": (transformers.LlamaConfig, dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+    "qwen2-bias-tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "llama-mha-head-dim": (transformers.LlamaConfig, dict(num_key_value_heads=4, head_dim=32)),
+}
+
+
+def hf_model_dir(tmp_path, name):
+    """Save a random tiny transformers model of config ``name`` (CONFIGS) in ``tmp_path``; returns it."""
+    cls, extra = CONFIGS[name]
+    torch.manual_seed(0)
+    config = cls(**{**TINY, **extra})
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so that logits are not ~0
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path)
+    return hf

@@ -21,7 +21,7 @@ from .config import SamplingParams
 from .engine import Engine, Generation
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
                       speculative_config)
-from .models.loading import LoadedModel, load
+from .models.loading import DEFAULT_DTYPE, LoadedModel, load
 from .stats import SpecDecodingStats
 from .text import IncrementalDetokenizer
 
@@ -53,8 +53,8 @@ class StreamChunk:
     result: GenerationResult | None = None
 
 
-def _as_model(m, dtype: str) -> LoadedModel:
-    return m if isinstance(m, LoadedModel) else load(m, dtype=dtype)
+def _as_model(m, dtype: str, role: str = "target") -> LoadedModel:
+    return m if isinstance(m, LoadedModel) else load(m, dtype=dtype, role=role)
 
 
 def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, top_k, top_p,
@@ -124,7 +124,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            max_speculative_tokens: int = 16, draft_p_min: float | None = None,
            assistant_confidence_threshold: float | None = None,
            prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
-           suffix_cache: str = "request", dtype: str = "float32",
+           suffix_cache: str = "request", dtype: str = DEFAULT_DTYPE,
            debug: bool = False) -> Iterator[StreamChunk]:
     """Generate, yielding :class:`StreamChunk` pieces as each verify pass commits tokens.
 
@@ -225,7 +225,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     if spec.method.needs_draft_model and draft is None:
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype)
-    drf = _as_model(draft, dtype) if spec.method.needs_draft_model else None
+    drf = _as_model(draft, dtype, "draft") if spec.method.needs_draft_model else None
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
     schedule = build_schedule(spec, tgt, drf)
     proposer = build_proposer(spec, tgt, drf)

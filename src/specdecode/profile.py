@@ -65,11 +65,8 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     cached = model.forward_seconds
     if cached is not None and len(cached) >= n:
         return cached[:n]
-    lm = model.lm
-    module = lm if isinstance(lm, torch.nn.Module) else getattr(lm, "hf", None)
-    first = next(module.parameters(), None) if module is not None else None
-    dtype = str(first.dtype) if first is not None else type(lm).__name__
-    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), dtype, torch.get_num_threads(),
+    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), type(model.lm).__name__,
+                      model.lm.weight_format, torch.get_num_threads(),
                       torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
     path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
         hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
@@ -79,6 +76,7 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if not (isinstance(times, list) and len(times) == n and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times)):
+        lm = model.lm
         lock = busy_lock(lm)
         if not lock.acquire(blocking=False):
             raise RuntimeError("this model is generating another request: its forward times for "

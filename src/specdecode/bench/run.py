@@ -65,23 +65,28 @@ def ceiling(times: list[float], k: int) -> float:
 
 
 def weight_bytes(model: LoadedModel) -> int:
-    """Bytes one decode step reads: every weight except the input embedding table (of which
-    one row is read), counting a tied output layer once and oneDNN-packed copies as stored."""
+    """Bytes one decode step reads: every weight (parameters, int8 buffers, oneDNN-packed
+    copies) except the input embedding table (of which one row is read), each storage
+    counted once, so a tied output layer is counted once."""
     lm = model.lm
     module = lm if isinstance(lm, torch.nn.Module) else lm.hf
     if isinstance(lm, torch.nn.Module):
-        emb, out = lm.model.embed_tokens.weight, getattr(lm.lm_head, "weight", None)
+        emb, out = lm.model.embed_tokens, lm.lm_head
     else:
-        emb, out = module.get_input_embeddings().weight, module.get_output_embeddings().weight
-    params = {id(p): p for p in module.parameters()}
-    if emb is not out:
-        params.pop(id(emb), None)
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    for m in module.modules():  # oneDNN-packed linears hold their weight outside parameters()
-        packed = getattr(m, "packed", None)
-        if packed is not None:
-            total += packed.numel() * packed.element_size()
-    return total
+        emb, out = module.get_input_embeddings(), module.get_output_embeddings()
+
+    def tensors(m):
+        found = {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()] if t.numel()}
+        for sub in m.modules():  # oneDNN-packed linears hold their weight outside both
+            packed = getattr(sub, "packed", None)
+            if packed is not None:
+                found[id(packed)] = packed
+        return found
+
+    every = tensors(module)
+    for ptr in set(tensors(emb)) - set(tensors(out)):
+        every.pop(ptr, None)
+    return sum(t.numel() * t.element_size() for t in every.values())
 
 
 RECORDS_LOG = "records.jsonl"

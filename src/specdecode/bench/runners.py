@@ -42,7 +42,7 @@ class BenchModels:
 
     def draft(self, dtype: str) -> LoadedModel:
         def make():
-            d = load(self.draft_name, dtype=dtype)
+            d = load(self.draft_name, dtype=dtype, role="draft")
             check_compatible(self.target(), d)
             return d
         return self._get(("draft", dtype), make)
@@ -51,8 +51,9 @@ class BenchModels:
         from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(self.target_name if which == "target" else self.draft_name)
+        dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
         return self._get(("hf", which), lambda: AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, self.dtype)).eval())
+            path, dtype=dtype).eval())
 
 
 Runner = Callable[[list[int], int], Output]

@@ -13,6 +13,7 @@ from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SU
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..methods import METHODS
 from ..models import registry
+from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES
 from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command
 
 
@@ -30,7 +31,7 @@ machine's ceiling for a perfect, free proposer.
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
   (each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
-  model dtype=int8|float32|bfloat16, the draft's dtype, default int8)
+  model dtype=int8|float32|bfloat16|float16, the draft's dtype, default int8)
 {peers}
 
 workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,
@@ -61,8 +62,9 @@ def add_parser(sub) -> None:
                    help="HumanEval (and code-edit) problems (default: --limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="target dtype for every method (default float32)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
+                   help="our target's dtype for every method of ours (default int8); the "
+                        "transformers peers run float32 (bfloat16 when this is bfloat16)")
     p.add_argument("--out", default=None,
                    help="write results.json, report.md and speedup.png here; every finished "
                         "prompt is also appended to records.jsonl as the run goes")

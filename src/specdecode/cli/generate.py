@@ -10,7 +10,7 @@ import time
 from ..api import _sampling_params, stream
 from ..methods import METHODS, Method, speculative_config
 from ..models import registry
-from ..models.loading import load_pair
+from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load_pair
 from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, k_argument, max_k_argument,
                      run_command)
 
@@ -63,11 +63,14 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", nargs="+", default=None, metavar="STR",
                    help="stop when any of these strings is generated (cut from the text); taken "
                         "literally: use $'\\n' in bash for a newline")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="target weights dtype (default float32: exact on CPU)")
-    p.add_argument("--draft-dtype", default="int8", choices=["int8", "float32", "bfloat16", "float16"],
-                   help="draft weights dtype; never changes the output, only speed and acceptance "
-                        "(default int8: dynamic int8 quantization, ~3x faster drafts on CPU)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
+                   help="target weights (default int8: int8 weights and per-token int8 "
+                        "activations, whose verify passes equal one-token passes bit for bit; "
+                        "quantized once and cached). The output is this target's own plain "
+                        "decoding; float32 is the reference, several times slower on CPU")
+    p.add_argument("--draft-dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
+                   help="draft weights; never changes the output, only speed and acceptance "
+                        "(default int8)")
     add_threads_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding of the target and report the speedup "

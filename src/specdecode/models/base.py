@@ -19,7 +19,8 @@ class CausalLM(Protocol):
     """What the engine needs from a model (one request, one row).
 
     Attributes: ``vocab_size`` (embedding rows = logits width V), ``max_context`` (positions),
-    ``seq_len`` (positions now in the KV cache). The native decoder also offers what draft
+    ``seq_len`` (positions now in the KV cache), ``weight_format`` (what the weights are:
+    "float32", "bfloat16", "int8-kn", ...; part of the profile's cache key). The native decoder also offers what draft
     heads, draft trees, layer skipping and batching need (rows with their own lengths,
     attention masks, hidden states, a subset of layers, compaction:
     :meth:`~specdecode.models.native.Transformer.forward_rows`); the transformers adapter
@@ -29,6 +30,7 @@ class CausalLM(Protocol):
     vocab_size: int
     max_context: int
     seq_len: int
+    weight_format: str
 
     def allocate(self, batch: int, max_len: int) -> None:
         """Prepare an empty KV cache for ``batch`` rows of up to ``max_len`` positions."""

@@ -12,10 +12,11 @@ class HFCausalLM:
     masks or layer skipping, which later methods need).
     """
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, weight_format: str | None = None):
         self.hf = hf_model.eval()
         cfg = hf_model.config
         self.vocab_size = hf_model.get_output_embeddings().out_features  # also when int8-quantized
+        self.weight_format = weight_format or str(hf_model.dtype).removeprefix("torch.")
         self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
         self.seq_len = 0
         self._cache = None
@@ -38,7 +39,7 @@ class HFCausalLM:
         return out.logits[:, out.logits.shape[1] - n:].float()
 
     def fork(self) -> "HFCausalLM":
-        return HFCausalLM(self.hf)
+        return HFCausalLM(self.hf, self.weight_format)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:

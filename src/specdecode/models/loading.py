@@ -15,10 +15,14 @@ from safetensors import SafetensorError
 from . import registry
 from .base import CausalLM
 from .hf import HFCausalLM
-from .native import SUPPORTED_MODEL_TYPES, Transformer, quantize_int8
+from .native import SUPPORTED_MODEL_TYPES, Transformer
+from .quant import quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("int8", *DTYPES)  # "int8": row-independent W8A8 (models/quant.py)
+DEFAULT_DTYPE = "int8"  # the fastest on CPU; see BENCHMARKS.md
 BACKENDS = ("auto", "native", "transformers")
+ROLES = ("target", "draft")
 
 
 @dataclass(eq=False)
@@ -83,21 +87,28 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
                      "not an existing directory or .gguf file, and not a hub id of the form org/name")
 
 
-def load(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32",
-         backend: str = "auto", tokenizer: bool = True) -> LoadedModel:
+def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
+         backend: str = "auto", tokenizer: bool = True, role: str = "target") -> LoadedModel:
     """Load a model for use as target or draft.
 
     ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM)
-    or "auto" (native when the architecture allows). ``dtype``: float32 (default; exactness
-    on CPU), bfloat16, float16, or int8 (int8 dynamic quantization of the linear layers: fast
-    drafts on CPU). Raises ValueError naming the bad value.
+    or "auto" (native when the architecture allows). ``dtype``: int8 (default: int8 weights
+    and per-row int8 activations, whose verify-pass rows equal one-token passes bit for bit;
+    quantized once from the float files and cached), float32 (the reference), bfloat16 or
+    float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
+    fastest for verify passes (target) or one-token steps (draft), which changes no output.
+    Speculative decoding reproduces the plain decoding of the target in the dtype it was
+    loaded with. Raises ValueError naming the bad value.
     """
     if isinstance(dtype, str):
-        if dtype not in DTYPES and dtype != "int8":
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES) + ['int8']}")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_NAMES)}")
         dtype = DTYPES.get(dtype, dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {ROLES}")
+    layout = "kn" if role == "target" else "nk"
     path = resolve_model_path(name_or_path)
     config = json.loads((path / "config.json").read_text())
     native_ok = config.get("model_type") in SUPPORTED_MODEL_TYPES and any(path.glob("*.safetensors"))
@@ -109,9 +120,10 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32",
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
-            lm = HFCausalLM(quantize_int8(hf) if dtype == "int8" else hf)
+            lm = HFCausalLM(quantize_linears(hf, layout) if dtype == "int8" else hf,
+                            weight_format=f"int8-{layout}" if dtype == "int8" else None)
         else:
-            lm = Transformer.from_pretrained(path, dtype=dtype)
+            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout)
         tok = None
         if tokenizer:
             from transformers import AutoTokenizer
@@ -169,15 +181,14 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     checked.add(draft)
 
 
-def load_pair(target: str | Path, draft: str | Path | None, dtype: str = "float32",
-              draft_dtype: str = "int8") -> tuple[LoadedModel, LoadedModel | None]:
+def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT_DTYPE,
+              draft_dtype: str = DEFAULT_DTYPE) -> tuple[LoadedModel, LoadedModel | None]:
     """Load a target and (optionally) a draft, checking their compatibility once.
 
-    The draft's dtype only changes speed and acceptance rate, never the output, so it
-    defaults to int8 (fastest on CPU). Raises ValueError (IncompatibleDraftError for a draft
-    of another tokenizer) or ModelFetchError."""
+    The draft's dtype only changes speed and acceptance rate, never the output. Raises
+    ValueError (IncompatibleDraftError for a draft of another tokenizer) or ModelFetchError."""
     tgt = load(target, dtype=dtype)
-    drf = load(draft, dtype=draft_dtype) if draft is not None else None
+    drf = load(draft, dtype=draft_dtype, role="draft") if draft is not None else None
     if drf is not None:
         check_compatible(tgt, drf)
     return tgt, drf

@@ -25,10 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
+from . import quant
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-SDPA_MIN_TOKENS = 64  # forwards of more new tokens use the fused attention kernel
+# Forwards of more new tokens use the fused attention kernel; up to it, which covers every
+# verify pass (K <= MAX_K = 64, plus one), :func:`attend_prefixes`.
+SDPA_MIN_TOKENS = 65
 
 
 @dataclass(frozen=True)
@@ -146,20 +151,6 @@ class PackedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Dynamic int8 quantization of every ``nn.Linear`` (per-output-channel weight scales,
-    activations quantized per call; fbgemm kernels). About 3x faster than fp32 for one-row
-    decoding on AVX-512 VNNI CPUs; meant for draft models, whose precision never changes the
-    output of speculative decoding, only the acceptance rate."""
-    import warnings
-
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's notice that the API moves to torchao
-        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
-
-
 def pack_linears(module: nn.Module) -> None:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` (frees the dense
     weight unless something else, e.g. a tied embedding, still holds it)."""
@@ -237,17 +228,47 @@ class Attention(nn.Module):
         if t > SDPA_MIN_TOKENS:  # long prefill: the fused kernel
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                enable_gqa=a.n_kv_heads != a.n_heads)
-        else:  # decode / verify: grouped matmuls, no copy of the cache (faster on CPU)
+        elif mask is None and isinstance(where, int):  # decode / verify of one chain
+            y = attend_prefixes(q, k, v, where)
+        else:  # rows of their own lengths, trees: grouped matmuls, no copy of the cache
             g = a.n_heads // a.n_kv_heads
             q = q.reshape(b, a.n_kv_heads, g * t, a.head_dim)
             scores = (q @ k.transpose(-1, -2)) * (a.head_dim ** -0.5)
             if mask is not None:  # the g query heads of a group are stacked along the T axis
                 mask = mask.repeat((1,) * (mask.dim() - 2) + (g, 1))
                 scores = scores.masked_fill(~mask, float("-inf"))
-            # (softmax over a length-1 axis is pathologically slow on CPU in torch 2.13)
-            probs = scores.float().softmax(-1) if scores.shape[-1] > 1 else torch.ones_like(scores)
-            y = (probs.to(q.dtype) @ v).view(b, a.n_heads, t, a.head_dim)
+            y = (_softmax(scores).to(q.dtype) @ v).view(b, a.n_heads, t, a.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim))
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    # softmax over a length-1 axis is pathologically slow on CPU in torch 2.13
+    return scores.float().softmax(-1) if scores.shape[-1] > 1 else torch.ones_like(scores)
+
+
+def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of T new tokens at positions start..start+T-1, each row computed as
+    the one-token pass at its position computes it.
+
+    q: [B, H, T, D] (RoPE applied); k, v: [B, H_kv, start+T, D] (the cache, new tokens
+    included). Returns [B, H, T, D]. Query i attends to slots 0..start+i through products
+    of exactly the shapes a one-token pass there uses ([g, D] x [D, start+i+1] per group of
+    g = H / H_kv heads), so its floating-point result is the same bit for bit. One product
+    over all T rows and start+T keys (with the future masked) is faster, but the order of its
+    reductions changes with T and with the key count, and the last-bit differences it leaves
+    become different int8 roundings downstream (models/quant.py), then different logits:
+    measured on Qwen2.5-Coder-1.5B W8A8, a 9-row verify pass moved logits by up to 1.2 and
+    flipped an argmax. This costs ~4-9 % of an 8-row verify pass at 200-1,000 cached tokens.
+    """
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    qg = q.view(b, kv, h // kv, t, d)
+    rows = []
+    for i in range(t):
+        n = start + i + 1
+        scores = (qg[:, :, :, i] @ k[:, :, :n].transpose(-1, -2)) * (d ** -0.5)
+        rows.append(_softmax(scores).to(q.dtype) @ v[:, :, :n])  # [B, kv, g, D]
+    return torch.stack(rows, 3).view(b, h, t, d)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -346,6 +367,7 @@ class Transformer(nn.Module):
         self.max_len = 0
         self.caches: list[KVCache] = []  # one per layer; not registered, see fork()
         self._cos = self._sin = None
+        self.weight_format = str(torch.get_default_dtype()).removeprefix("torch.")
 
     @property
     def vocab_size(self) -> int:
@@ -380,7 +402,7 @@ class Transformer(nn.Module):
         if max_len > self.args.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the model's context of "
                              f"{self.args.max_position_embeddings} tokens")
-        w = self.model.embed_tokens.weight
+        w = self.model.norm.weight  # the activations' dtype and device (int8 models: fp32)
         a = self.args
         if self.max_len < max_len or not self.caches or self.caches[0].k.shape[0] != batch:
             self.caches = [KVCache(batch, a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
@@ -563,8 +585,8 @@ class Transformer(nn.Module):
                 pos = pos.masked_fill(~valid, 0)
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
         if attn_mask is None and same_start and not ragged:
-            mask = None  # causal over the new tokens; every cached position is visible
-            if t > 1:
+            mask = None  # causal over the new tokens (attend_prefixes); all cached visible
+            if t > SDPA_MIN_TOKENS:
                 mask = torch.ones(t, end, dtype=torch.bool, device=dev).tril(s0)
         else:
             if same_start and not ragged:
@@ -662,42 +684,72 @@ class Transformer(nn.Module):
             self._layer_lengths = None if all(h == new for h in ll) else ll
         self.row_lengths = new
 
+    def quantize(self, layout: str = "kn") -> "Transformer":
+        """Turn this float model into the int8 model ``from_pretrained(dtype="int8")`` would
+        load (models/quant.py), in place; returns it. Raises ValueError for a model whose
+        linears are already packed or quantized, or an unknown layout."""
+        if any(isinstance(m, (PackedLinear, quant.Int8Linear)) for m in self.modules()):
+            raise ValueError("quantize needs a float model with plain nn.Linear layers "
+                             "(load it with pack=False)")
+        if layout not in quant.LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
+        state = quant.quantize_state(self.state_dict().items(), layout, self.args.tie_embeddings)
+        return self._assign_int8(state, layout, "the model's weights")
+
+    def _assign_int8(self, state: dict, layout: str, what: str) -> "Transformer":
+        quant.swap_modules(self, layout)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        self._check_loaded(missing, unexpected, ("lm_head.qweight", "lm_head.wscale"), what)
+        if self.args.tie_embeddings and layout == "nk":
+            emb = self.model.embed_tokens
+            self.lm_head.qweight, self.lm_head.wscale = emb.qweight, emb.wscale
+        self.weight_format = f"int8-{layout}"
+        return self
+
+    def _check_loaded(self, missing, unexpected, tied: tuple[str, ...], what: str):
+        missing = [m for m in missing if not (self.args.tie_embeddings and m in tied)]
+        if missing or unexpected:
+            raise ValueError(f"{what} do not match the architecture: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
-                        pack: bool | None = None) -> "Transformer":
+                        pack: bool | None = None, layout: str = "kn") -> "Transformer":
         """Load from a directory holding ``config.json`` and ``*.safetensors`` (transformers layout).
 
-        dtype: a torch dtype, or "int8" for fp32 weights with int8 dynamic quantization of
-        the linear layers (:func:`quantize_int8`; drafts only). pack: reorder linear weights
-        for oneDNN (:class:`PackedLinear`); default: when the dtype is float32 or bfloat16.
-        Raises ValueError for an unsupported architecture, FileNotFoundError when files lack.
+        dtype: a torch dtype, or "int8": row-independent W8A8 linears and an int8 embedding
+        (models/quant.py), quantized from the float files once and cached, never holding a
+        float copy of the model. layout: the int8 weights' layout, "kn" (verify passes of
+        many rows: a target) or "nk" (one-token steps: a draft); it changes speed only, not
+        a bit of the output. pack: reorder float linear weights for oneDNN
+        (:class:`PackedLinear`); default: when the dtype is float32 or bfloat16.
+        Raises ValueError for an unsupported architecture or layout, or weights that do not
+        match it, FileNotFoundError when files lack.
         """
-        from safetensors.torch import load_file
-
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         args = ModelArgs.from_hf_config(config)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        int8 = dtype == "int8"
+        if int8 and layout not in quant.LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
         with torch.device("meta"):
             model = cls(args)
+        if int8:
+            return model._assign_int8(quant.int8_state(files, layout, args.tie_embeddings),
+                                      layout, f"weights in {path}").eval()
         state = {}
         for f in files:
             state.update(load_file(f))
         if args.tie_embeddings:
             state.pop("lm_head.weight", None)
-        int8 = dtype == "int8"
-        dtype = torch.float32 if int8 else dtype
         state = {k: v.to(dtype) for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [m for m in missing if not (args.tie_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"weights in {path} do not match the {config.get('model_type')} "
-                             f"architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model._check_loaded(missing, unexpected, ("lm_head.weight",), f"weights in {path}")
         model.tie_weights()
-        if int8:
-            return quantize_int8(model.eval())
+        model.weight_format = str(dtype).removeprefix("torch.")
         if pack is None:
             pack = dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
         if pack:

@@ -1,0 +1,194 @@
+"""The int8 (W8A8) runtime: per-row quantization, rows that do not depend on each other bit
+for bit (linears, attention, the whole forward), both weight layouts giving the same bits,
+speculative output equal to the int8 target's plain decoding, and the on-disk cache."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import specdecode
+from specdecode.config import SamplingParams
+from specdecode.models import load, quant
+from specdecode.models.native import Transformer, attend_prefixes
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+
+from helpers import PROMPTS, run, tiny_model
+from tiny_dirs import hf_model_dir
+
+
+def test_quantize_rows_bounds_the_error_and_handles_zero_rows():
+    w = torch.randn(64, 300) * torch.logspace(-3, 2, 64)[:, None]
+    w[5] = 0
+    q, s = quant.quantize_rows(w)
+    assert q.dtype == torch.int8 and s.shape == (64,) and q.abs().max() <= quant.QMAX
+    assert torch.all((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 * (1 + 1e-6))
+    assert s[5] == 1 and not q[5].any()
+    assert torch.equal(q.abs().amax(1)[torch.arange(64) != 5], torch.full((63,), 127, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("shape", [(48, 40), (1536, 256), (200, 1001)])
+def test_int8_linear_rows_are_independent_and_layouts_agree(shape):
+    k, n = shape
+    torch.manual_seed(0)
+    w, b = torch.randn(n, k), torch.randn(n)
+    lin = {lay: quant.Int8Linear.from_float(w, b, lay) for lay in quant.LAYOUTS}
+    x = torch.randn(17, k) * torch.logspace(-2, 2, 17)[:, None]  # rows of very different scales
+    full = lin["kn"](x)
+    assert torch.equal(full, lin["nk"](x))
+    for i in range(17):
+        assert torch.equal(full[i:i + 1], lin["kn"](x[i:i + 1])), i
+        assert torch.equal(full[i:i + 1], lin["nk"](x[i:i + 1])), i
+    ref = x @ w.t() + b
+    assert ((full - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.02
+    y = lin["kn"](torch.zeros(2, k))  # an all-zero row: exactly the bias
+    assert torch.equal(y, b.expand(2, n))
+
+
+def test_attend_prefixes_equals_masked_attention():
+    torch.manual_seed(0)
+    b, h, kv, d, start, t = 1, 12, 2, 16, 37, 9
+    q = torch.randn(b, h, t, d)
+    k, v = torch.randn(b, kv, start + t, d), torch.randn(b, kv, start + t, d)
+    mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = attend_prefixes(q, k, v, start)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for i in range(t):  # row i equals the one-token pass at its position
+        alone = attend_prefixes(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1],
+                                start + i)
+        assert torch.equal(got[:, :, i:i + 1], alone)
+
+
+@pytest.mark.parametrize("layout", quant.LAYOUTS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_verify_pass_rows_equal_one_token_passes_bit_for_bit(layout, tied):
+    """The property lossless speculation rests on, on the real int8 kernels: every row of a
+    (K+1)-token verify pass equals the one-token pass at its position, at many offsets."""
+    model = tiny_model(0, int8=layout, tie_embeddings=tied)
+    assert model.weight_format == f"int8-{layout}"
+    seq = torch.randint(0, 96, (1, 160), generator=torch.Generator().manual_seed(1))
+    p = 20
+    model.allocate(1, 200)
+    model.forward(seq[:, :p], num_logits=0)
+    singles = torch.cat([model.forward(seq[:, i:i + 1])[0] for i in range(p, 150)])
+    for k in (1, 3, 8, 16, 64):
+        model.rollback(p)  # refill in passes of up to 65 rows: the same cache as the singles
+        for s in range(p, 150, 65):
+            model.forward(seq[:, s:min(150, s + 65)], num_logits=0)
+        for pos in reversed(range(p, 150 - k - 1, 7)):  # the cache always holds pos
+            model.rollback(pos)
+            block = model.forward(seq[:, pos:pos + k + 1])[0]
+            assert torch.equal(block, singles[pos - p:pos - p + k + 1]), (k, pos)
+
+
+def test_int8_layouts_give_the_same_logits():
+    a, b = tiny_model(3, int8="kn"), tiny_model(3, int8="nk")
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    for m in (a, b):
+        m.allocate(1, 64)
+    assert torch.equal(a(ids), b(ids))
+
+
+def test_tied_nk_model_shares_the_embedding_table():
+    m = tiny_model(0, int8="nk", tie_embeddings=True)
+    assert m.lm_head.qweight.data_ptr() == m.model.embed_tokens.qweight.data_ptr()
+
+
+def test_int8_is_close_to_fp32_and_really_quantized():
+    fp32, int8 = tiny_model(2), tiny_model(2, int8="kn")
+    ids = torch.arange(30)[None]
+    for m in (fp32, int8):
+        m.allocate(1, 32)
+    a, b = fp32(ids), int8(ids)
+    assert not torch.equal(a, b)
+    assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("kind", ["draft", "lookup"])
+def test_speculative_output_equals_int8_plain_decoding(kind):
+    """Greedy speculation on an int8 target reproduces that target's own plain decoding
+    (not the fp32 model's), with a float draft of the same weights that disagrees at times."""
+    target = tiny_model(0, int8="kn")
+    for name in ("twenty", "long"):
+        prompt = PROMPTS[name]
+        params = SamplingParams(max_new_tokens=80)
+        plain, _ = run(target, PromptLookupProposer(), 1, prompt, params)  # K=1, one row checked
+        target.allocate(1, len(prompt) + 90)
+        target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
+        ar = [prompt[-1]]
+        for _ in range(80):
+            ar.append(int(target.forward(torch.tensor([[ar[-1]]]))[0, -1].argmax()))
+        assert plain.token_ids == ar[1:]
+        proposer = DraftModelProposer(tiny_model(0)) if kind == "draft" else PromptLookupProposer()
+        gen, _ = run(target, proposer, 6, prompt, params)
+        assert gen.token_ids == ar[1:], name
+        if kind == "draft":
+            assert 0.3 < gen.stats.acceptance_rate < 1.0  # fp32 draft vs int8 target
+
+
+def test_int8_weights_are_cached_once_and_rebuilt_when_broken(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    hf_model_dir(tmp_path / "m", "qwen2-bias-tied")
+    ids = torch.arange(25)[None]
+    first = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    first.allocate(1, 32)
+    want = first(ids)
+    files = list((tmp_path / "cache" / "int8").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".safetensors"  # no partial file left
+
+    calls = []
+    real = quant.quantize_state
+    monkeypatch.setattr(quant, "quantize_state", lambda *a: calls.append(1) or real(*a))
+    again = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    again.allocate(1, 32)
+    assert torch.equal(again(ids), want) and calls == []  # read from the cache
+
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+    rebuilt = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    rebuilt.allocate(1, 32)
+    assert torch.equal(rebuilt(ids), want) and calls == [1]
+    assert len(list((tmp_path / "cache" / "int8").iterdir())) == 1
+
+    Transformer.from_pretrained(tmp_path / "m", dtype="int8", layout="nk")  # its own entry
+    assert len(list((tmp_path / "cache" / "int8").iterdir())) == 2
+
+
+def test_int8_of_a_changed_checkpoint_is_quantized_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    hf = hf_model_dir(tmp_path / "m", "llama-gqa-untied")
+    a = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    state["lm_head.weight"] = state["lm_head.weight"] * 2
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    b = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    assert torch.equal(b.lm_head.wscale, a.lm_head.wscale * 2)
+
+
+def test_unwritable_cache_still_loads(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cache").write_text("a file where the cache directory should be")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    hf_model_dir(tmp_path / "m", "mistral")
+    m = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    assert m.weight_format == "int8-kn"
+    assert "could not cache the int8 weights" in capsys.readouterr().err
+
+
+def test_bad_dtype_role_and_layout_are_refused(tmp_path):
+    hf_model_dir(tmp_path, "mistral")
+    with pytest.raises(ValueError, match=r"dtype 'int4' is not one of \['int8', 'float32'"):
+        load(tmp_path, dtype="int4")
+    with pytest.raises(ValueError, match="role 'verifier' is not one of"):
+        load(tmp_path, role="verifier")
+    with pytest.raises(ValueError, match="layout 'mk' is not one of"):
+        Transformer.from_pretrained(tmp_path, dtype="int8", layout="mk")
+    with pytest.raises(ValueError, match="quantize needs a float model"):
+        tiny_model(0, pack=True).quantize()
+
+
+def test_default_load_is_int8_and_the_draft_gets_the_one_token_layout(tmp_path):
+    hf_model_dir(tmp_path, "qwen2-bias-tied")
+    t, d = specdecode.load_pair(tmp_path, tmp_path)
+    assert t.lm.weight_format == "int8-kn" and d.lm.weight_format == "int8-nk"
+    hf = load(tmp_path, backend="transformers", role="draft", tokenizer=False)
+    assert hf.lm.weight_format == "int8-nk"
+    assert any(isinstance(m, quant.Int8Linear) for m in hf.lm.hf.modules())
