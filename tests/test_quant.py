@@ -2,6 +2,8 @@
 for bit (linears, attention, the whole forward), both weight layouts giving the same bits,
 speculative output equal to the int8 target's plain decoding, and the on-disk cache."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -26,18 +28,36 @@ def test_quantize_rows_bounds_the_error_and_handles_zero_rows():
     assert torch.equal(q.abs().amax(1)[torch.arange(64) != 5], torch.full((63,), 127, dtype=torch.int8))
 
 
-@pytest.mark.parametrize("shape", [(48, 40), (1536, 256), (200, 1001)])
+def test_the_vnni_kernel_is_built_on_a_cpu_that_has_vnni():
+    """This project's machines have AVX512-VNNI and g++: the fast kernel must be in use
+    there (elsewhere the reason it is not is reported)."""
+    lib, why = quant.vnni_kernel()
+    flags = open("/proc/cpuinfo").read()
+    if "avx512_vnni" in flags and shutil.which("g++"):
+        assert lib is not None, why
+        assert quant.best_layout("target") == quant.best_layout("draft") == "vnni"
+    else:
+        assert lib is None and why
+
+
+@pytest.mark.parametrize("shape", [(48, 40), (1536, 256), (200, 1001), (64, 48), (896, 4864)])
 def test_int8_linear_rows_are_independent_and_layouts_agree(shape):
+    """Every layout, both kernels: the same bits, and each row's output its own."""
     k, n = shape
     torch.manual_seed(0)
     w, b = torch.randn(n, k), torch.randn(n)
     lin = {lay: quant.Int8Linear.from_float(w, b, lay) for lay in quant.LAYOUTS}
+    assert lin["vnni"].layout == ("vnni" if k % 16 == 0 and n % 16 == 0 else "kn")
+    assert all(torch.equal(m.weight_kn(), lin["kn"].qweight) for m in lin.values())
     x = torch.randn(17, k) * torch.logspace(-2, 2, 17)[:, None]  # rows of very different scales
+    x[3, 5] = 1e-39  # a subnormal
     full = lin["kn"](x)
-    assert torch.equal(full, lin["nk"](x))
-    for i in range(17):
-        assert torch.equal(full[i:i + 1], lin["kn"](x[i:i + 1])), i
-        assert torch.equal(full[i:i + 1], lin["nk"](x[i:i + 1])), i
+    for lay in quant.LAYOUTS:
+        assert torch.equal(full, lin[lay](x)), lay
+        for i in range(17):
+            assert torch.equal(full[i:i + 1], lin[lay](x[i:i + 1])), (lay, i)
+        for rows in (2, 8, 9, 16):
+            assert torch.equal(full[:rows], lin[lay](x[:rows])), (lay, rows)
     ref = x @ w.t() + b
     assert ((full - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.02
     y = lin["kn"](torch.zeros(2, k))  # an all-zero row: exactly the bias
@@ -64,7 +84,8 @@ def test_attend_prefixes_equals_masked_attention():
 def test_int8_verify_pass_rows_equal_one_token_passes_bit_for_bit(layout, tied):
     """The property lossless speculation rests on, on the real int8 kernels: every row of a
     (K+1)-token verify pass equals the one-token pass at its position, at many offsets."""
-    model = tiny_model(0, int8=layout, tie_embeddings=tied)
+    model = tiny_model(0, int8=layout, tie_embeddings=tied, dim=64, head_dim=16,
+                       n_kv_heads=1, intermediate_size=96)  # shapes the VNNI kernel takes
     assert model.weight_format == f"int8-{layout}"
     seq = torch.randint(0, 96, (1, 160), generator=torch.Generator().manual_seed(1))
     p = 20
@@ -82,11 +103,12 @@ def test_int8_verify_pass_rows_equal_one_token_passes_bit_for_bit(layout, tied):
 
 
 def test_int8_layouts_give_the_same_logits():
-    a, b = tiny_model(3, int8="kn"), tiny_model(3, int8="nk")
+    models = [tiny_model(3, int8=lay) for lay in quant.LAYOUTS]
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
-    for m in (a, b):
+    for m in models:
         m.allocate(1, 64)
-    assert torch.equal(a(ids), b(ids))
+    want = models[0](ids)
+    assert all(torch.equal(m(ids), want) for m in models[1:])
 
 
 def test_tied_nk_model_shares_the_embedding_table():
@@ -108,7 +130,7 @@ def test_int8_is_close_to_fp32_and_really_quantized():
 def test_speculative_output_equals_int8_plain_decoding(kind):
     """Greedy speculation on an int8 target reproduces that target's own plain decoding
     (not the fp32 model's), with a float draft of the same weights that disagrees at times."""
-    target = tiny_model(0, int8="kn")
+    target = tiny_model(0, int8=quant.best_layout("target"))
     for name in ("twenty", "long"):
         prompt = PROMPTS[name]
         params = SamplingParams(max_new_tokens=80)
@@ -149,7 +171,7 @@ def test_int8_weights_are_cached_once_and_rebuilt_when_broken(tmp_path, monkeypa
     assert torch.equal(rebuilt(ids), want) and calls == [1]
     assert len(list((tmp_path / "cache" / "int8").iterdir())) == 1
 
-    Transformer.from_pretrained(tmp_path / "m", dtype="int8", layout="nk")  # its own entry
+    Transformer.from_pretrained(tmp_path / "m", dtype="int8", layout="kn")  # its own entry
     assert len(list((tmp_path / "cache" / "int8").iterdir())) == 2
 
 
@@ -169,7 +191,7 @@ def test_unwritable_cache_still_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     hf_model_dir(tmp_path / "m", "mistral")
     m = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
-    assert m.weight_format == "int8-kn"
+    assert m.weight_format == f"int8-{quant.best_layout('target')}"
     assert "could not cache the int8 weights" in capsys.readouterr().err
 
 
@@ -188,7 +210,8 @@ def test_bad_dtype_role_and_layout_are_refused(tmp_path):
 def test_default_load_is_int8_and_the_draft_gets_the_one_token_layout(tmp_path):
     hf_model_dir(tmp_path, "qwen2-bias-tied")
     t, d = specdecode.load_pair(tmp_path, tmp_path)
-    assert t.lm.weight_format == "int8-kn" and d.lm.weight_format == "int8-nk"
+    assert t.lm.weight_format == f"int8-{quant.best_layout('target')}"
+    assert d.lm.weight_format == f"int8-{quant.best_layout('draft')}"
     hf = load(tmp_path, backend="transformers", role="draft", tokenizer=False)
-    assert hf.lm.weight_format == "int8-nk"
+    assert hf.lm.weight_format == f"int8-{quant.best_layout('draft')}"
     assert any(isinstance(m, quant.Int8Linear) for m in hf.lm.hf.modules())

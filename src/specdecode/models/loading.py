@@ -16,7 +16,7 @@ from . import registry
 from .base import CausalLM
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer
-from .quant import quantize_linears
+from .quant import best_layout, quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = ("int8", *DTYPES)  # "int8": row-independent W8A8 (models/quant.py)
@@ -96,7 +96,8 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     and per-row int8 activations, whose verify-pass rows equal one-token passes bit for bit;
     quantized once from the float files and cached), float32 (the reference), bfloat16 or
     float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
-    fastest for verify passes (target) or one-token steps (draft), which changes no output.
+    fastest for verify passes (target) or one-token steps (draft), which changes no output
+    (:func:`specdecode.models.quant.best_layout`).
     Speculative decoding reproduces the plain decoding of the target in the dtype it was
     loaded with. Raises ValueError naming the bad value.
     """
@@ -108,7 +109,7 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
-    layout = "kn" if role == "target" else "nk"
+    layout = best_layout(role)
     path = resolve_model_path(name_or_path)
     config = json.loads((path / "config.json").read_text())
     native_ok = config.get("model_type") in SUPPORTED_MODEL_TYPES and any(path.glob("*.safetensors"))

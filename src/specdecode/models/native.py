@@ -684,10 +684,12 @@ class Transformer(nn.Module):
             self._layer_lengths = None if all(h == new for h in ll) else ll
         self.row_lengths = new
 
-    def quantize(self, layout: str = "kn") -> "Transformer":
+    def quantize(self, layout: str | None = None) -> "Transformer":
         """Turn this float model into the int8 model ``from_pretrained(dtype="int8")`` would
-        load (models/quant.py), in place; returns it. Raises ValueError for a model whose
-        linears are already packed or quantized, or an unknown layout."""
+        load (models/quant.py), in place; returns it. layout: see from_pretrained. Raises
+        ValueError for a model whose linears are already packed or quantized, or an unknown
+        layout."""
+        layout = layout or quant.best_layout("target", self.model.norm.weight.device)
         if any(isinstance(m, (PackedLinear, quant.Int8Linear)) for m in self.modules()):
             raise ValueError("quantize needs a float model with plain nn.Linear layers "
                              "(load it with pack=False)")
@@ -714,14 +716,14 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
-                        pack: bool | None = None, layout: str = "kn") -> "Transformer":
+                        pack: bool | None = None, layout: str | None = None) -> "Transformer":
         """Load from a directory holding ``config.json`` and ``*.safetensors`` (transformers layout).
 
         dtype: a torch dtype, or "int8": row-independent W8A8 linears and an int8 embedding
         (models/quant.py), quantized from the float files once and cached, never holding a
-        float copy of the model. layout: the int8 weights' layout, "kn" (verify passes of
-        many rows: a target) or "nk" (one-token steps: a draft); it changes speed only, not
-        a bit of the output. pack: reorder float linear weights for oneDNN
+        float copy of the model. layout: the int8 weights' layout (``quant.LAYOUTS``;
+        default ``quant.best_layout("target")``: "vnni" on CPUs with AVX512-VNNI, else "kn");
+        it changes speed only, not a bit of the output. pack: reorder float linear weights for oneDNN
         (:class:`PackedLinear`); default: when the dtype is float32 or bfloat16.
         Raises ValueError for an unsupported architecture or layout, or weights that do not
         match it, FileNotFoundError when files lack.
@@ -733,6 +735,7 @@ class Transformer(nn.Module):
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
         int8 = dtype == "int8"
+        layout = layout or quant.best_layout("target")
         if int8 and layout not in quant.LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
         with torch.device("meta"):

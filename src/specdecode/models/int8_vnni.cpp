@@ -1,0 +1,113 @@
+// Row-independent W8A8 linear for x86 CPUs with AVX512-VNNI (see quant.py, Int8Linear:
+// layout "vnni"); built by quant.py at first use, loaded with ctypes.
+//
+// y[m, n] = ((float)(sum_k q[m, k] * w[n, k]) * xs[m]) * ws[n] (+ bias[n]), where row m of x
+// is quantized alone: xs[m] = max|x[m]| / 127, q = round-half-even(x / xs[m]). The integer
+// sum is exact, and every float step is the same IEEE operation, in the same order, as the
+// PyTorch fallback in quant.py (built with -ffp-contract=off: no fused multiply-add), so a
+// row's output is the same bit for bit alone, in any batch, and on either path.
+//
+// vpdpbusd multiplies unsigned by signed bytes, so weights are stored as w + 128 and
+// 128 * sum_k q[m, k] is subtracted at the end. Weights are packed in blocks of 16 output
+// channels: pack[nb][k / 4][j][k % 4] = w[16 nb + j][k], so one 64-byte load feeds 16
+// accumulators' lanes (one per output channel) with 4 products each, and a block of up to
+// 8 rows of x reuses it from registers: one pass over the weights serves a verify pass of
+// up to 8 tokens (NB = 2 such blocks share each load of x). The weights stream from memory
+// once per 8 rows.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int NB = 2;  // blocks of 16 output channels per step: the x loads serve both
+
+// acc[i][m] += sum over 4 bytes of wu (weights + 128, unsigned) * x (signed), then
+// y = ((acc - 128 * rowsum(x)) * xs) * ws (+ bias) for NB blocks of 16 channels at n0.
+template <int MB>
+inline void block(const int8_t* xq, const int32_t* xsum, int64_t K, const uint8_t* wp,
+                  const float* xs, const float* ws, const float* bias, float* y, int64_t N,
+                  int64_t n0, int nb) {
+    __m512i acc[NB][MB];
+    for (int i = 0; i < NB; i++)
+        for (int m = 0; m < MB; m++) acc[i][m] = _mm512_setzero_si512();
+    const int64_t k4n = K / 4;
+    const uint8_t* w1 = wp + (nb > 1 ? 16 * K : 0);
+    for (int64_t k4 = 0; k4 < k4n; k4++) {
+        const __m512i wa = _mm512_loadu_si512((const void*)(wp + k4 * 64));
+        const __m512i wb = _mm512_loadu_si512((const void*)(w1 + k4 * 64));
+        for (int m = 0; m < MB; m++) {
+            // a 4-byte group of row m, broadcast: folded into vpdpbusd's memory operand
+            const __m512i xb = _mm512_set1_epi32(*(const int32_t*)(xq + m * K + k4 * 4));
+            acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], wa, xb);
+            acc[1][m] = _mm512_dpbusd_epi32(acc[1][m], wb, xb);
+        }
+    }
+    for (int i = 0; i < nb; i++) {
+        const int64_t n = n0 + 16 * i;
+        const __m512 wsv = _mm512_loadu_ps(ws + n);
+        for (int m = 0; m < MB; m++) {
+            const __m512i exact = _mm512_sub_epi32(acc[i][m], _mm512_set1_epi32(xsum[m] * 128));
+            __m512 v = _mm512_cvtepi32_ps(exact);
+            v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[m])), wsv);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+            _mm512_storeu_ps(y + m * N + n, v);
+        }
+    }
+}
+
+typedef void (*block_fn)(const int8_t*, const int32_t*, int64_t, const uint8_t*, const float*,
+                         const float*, const float*, float*, int64_t, int64_t, int);
+
+constexpr int MAXMB = 8;
+const block_fn BLOCKS[MAXMB + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>,
+                                    block<5>, block<6>, block<7>, block<8>};
+
+}  // namespace
+
+extern "C" {
+
+// Quantize rows of x [M, K] (fp32; K % 16 == 0) into xq [M, K] int8, xs [M] and
+// xsum [M] = sum_k xq. The same IEEE steps as quant.py: max|x| / 127, x / s rounded half to
+// even (vcvtps2dq under the default rounding mode), clamped to +-127.
+void sd_quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs,
+                      int32_t* xsum) {
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t m = 0; m < M; m++) {
+        const float* r = x + m * K;
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
+        const float amax = _mm512_reduce_max_ps(vmax);
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        xs[m] = s;
+        const __m512 sv = _mm512_set1_ps(s);
+        __m512i vsum = _mm512_setzero_si512();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 q = _mm512_div_ps(_mm512_loadu_ps(r + k), sv);
+            __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
+            vsum = _mm512_add_epi32(vsum, qi);
+            _mm_storeu_si128((__m128i*)(xq + m * K + k), _mm512_cvtepi32_epi8(qi));
+        }
+        xsum[m] = _mm512_reduce_add_epi32(vsum);
+    }
+}
+
+// y [M, N] = the W8A8 product of quantized rows (xq, xs, xsum) and packed weights wp
+// (weights + 128; N % 16 == 0, K % 16 == 0); bias may be null.
+void sd_int8_linear(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t M,
+                    int64_t K, const uint8_t* wp, const float* ws, const float* bias, int64_t N,
+                    float* y) {
+    const int64_t steps = (N + 16 * NB - 1) / (16 * NB);
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < steps; s++) {
+        const uint8_t* w = wp + s * NB * 16 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MAXMB) {
+            const int64_t mb = M - m0 < MAXMB ? M - m0 : MAXMB;
+            const int nb = N - s * NB * 16 < NB * 16 ? 1 : NB;  // a last single block
+            BLOCKS[mb](xq + m0 * K, xsum + m0, K, w, xs + m0, ws, bias, y + m0 * N, N,
+                       s * NB * 16, nb);
+        }
+    }
+}
+
+}  // extern "C"
