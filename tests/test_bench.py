@@ -4,6 +4,7 @@ check, the forward-time ceiling, and the CLI end to end on tiny models."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from specdecode.bench import report, run, runners, workloads
 from specdecode.bench.run import Record
 from specdecode.bench.runners import Output
 from specdecode.bench.workloads import Task
+from specdecode.models import llamacpp
 from tiny_dirs import tiny_dirs_in
 
 
@@ -71,7 +73,7 @@ def test_interleaved_records_ratios_and_multi_turn():
     assert summary["ar"]["qa"]["speedup_vs_ar"] == 1.0
     assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "overall"}
     table = report.markdown_table(summary, {"draft": 3.0})
-    assert "| draft | 5.00 | 2.50× | 1.25× | 3.00× |" in table and "paired" in table
+    assert "| draft | 5.00 | 2.50× | 1.25× | — | 3.00× |" in table and "paired" in table
 
 
 def test_lossless_check_reports_a_planted_mismatch():
@@ -358,3 +360,54 @@ def test_decode_speedup_excludes_prefill():
     assert row["speedup_vs_ar"] == pytest.approx(10 / 6)
     assert row["decode_speedup_vs_ar"] == pytest.approx(6 / 2)
     assert row["prefill_share"] == pytest.approx(4 / 6)
+
+
+def test_speedup_vs_llamacpp_ar_is_reported_per_subtask():
+    log = []
+    runners = {"llamacpp-ar": (fake_runner(log, "llamacpp-ar", 4.0), None),
+               "draft": (fake_runner(log, "draft", 6.0), None)}
+    summary = report.summarize(run.run_bench(TASKS, runners, FakeTokenizer(), 16, progress=False))
+    assert summary["draft"]["overall"]["speedup_vs_llamacpp-ar"] == pytest.approx(1.5)
+    assert summary["draft"]["qa"]["speedup_vs_llamacpp-ar"] == pytest.approx(1.5)
+    assert "| 1.50× |" in report.subtask_table(summary, "speedup_vs_llamacpp-ar")
+    assert "| draft | 6.00 | — | — | 1.50× |" in report.markdown_table(summary, {})
+
+
+class FakeLlama:
+    """What generate_greedy uses of llama_cpp.Llama: reset() and generate()."""
+
+    def __init__(self, stream):
+        self.stream, self.calls = stream, []
+
+    def reset(self):
+        self.calls.append("reset")
+
+    def generate(self, tokens, **kwargs):
+        self.calls.append((list(tokens), kwargs["temp"], kwargs["top_k"]))
+        yield from self.stream
+
+
+def test_llamacpp_greedy_stops_at_eos_or_length_from_an_empty_cache():
+    llm = FakeLlama([5, 6, 2, 7, 8])
+    assert llamacpp.generate_greedy(llm, [1, 2, 3], 10, (2,)) == [5, 6, 2]  # EOS kept, as ours
+    assert llm.calls == ["reset", ([1, 2, 3], 0.0, 1)]  # greedy, no prefix reuse
+    assert llamacpp.generate_greedy(FakeLlama([5, 6, 7, 8]), [1], 3, (2,)) == [5, 6, 7]
+    assert llamacpp.generate_greedy(FakeLlama([5]), [1], 0, (2,)) == []
+
+
+def test_llamacpp_without_the_extra_says_how_to_install_it(monkeypatch, capsys, tmp_path_factory):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
+    with pytest.raises(llamacpp.MissingExtraError, match="make llamacpp"):
+        llamacpp.llama_cpp()
+    dirs = tiny_dirs_in(tmp_path_factory)
+    code = cli.main(["bench", "--target", str(dirs["target"]), "--methods", "llamacpp-ar",
+                     "--limit", "1", "--workloads", "humaneval"])
+    assert code == 1 and "make llamacpp" in capsys.readouterr().err
+
+
+def test_llamacpp_needs_a_gguf_file(tmp_path):
+    with pytest.raises(ValueError, match="llama.cpp runs GGUF files"):
+        llamacpp.gguf_file(tmp_path)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    assert llamacpp.gguf_file(f) == f

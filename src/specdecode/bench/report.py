@@ -6,9 +6,12 @@ import statistics
 from pathlib import Path
 
 
+BASES = ("ar", "hf-ar", "llamacpp-ar")  # the methods speedups are quoted against
+
+
 def summarize(records: list) -> dict:
     """Per method × subtask (and "overall") of the run's records: tokens/s median and mean,
-    speedup vs ar and vs hf-ar (median of per-generation ratios), mean acceptance length,
+    speedup vs ar, hf-ar and llamacpp-ar (median of per-generation ratios), mean acceptance length,
     acceptance rate, time shares, mismatches."""
     by_key = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in records}
     out: dict[str, dict[str, dict]] = {}
@@ -22,7 +25,7 @@ def summarize(records: list) -> dict:
             row = {"n": len(rs),
                    "tokens_per_second_median": statistics.median(r.tokens_per_second for r in rs),
                    "tokens_per_second_mean": statistics.fmean(r.tokens_per_second for r in rs)}
-            for base in ("ar", "hf-ar"):
+            for base in BASES:
                 ratios = [r.tokens_per_second / b.tokens_per_second for r in rs
                           if (b := by_key.get((base, r.subtask, r.prompt_id, r.turn))) and b.tokens_per_second]
                 row[f"speedup_vs_{base}"] = statistics.median(ratios) if ratios else None
@@ -55,9 +58,9 @@ def _fmt(v, spec=".2f", suffix=""):
 
 
 def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: str = "overall") -> str:
-    lines = [f"| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | ceiling | τ | "
-             f"acceptance | draft / verify time | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | vs llamacpp-ar* | "
+             f"ceiling | τ | acceptance | draft / verify time | mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for method, rows in summary.items():
         r = rows.get(subtask)
         if r is None:
@@ -66,7 +69,8 @@ def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: st
                  if r["draft_share"] is not None else "—")
         lines.append(
             f"| {method} | {r['tokens_per_second_median']:.2f} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} | "
-            f"{_fmt(r['speedup_vs_hf-ar'], '.2f', '×')} | {_fmt(ceilings.get(method), '.2f', '×')} | "
+            f"{_fmt(r['speedup_vs_hf-ar'], '.2f', '×')} | {_fmt(r['speedup_vs_llamacpp-ar'], '.2f', '×')} | "
+            f"{_fmt(ceilings.get(method), '.2f', '×')} | "
             f"{_fmt(r['mean_acceptance_length'])} | {_fmt(r['acceptance_rate'], '.0%')} | {share} | "
             f"{_fmt(r['mismatches'], 'd')} |")
     lines.append("\n\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians; "

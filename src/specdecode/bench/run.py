@@ -277,6 +277,11 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     print(by_sub)
     print("\nwithout prefill (decode time only; ours):\n")
     print(decode_by_sub)
+    vs_llama = (subtask_table(summary, "speedup_vs_llamacpp-ar")
+                if any("llamacpp-ar" == m for m in summary) else None)
+    if vs_llama:
+        print("\nvs llamacpp-ar (llama.cpp's plain decoding of the same GGUF):\n")
+        print(vs_llama)
     mismatches = sum(1 for r in records if r.identical is False)
     if mismatches:
         print(f"\nWARNING: {mismatches} generation(s) differ from their reference (lossless check failed)")
@@ -296,7 +301,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
             f"date: {time.strftime('%Y-%m-%d')}, threads: {torch.get_num_threads()}, "
             f"peak RSS {peak_rss / 2**30:.1f} GiB\n\n## Overall\n\n{table}\n\n"
             f"## Speedup vs ar per subtask\n\n{by_sub}\n\n"
-            f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n")
+            f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n"
+            + (f"\n## Speedup vs llamacpp-ar per subtask\n\n{vs_llama}\n" if vs_llama else ""))
         plot(summary, ceilings, out / "speedup.png")
         print(f"wrote {out}/results.json, report.md, speedup.png", file=sys.stderr)
     return {"summary": summary, "records": records, "limit": limit, "overall_json": overall_json}

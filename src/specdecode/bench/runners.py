@@ -1,6 +1,6 @@
 """The bench's methods: every entry of the method registry (:mod:`specdecode.methods`), run
-through our engine, beside transformers' plain, assisted and prompt-lookup generation (the
-peers). ``--methods ar,draft:k=4:dtype=float32,...`` names them with options."""
+through our engine, beside the peers: transformers' plain, assisted and prompt-lookup
+generation, and llama.cpp's plain and prompt-lookup decoding of the target's GGUF file. ``--methods ar,draft:k=4:dtype=float32,...`` names them with options."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from ..config import KSchedule, SamplingParams
 from ..engine import Engine
 from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule
+from ..models import llamacpp
 from ..models.loading import LoadedModel, check_compatible, load, resolve_model_path
 
 
@@ -26,7 +27,7 @@ class Output:
 
 
 class BenchModels:
-    """Loads each model once, on first use: ours (native) and transformers' copies."""
+    """Loads each model once, on first use: ours (native), transformers' and llama.cpp's."""
 
     def __init__(self, target: str, draft: str, dtype: str):
         self.target_name, self.draft_name, self.dtype = target, draft, dtype
@@ -54,6 +55,13 @@ class BenchModels:
         dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
         return self._get(("hf", which), lambda: AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype).eval())
+
+
+    def llama(self, prompt_lookup: int = 0):
+        """llama.cpp on the target's GGUF file, this process's thread count (see
+        :func:`specdecode.models.llamacpp.load`)."""
+        return self._get(("llama.cpp", prompt_lookup), lambda: llamacpp.load(
+            self.target_name, torch.get_num_threads(), prompt_lookup))
 
 
 Runner = Callable[[list[int], int], Output]
@@ -150,6 +158,17 @@ def _hf_assisted(models, opts):
     return _hf(models, **kwargs)
 
 
+def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
+    llm = models.llama(prompt_lookup)
+    eos = tuple(models.target().eos_token_ids)
+
+    def run(prompt_ids, max_new_tokens):
+        t0 = time.perf_counter()
+        ids = llamacpp.generate_greedy(llm, prompt_ids, max_new_tokens, eos)
+        return Output(ids, time.perf_counter() - t0)
+    return run
+
+
 @dataclass(frozen=True)
 class Peer:
     """A method of another project run beside ours: how to build its runner, its reference
@@ -167,6 +186,12 @@ PEERS: dict[str, Peer] = {
                         "transformers assisted generation with the same draft (k=num_assistant_tokens)"),
     "hf-pld": Peer(lambda models, opts: _hf(models, prompt_lookup_num_tokens=_int(opts, "k", 10)), "hf-ar",
                    "transformers prompt lookup decoding (k=prompt_lookup_num_tokens, default 10)"),
+    "llamacpp-ar": Peer(lambda models, opts: _llamacpp(models, 0), "llamacpp-ar",
+                        "llama.cpp (llama-cpp-python) greedy decoding of the target's GGUF file "
+                        "(optional extra: make llamacpp)"),
+    "llamacpp-lookup": Peer(lambda models, opts: _llamacpp(models, _int(opts, "k", 10)), "llamacpp-ar",
+                            "llama-cpp-python's prompt lookup decoding of that file (k=num_pred_tokens, "
+                            "default 10)"),
 }
 DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft"
 

@@ -22,7 +22,7 @@ def _help() -> str:
         f" ({', '.join(f'{key}={values}' for key, (o, values, _) in OPTION_PARSERS.items() if o in m.options)})"
         if m.options else "")
         for m in METHODS.values())
-    peers = "\n".join(f"  {name:<14}{p.summary}" for name, p in PEERS.items())
+    peers = "\n".join(f"  {name:<16}{p.summary}" for name, p in PEERS.items())
     return f"""\
 Benchmark decoding methods side by side on Spec-Bench and HumanEval, greedy, batch size 1,
 interleaved per prompt, against our plain decoding (ar) and transformers (hf-*), with the

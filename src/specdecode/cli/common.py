@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
+from ..models.llamacpp import MissingExtraError
 from ..models.registry import ModelFetchError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -20,13 +21,14 @@ EXIT_CODES_HELP = ("exit codes: 0 ok, 1 a job failed (e.g. a model could not be 
 
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a subcommand, turning the errors a user can cause into one line and an exit code:
-    ValueError (bad input) -> 2, ModelFetchError or a missing file -> 1."""
+    ValueError (bad input) -> 2, ModelFetchError, a missing optional extra or a missing file
+    -> 1."""
     try:
         return func(args)
     except ValueError as e:  # IncompatibleDraftError and UnknownModelError included
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (ModelFetchError, FileNotFoundError) as e:
+    except (ModelFetchError, MissingExtraError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
 
