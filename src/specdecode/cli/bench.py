@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
@@ -78,7 +80,10 @@ def add_parser(sub) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, FileNotFoundError for a missing dataset,
     ModelFetchError when a model cannot be fetched."""
-    apply_threads(args)
+    threads = apply_threads(args)
+    if args.threads is None and threads < len(os.sched_getaffinity(0)):
+        print(f"note: only {threads} core(s) were idle at start; timings on a busy machine "
+              "are not comparable (pass --threads N to fix the count)", file=sys.stderr)
     if args.resume and not args.out:
         raise ValueError("--resume needs --out DIR (the directory of the run to continue)")
     methods = parse_methods(args.methods)

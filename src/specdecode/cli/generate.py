@@ -101,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     method = Method(args.method)
-    apply_threads(args)
+    threads = apply_threads(args)
     # check every value before spending seconds on loading models
     _sampling_params(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                      temperature=args.temperature, do_sample=None, top_k=args.top_k,
@@ -126,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     info = sys.stderr if args.json else sys.stdout
     if not args.json:
         print(f"# loaded {target.name}" + (f" + draft {draft.name}" if draft else "")
-              + f" in {load_s:.1f} s", file=sys.stderr)
+              + f" in {load_s:.1f} s; {threads} thread(s)", file=sys.stderr)
     result = None
     for chunk in chunks:
         if not args.json:
@@ -136,6 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
     _print_stats(method.value, result.stats.to_dict(), result.finish_reason, info)
     out = result.to_dict()
+    out["threads"] = threads
     if args.compare:
         ar = None
         for chunk in stream(target, prompt, method=Method.AR, **common):
