@@ -27,8 +27,9 @@ def _help() -> str:
     peers = "\n".join(f"  {name:<16}{p.summary}" for name, p in PEERS.items())
     return f"""\
 Benchmark decoding methods side by side on Spec-Bench and HumanEval, greedy, batch size 1,
-interleaved per prompt, against our plain decoding (ar) and transformers (hf-*), with the
-machine's ceiling for a perfect, free proposer.
+interleaved per prompt, against our plain decoding (ar), transformers (hf-*) and llama.cpp
+(llamacpp-*, on the target's GGUF file), with the machine's ceiling for a perfect, free
+proposer.
 
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
