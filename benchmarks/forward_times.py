@@ -1,0 +1,36 @@
+"""T(1..17) of the default target in one weight format, its load time and peak RSS, in a process of its own:
+`python benchmarks/forward_times.py int8|float32|bfloat16|llamacpp|llamacpp-all-logits` (BENCHMARKS.md section 0)."""
+
+import json, resource, sys, time, torch
+torch.set_num_threads(2)
+kind = sys.argv[1]
+if kind.startswith("llamacpp"):
+    from specdecode.models import llamacpp, registry
+    t0 = time.time()
+    llm = llamacpp.load(registry.DEFAULT_TARGET, 2, prompt_lookup=10 if kind == "llamacpp-all-logits" else 0)
+    load_s = time.time() - t0
+    ids = list(range(1000, 1300))
+    def fwd(n):
+        llm.n_tokens = 256
+        t0 = time.perf_counter(); llm.eval(ids[256:256 + n]); return time.perf_counter() - t0
+    llm.reset(); llm.eval(ids[:256])
+else:
+    from specdecode.models.loading import load
+    from specdecode.models import registry
+    t0 = time.time()
+    m = load(registry.DEFAULT_TARGET, dtype=kind, tokenizer=False)
+    load_s = time.time() - t0
+    lm = m.lm
+    lm.allocate(1, 400)
+    ids = torch.randint(0, 150000, (1, 300), generator=torch.Generator().manual_seed(0))
+    lm.forward(ids[:, :256], num_logits=0)
+    def fwd(n):
+        lm.rollback(256)
+        t0 = time.perf_counter(); lm.forward(ids[:, 256:256 + n]); return time.perf_counter() - t0
+res = {}
+for n in (1, 2, 4, 8, 16, 17):
+    fwd(n)
+    ts = sorted(fwd(n) for _ in range(5))
+    res[n] = ts[2]
+print(json.dumps({"kind": kind, "load_s": round(load_s, 1), "T_ms": {n: round(v * 1e3, 1) for n, v in res.items()},
+                  "T8/T1": round(res[8] / res[1], 2), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
