@@ -18,7 +18,7 @@ else:
     from specdecode.models.loading import load
     from specdecode.models import registry
     t0 = time.time()
-    m = load(registry.DEFAULT_TARGET, dtype=kind, tokenizer=False)
+    m = load(sys.argv[2] if len(sys.argv) > 2 else registry.DEFAULT_TARGET, dtype=kind, tokenizer=False, role=sys.argv[3] if len(sys.argv) > 3 else "target")
     load_s = time.time() - t0
     lm = m.lm
     lm.allocate(1, 400)

@@ -31,7 +31,7 @@ from specdecode.stats import SpecDecodingStats
 
 from helpers import MockLM, local_tokenizer
 from tiny_dirs import (ASCII_TEXT, EOS, PROMPT, UNICODE_TEXT, VOCAB, WIDE_VOCAB, build_tiny_dirs,
-                       tiny_dirs_in)
+                       tiny_dirs_in, write_tiny_gguf)
 
 
 def _fewer_page_faults() -> None:
@@ -796,76 +796,10 @@ def test_other_architecture_goes_through_transformers(dirs, target, tok):
     assert specdecode.generate(g, PROMPT, draft=target, max_new_tokens=12).token_ids == own.token_ids
 
 
-def _write_tiny_gguf(src: Path, out: Path) -> None:
-    """Write the tiny HF model in ``src`` as an F32 GGUF file, as llama.cpp's converter would
-    (q/k rows permuted for its rope layout; tokenizer, merges and chat template included)."""
-    import gguf
-    import numpy as np
-    from safetensors.torch import load_file
-
-    cfg = json.loads((src / "config.json").read_text())
-    tj = json.loads((src / "tokenizer.json").read_text())
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    def permute(w, n_head):
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_name("tiny")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // nh)
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(0)  # all F32
-    tokens = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
-    special = {a["id"] for a in tj["added_tokens"] if a["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(EOS)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(EOS)
-    w.add_add_bos_token(False)
-    w.add_chat_template((src / "chat_template.jinja").read_text())
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                 "post_attention_layernorm": "ffn_norm"}
-    for key, t in load_file(src / "model.safetensors").items():
-        a = t.float().numpy()
-        if key in names:
-            name = names[key]
-        else:
-            parts = key.split(".")
-            module = ".".join(parts[3:-1])
-            name = f"blk.{parts[2]}.{per_layer[module]}.weight"
-            if module == "self_attn.q_proj":
-                a = permute(a, nh)
-            elif module == "self_attn.k_proj":
-                a = permute(a, nkv)
-        w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_file_is_converted_once_and_matches(dirs, target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     gguf_file = tmp_path / "tiny model.gguf"
-    _write_tiny_gguf(dirs["target"], gguf_file)
+    write_tiny_gguf(dirs["target"], gguf_file)
     t0 = time.perf_counter()
     converted = resolve_model_path(gguf_file)
     first_s = time.perf_counter() - t0

@@ -4,6 +4,7 @@ speculative output equal to the int8 target's plain decoding, and the on-disk ca
 
 import shutil
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,7 +16,7 @@ from specdecode.models.native import Transformer, attend_prefixes
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
 from helpers import PROMPTS, run, tiny_model
-from tiny_dirs import hf_model_dir
+from tiny_dirs import hf_model_dir, q4k_target_dir, random_q4k_blocks, write_tiny_gguf
 
 
 def test_quantize_rows_bounds_the_error_and_handles_zero_rows():
@@ -197,7 +198,7 @@ def test_unwritable_cache_still_loads(tmp_path, monkeypatch, capsys):
 
 def test_bad_dtype_role_and_layout_are_refused(tmp_path):
     hf_model_dir(tmp_path, "mistral")
-    with pytest.raises(ValueError, match=r"dtype 'int4' is not one of \['int8', 'float32'"):
+    with pytest.raises(ValueError, match=r"dtype 'int4' is not one of \['auto', 'int8', 'q4', 'float32'"):
         load(tmp_path, dtype="int4")
     with pytest.raises(ValueError, match="role 'verifier' is not one of"):
         load(tmp_path, role="verifier")
@@ -215,3 +216,118 @@ def test_default_load_is_int8_and_the_draft_gets_the_one_token_layout(tmp_path):
     hf = load(tmp_path, backend="transformers", role="draft", tokenizer=False)
     assert hf.lm.weight_format == f"int8-{quant.best_layout('draft')}"
     assert any(isinstance(m, quant.Int8Linear) for m in hf.lm.hf.modules())
+
+
+# ----------------------------------------------------------------------------------------
+# q4: a GGUF file's own Q4_K blocks
+# ----------------------------------------------------------------------------------------
+
+def _q4k_linear(n, k, seed=0, bias=True):
+    m = quant.Q4KLinear(k, n, bias)
+    for name, t in quant.q4k_buffers(random_q4k_blocks(n, k, seed)).items():
+        setattr(m, name, t)
+    if bias:
+        m.bias = torch.randn(n)
+    return m
+
+
+def test_q4k_buffers_dequantize_as_gguf_does():
+    raw = random_q4k_blocks(32, 512, seed=3)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert torch.equal(_q4k_linear(32, 512, 3, bias=False).weight(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("shape", [(48, 256), (256, 768)])
+def test_q4k_linear_equals_its_reference_and_rows_are_independent(shape):
+    """The kernel against the arithmetic it documents (exact int32 sums per group of 32,
+    then f = (f + A*sum) - B*gsum, times the row's scale), and each row its own."""
+    n, k = shape
+    lin = _q4k_linear(n, k, seed=1)
+    x = torch.randn(17, k) * torch.logspace(-2, 2, 17)[:, None]
+    y = lin(x)
+    for rows in (1, 2, 8, 9, 16):
+        assert torch.equal(lin(x[:rows]), y[:rows]), rows
+    for i in range(17):
+        assert torch.equal(lin(x[i:i + 1]), y[i:i + 1]), i
+    amax = x.abs().amax(1, keepdim=True)
+    xs = amax / quant.QMAX
+    xq = torch.round(x / xs).clamp(-127, 127)
+    w = lin.weight()
+    q = quant.q4k_dequantize({**{b: getattr(lin, b) for b in quant.Q4K_BUFFERS},
+                              "d": torch.full_like(lin.d, 15360),  # fp16 1.0
+                              "dmin": torch.zeros_like(lin.dmin),
+                              "sc": torch.ones_like(lin.sc)})  # the 4-bit values alone
+    sums = torch.einsum("ngk,mgk->mng", q.view(n, k // 32, 32).double(),
+                        xq.view(17, k // 32, 32).double()).float()
+    a = (w + 0).new_empty(0)  # A and B per group, from the buffers
+    d = lin.d.view(torch.float16).float().transpose(1, 2).reshape(n, -1).repeat_interleave(8, 1)
+    dmin = lin.dmin.view(torch.float16).float().transpose(1, 2).reshape(n, -1).repeat_interleave(8, 1)
+    a = d * lin.sc.float().transpose(1, 2).reshape(n, -1)
+    b = dmin * lin.mn.float().transpose(1, 2).reshape(n, -1)
+    gsum = xq.view(17, k // 32, 32).sum(-1)
+    f = torch.zeros(17, n)
+    for g in range(k // 32):
+        f = (f + a[:, g] * sums[:, :, g]) - b[:, g] * gsum[:, g:g + 1]
+    assert torch.equal(y, f * xs + lin.bias)
+    assert ((y - (x @ w.t() + lin.bias)).norm() / (x @ w.t()).norm()) < 0.02
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q4")
+    src = q4k_target_dir(root / "src")
+    write_tiny_gguf(src, root / "tiny-q4.gguf", q4k=True)
+    return root / "tiny-q4.gguf"
+
+
+def test_q4_target_keeps_the_gguf_blocks_and_its_verify_rows_equal_one_token_passes(
+        q4_gguf, tmp_path, monkeypatch):
+    """A Llama GGUF with Q4_K linears (q and k rows permuted as llama.cpp writes them): its
+    q4 model holds exactly the converted weights, picked by dtype auto, and every row of a
+    verify pass equals the one-token pass at its position, bit for bit."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    m = specdecode.load(q4_gguf)
+    lm = m.lm
+    assert lm.weight_format == "q4-vnni"
+    fp32 = Transformer.from_pretrained(m.path, pack=False)  # the converted weights
+    linears = {n: mod for n, mod in lm.named_modules() if isinstance(mod, quant.Q4KLinear)}
+    assert len(linears) == 2 * 7  # every linear of both layers (the embedding is tied)
+    for name, mod in linears.items():
+        assert torch.equal(mod.weight(), fp32.get_submodule(name).weight), name
+    seq = torch.randint(0, lm.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
+    lm.allocate(1, 128)
+    lm.forward(seq[:, :30], num_logits=0)
+    singles = torch.cat([lm.forward(seq[:, i:i + 1])[0] for i in range(30, 70)])
+    for k in (1, 4, 9, 16):
+        for pos in (45, 38, 30):
+            lm.rollback(pos)
+            assert torch.equal(lm.forward(seq[:, pos:pos + k + 1])[0], singles[pos - 30:pos - 30 + k + 1]), (k, pos)
+        lm.rollback(30)  # refill in passes of 10: the same cache as the singles
+        for s in range(30, 70, 10):
+            lm.forward(seq[:, s:s + 10], num_logits=0)
+    plain = specdecode.generate(m, "def add(a, b):", method="ar", max_new_tokens=40)
+    spec = specdecode.generate(m, "def add(a, b):", method="prompt-lookup", max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+
+
+def test_q4_refuses_what_it_cannot_load(q4_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    hf_model_dir(tmp_path / "dir", "mistral")
+    with pytest.raises(ValueError, match="dtype q4 reads a GGUF file's Q4_K blocks"):
+        load(tmp_path / "dir", dtype="q4", tokenizer=False)
+    assert load(tmp_path / "dir", tokenizer=False).lm.weight_format.startswith("int8")  # auto
+    with pytest.raises(ValueError, match="native backend only"):
+        load(q4_gguf, dtype="q4", backend="transformers")
+    f32 = tmp_path / "f32.gguf"
+    write_tiny_gguf(q4k_target_dir(tmp_path / "src"), f32)  # no Q4_K tensor in it
+    with pytest.raises(ValueError, match="has no Q4_K weights"):
+        load(f32, dtype="q4")
+    monkeypatch.setenv("SPECDECODE_INT8_KERNEL", "torch")
+    quant.vnni_kernel.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="needs the AVX512-VNNI kernel"):
+            load(q4_gguf, dtype="q4")
+        assert load(q4_gguf).lm.weight_format == "int8-kn"  # auto without the kernel
+    finally:
+        monkeypatch.delenv("SPECDECODE_INT8_KERNEL")
+        quant.vnni_kernel.cache_clear()

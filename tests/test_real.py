@@ -81,10 +81,10 @@ def test_default_qwen_pair_equals_greedy(qwen_pair, prompt):
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_default_models_verify_rows_equal_one_token_passes_bit_for_bit(qwen_pair, role):
     """The lossless property on the real kernels at the real shapes (Qwen2.5-Coder 1.5B and
-    0.5B, int8 in the layouts load() picks): after a 600-token prompt (a chunked prefill), each row
+    0.5B, in the dtypes and layouts load() picks: q4 and int8): after a 600-token prompt (a chunked prefill), each row
     of a verify pass of 2, 5, 9 and 17 tokens equals the one-token pass at its position."""
     lm = qwen_pair[0 if role == "target" else 1].lm
-    assert lm.weight_format == f"int8-{quant.best_layout(role)}"
+    assert lm.weight_format == ("q4-vnni" if role == "target" else f"int8-{quant.best_layout(role)}")
     seq = torch.randint(0, 151000, (1, 640), generator=torch.Generator().manual_seed(0))
     lm.allocate(1, 700)
     lm.forward(seq[:, :600], num_logits=0)
@@ -92,3 +92,16 @@ def test_default_models_verify_rows_equal_one_token_passes_bit_for_bit(qwen_pair
     for n in (17, 9, 5, 2):
         lm.rollback(600)
         assert torch.equal(lm.forward(seq[:, 600:600 + n])[0], singles[:n]), n
+
+
+def test_default_target_keeps_the_gguf_q4k_blocks(qwen_pair):
+    """q4: the Q4_K linears of the default target dequantize exactly to the fp32 conversion
+    of the same GGUF file (layer 0 and the last layer), and the rest is int8."""
+    from safetensors import safe_open
+
+    lm = qwen_pair[0].lm
+    q4 = {n: m for n, m in lm.named_modules() if isinstance(m, quant.Q4KLinear)}
+    assert len(q4) > 100 and isinstance(lm.lm_head, quant.Int8Linear)  # output.weight is Q6_K
+    with safe_open(str(qwen_pair[0].path / "model.safetensors"), "pt") as f:
+        for name in [n for n in q4 if n.startswith(("model.layers.0.", "model.layers.27."))]:
+            assert torch.equal(q4[name].weight(), f.get_tensor(name + ".weight")), name

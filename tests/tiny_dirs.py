@@ -3,6 +3,7 @@ tokenizer), built once per session: the API, CLI and bench tests share them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -49,6 +50,17 @@ def _foreign_tokenizer():
     t.train_from_iterator([PROMPT + " " + ASCII_TEXT] * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
+
+
+def q4k_target_dir(root: Path) -> Path:
+    """A random 2-layer Llama of hidden size 256 (shapes Q4_K takes), the test tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_llama_config(VOCAB, hidden=256))
+    _randomize(model, seed=5, std=0.1)
+    model.save_pretrained(root)
+    local_tokenizer().save_pretrained(root)
+    return root
 
 
 def build_tiny_dirs(root: Path) -> dict[str, Path]:
@@ -150,3 +162,89 @@ def hf_model_dir(tmp_path, name):
                 p.normal_(0, 0.2)
     hf.save_pretrained(tmp_path)
     return hf
+
+
+def write_tiny_gguf(src: Path, out: Path, q4k: bool = False) -> None:
+    """Write the tiny HF model in ``src`` as an F32 GGUF file, as llama.cpp's converter would
+    (q/k rows permuted for its rope layout; tokenizer, merges and chat template included).
+    ``q4k``: every linear weight of a shape Q4_K takes (inputs a multiple of 256) becomes
+    random Q4_K blocks instead (its converted weights are what those blocks dequantize to)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    tj = json.loads((src / "tokenizer.json").read_text())
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("tiny")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // nh)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(0)  # all F32
+    tokens = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
+    special = {a["id"] for a in tj["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(EOS)
+    w.add_add_bos_token(False)
+    w.add_chat_template((src / "chat_template.jinja").read_text())
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    for key, t in load_file(src / "model.safetensors").items():
+        a = t.float().numpy()
+        if key in names:
+            name = names[key]
+        else:
+            parts = key.split(".")
+            module = ".".join(parts[3:-1])
+            name = f"blk.{parts[2]}.{per_layer[module]}.weight"
+            if module == "self_attn.q_proj":
+                a = permute(a, nh)
+            elif module == "self_attn.k_proj":
+                a = permute(a, nkv)
+        if q4k and a.ndim == 2 and key != "model.embed_tokens.weight" and a.shape[1] % 256 == 0:
+            w.add_tensor(name, random_q4k_blocks(*a.shape, seed=sum(name.encode()) + len(name)),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+
+
+def random_q4k_blocks(rows: int, cols: int, seed: int = 0):
+    """Random llama.cpp ``block_q4_K`` rows: uint8 [rows, cols / 256 * 144], weights of
+    magnitude ~0.1 (fp16 d and dmin about 1e-4, random 6-bit scales and 4-bit values)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    b[:, :, 0:2] = rng.uniform(0.5e-4, 2e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    b[:, :, 2:4] = rng.uniform(0.5e-4, 2e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)

@@ -64,13 +64,15 @@ def add_parser(sub) -> None:
                    help="stop when any of these strings is generated (cut from the text); taken "
                         "literally: use $'\\n' in bash for a newline")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
-                   help="target weights (default int8: int8 weights and per-token int8 "
-                        "activations, whose verify passes equal one-token passes bit for bit; "
-                        "quantized once and cached). The output is this target's own plain "
-                        "decoding; float32 is the reference, several times slower on CPU")
+                   help="target weights. auto (default): q4 for a known model or a .gguf file on "
+                        "an AVX512-VNNI CPU, else int8. q4: the GGUF file's own Q4_K blocks, the "
+                        "rest int8; int8: int8 weights. Both take int8 activations per token, so "
+                        "verify passes equal one-token passes bit for bit; quantized once and "
+                        "cached. The output is this target's own plain decoding; float32 is "
+                        "the reference, several times slower on CPU")
     p.add_argument("--draft-dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="draft weights; never changes the output, only speed and acceptance "
-                        "(default int8)")
+                        "(default auto: int8)")
     add_threads_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding of the target and report the speedup "

@@ -70,8 +70,9 @@ extern "C" {
 // Quantize rows of x [M, K] (fp32; K % 16 == 0) into xq [M, K] int8, xs [M] and
 // xsum [M] = sum_k xq. The same IEEE steps as quant.py: max|x| / 127, x / s rounded half to
 // even (vcvtps2dq under the default rounding mode), clamped to +-127.
+// gsum, if not null, gets [M, K / 32] sums of xq over groups of 32 (the Q4_K kernel's).
 void sd_quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs,
-                      int32_t* xsum) {
+                      int32_t* xsum, int32_t* gsum) {
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (int64_t m = 0; m < M; m++) {
         const float* r = x + m * K;
@@ -87,6 +88,11 @@ void sd_quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
             __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
             vsum = _mm512_add_epi32(vsum, qi);
             _mm_storeu_si128((__m128i*)(xq + m * K + k), _mm512_cvtepi32_epi8(qi));
+            if (gsum) {
+                const int32_t part = _mm512_reduce_add_epi32(qi);
+                if (k % 32 == 0) gsum[m * (K / 32) + k / 32] = part;
+                else gsum[m * (K / 32) + k / 32] += part;
+            }
         }
         xsum[m] = _mm512_reduce_add_epi32(vsum);
     }
@@ -106,6 +112,85 @@ void sd_int8_linear(const int8_t* xq, const float* xs, const int32_t* xsum, int6
             const int nb = N - s * NB * 16 < NB * 16 ? 1 : NB;  // a last single block
             BLOCKS[mb](xq + m0 * K, xsum + m0, K, w, xs + m0, ws, bias, y + m0 * N, N,
                        s * NB * 16, nb);
+        }
+    }
+}
+
+}  // extern "C"
+
+namespace {
+
+// Q4_K weights: w = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit per group of 32, d and
+// dmin fp16 per 256 (llama.cpp's block_q4_K, taken from the GGUF file as they are). Per
+// block of 16 channels: wq [K/32][4][16][4] bytes, byte (v, j, b) of group g holding q of
+// k = 32 g + 8 v + b (low nibble) and k + 4 (high nibble) of channel j; d, dmin [K/256][16]
+// fp16; sc, mn [K/32][16] uint8. Per group and row: the exact int32 sum of q * xq, then
+// f = (f + A * sum) - B * gsum with A = d * sc, B = dmin * m as gguf-py dequantizes them.
+template <int MB>
+inline void q4k_block(const int8_t* xq, const int32_t* gsum, int64_t K, const uint8_t* wq,
+                      const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
+                      const uint8_t* mn, const float* xs, const float* bias, float* y,
+                      int64_t N, int64_t n0) {
+    __m512 f[MB];
+    for (int m = 0; m < MB; m++) f[m] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + (g / 8) * 16)));
+        const __m512 dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dmin + (g / 8) * 16)));
+        const __m512 a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i*)(sc + g * 16)))));
+        const __m512 bm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i*)(mn + g * 16)))));
+        __m512i acc[MB];
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            const __m512i w = _mm512_loadu_si512((const void*)(wq + (g * 4 + v) * 64));
+            const __m512i lo = _mm512_and_si512(w, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            for (int m = 0; m < MB; m++) {
+                const int8_t* r = xq + m * K + g * 32 + v * 8;
+                acc[m] = _mm512_dpbusd_epi32(acc[m], lo, _mm512_set1_epi32(*(const int32_t*)r));
+                acc[m] = _mm512_dpbusd_epi32(acc[m], hi, _mm512_set1_epi32(*(const int32_t*)(r + 4)));
+            }
+        }
+        for (int m = 0; m < MB; m++) {
+            const __m512 t = _mm512_add_ps(f[m], _mm512_mul_ps(a, _mm512_cvtepi32_ps(acc[m])));
+            f[m] = _mm512_sub_ps(t, _mm512_mul_ps(bm, _mm512_set1_ps((float)gsum[m * groups + g])));
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        __m512 v = _mm512_mul_ps(f[m], _mm512_set1_ps(xs[m]));
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+        _mm512_storeu_ps(y + m * N + n0, v);
+    }
+}
+
+typedef void (*q4k_fn)(const int8_t*, const int32_t*, int64_t, const uint8_t*, const uint16_t*,
+                       const uint16_t*, const uint8_t*, const uint8_t*, const float*,
+                       const float*, float*, int64_t, int64_t);
+const q4k_fn Q4K_BLOCKS[MAXMB + 1] = {nullptr, q4k_block<1>, q4k_block<2>, q4k_block<3>,
+                                      q4k_block<4>, q4k_block<5>, q4k_block<6>, q4k_block<7>,
+                                      q4k_block<8>};
+
+}  // namespace
+
+extern "C" {
+
+// y [M, N] from quantized rows (xq, xs, gsum) and Q4_K weights packed as above (N % 16 == 0,
+// K % 256 == 0); bias may be null.
+void sd_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int64_t M, int64_t K,
+                   const uint8_t* wq, const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
+                   const uint8_t* mn, const float* bias, int64_t N, float* y) {
+    const int64_t nblocks = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        for (int64_t m0 = 0; m0 < M; m0 += MAXMB) {
+            const int64_t mb = M - m0 < MAXMB ? M - m0 : MAXMB;
+            Q4K_BLOCKS[mb](xq + m0 * K, gsum + m0 * (K / 32), K, wq + nb * 16 * K / 2,
+                           d + nb * 16 * (K / 256), dmin + nb * 16 * (K / 256),
+                           sc + nb * 16 * (K / 32), mn + nb * 16 * (K / 32), xs + m0, bias,
+                           y + m0 * N, N, nb * 16);
         }
     }
 }

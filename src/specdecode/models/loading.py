@@ -16,11 +16,12 @@ from . import registry
 from .base import CausalLM
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer
-from .quant import best_layout, quantize_linears
+from .quant import best_layout, has_q4k, quantize_linears, vnni_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = ("int8", *DTYPES)  # "int8": row-independent W8A8 (models/quant.py)
-DEFAULT_DTYPE = "int8"  # the fastest on CPU; see BENCHMARKS.md
+# "int8": row-independent W8A8; "q4": a GGUF file's own Q4_K blocks, the rest int8 (models/quant.py)
+DTYPE_NAMES = ("auto", "int8", "q4", *DTYPES)
+DEFAULT_DTYPE = "auto"  # q4 for a target from a GGUF file with Q4_K weights, else int8: BENCHMARKS.md
 BACKENDS = ("auto", "native", "transformers")
 ROLES = ("target", "draft")
 
@@ -92,12 +93,15 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     """Load a model for use as target or draft.
 
     ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM)
-    or "auto" (native when the architecture allows). ``dtype``: int8 (default: int8 weights
-    and per-row int8 activations, whose verify-pass rows equal one-token passes bit for bit;
+    or "auto" (native when the architecture allows). ``dtype``: auto (default: q4 for a
+    target from a GGUF file with Q4_K weights on a CPU with the VNNI kernel, the fastest
+    there; else int8), int8 (int8 weights and per-row int8 activations, whose verify-pass rows equal one-token passes bit for bit;
     quantized once from the float files and cached), float32 (the reference), bfloat16 or
     float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
     fastest for verify passes (target) or one-token steps (draft), which changes no output
-    (:func:`specdecode.models.quant.best_layout`).
+    (:func:`specdecode.models.quant.best_layout`). ``q4`` (native backend, x86 CPUs with
+    AVX512-VNNI, a known model or a ``.gguf`` file): the file's Q4_K weights as they are,
+    with the same per-row int8 activations; the others int8.
     Speculative decoding reproduces the plain decoding of the target in the dtype it was
     loaded with. Raises ValueError naming the bad value.
     """
@@ -116,6 +120,23 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     if backend == "native" and not native_ok:
         raise ValueError(f"{name_or_path}: model_type {config.get('model_type')!r} with these weights "
                          f"is not supported natively ({SUPPORTED_MODEL_TYPES}); use backend='transformers'")
+    native = native_ok and backend != "transformers"
+    if dtype == "auto":
+        source = _gguf_source(name_or_path, required=False)
+        dtype = "q4" if (role == "target" and native and layout == "vnni"
+                         and source is not None and has_q4k(source)) else "int8"
+    gguf = None
+    if dtype == "q4":
+        if not native:
+            raise ValueError(f"dtype q4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
+                             "use dtype int8")
+        if layout != "vnni":
+            raise ValueError(f"dtype q4 needs the AVX512-VNNI kernel, which is not in use here "
+                             f"({vnni_kernel()[1]}); use dtype int8")
+        gguf = _gguf_source(name_or_path)
+        if not has_q4k(gguf):
+            raise ValueError(f"{gguf} has no Q4_K weights (dtype q4 keeps those as they are); "
+                             "use dtype int8")
     try:
         if backend == "transformers" or not native_ok:
             from transformers import AutoModelForCausalLM
@@ -124,7 +145,7 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             lm = HFCausalLM(quantize_linears(hf, layout) if dtype == "int8" else hf,
                             weight_format=f"int8-{layout}" if dtype == "int8" else None)
         else:
-            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout)
+            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout, gguf=gguf)
         tok = None
         if tokenizer:
             from transformers import AutoTokenizer
@@ -137,6 +158,20 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             "delete that directory and run `specdecode models fetch NAME`)") from e
     return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
                        eos_token_ids=_default_eos(path, tok), path=path)
+
+
+def _gguf_source(name_or_path, required: bool = True) -> Path | None:
+    """The GGUF file a model was converted from: a known model's, or the path itself; None
+    (or, when ``required``, ValueError) for other models."""
+    s = str(name_or_path)
+    if s in registry.KNOWN_MODELS and registry.gguf_path(s).is_file():
+        return registry.gguf_path(s)
+    if s.lower().endswith(".gguf") and Path(s).expanduser().is_file():
+        return Path(s).expanduser()
+    if not required:
+        return None
+    raise ValueError(f"dtype q4 reads a GGUF file's Q4_K blocks: {s!r} is neither a known model "
+                     f"({', '.join(registry.KNOWN_MODELS)}) nor a .gguf file; use dtype int8")
 
 
 def _default_eos(path: Path, tok) -> tuple[int, ...]:

@@ -699,13 +699,14 @@ class Transformer(nn.Module):
         return self._assign_int8(state, layout, "the model's weights")
 
     def _assign_int8(self, state: dict, layout: str, what: str) -> "Transformer":
-        quant.swap_modules(self, layout)
+        q4k = quant.q4k_modules(state)
+        quant.swap_modules(self, layout, q4k)
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         self._check_loaded(missing, unexpected, ("lm_head.qweight", "lm_head.wscale"), what)
-        if self.args.tie_embeddings and layout == "nk":
+        if self.args.tie_embeddings and layout == "nk" and "lm_head" not in q4k:
             emb = self.model.embed_tokens
             self.lm_head.qweight, self.lm_head.wscale = emb.qweight, emb.wscale
-        self.weight_format = f"int8-{layout}"
+        self.weight_format = f"q4-{layout}" if q4k else f"int8-{layout}"
         return self
 
     def _check_loaded(self, missing, unexpected, tied: tuple[str, ...], what: str):
@@ -716,14 +717,18 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
-                        pack: bool | None = None, layout: str | None = None) -> "Transformer":
+                        pack: bool | None = None, layout: str | None = None,
+                        gguf: str | Path | None = None) -> "Transformer":
         """Load from a directory holding ``config.json`` and ``*.safetensors`` (transformers layout).
 
         dtype: a torch dtype, or "int8": row-independent W8A8 linears and an int8 embedding
         (models/quant.py), quantized from the float files once and cached, never holding a
         float copy of the model. layout: the int8 weights' layout (``quant.LAYOUTS``;
         default ``quant.best_layout("target")``: "vnni" on CPUs with AVX512-VNNI, else "kn");
-        it changes speed only, not a bit of the output. pack: reorder float linear weights for oneDNN
+        it changes speed only, not a bit of the output. dtype "q4": the same, except that
+        every weight the GGUF file ``gguf`` (the file the directory was converted from)
+        holds as Q4_K stays those blocks (:class:`~specdecode.models.quant.Q4KLinear`; the
+        VNNI kernel only); its Q6_K and other weights become int8. pack: reorder float linear weights for oneDNN
         (:class:`PackedLinear`); default: when the dtype is float32 or bfloat16.
         Raises ValueError for an unsupported architecture or layout, or weights that do not
         match it, FileNotFoundError when files lack.
@@ -734,15 +739,24 @@ class Transformer(nn.Module):
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        int8 = dtype == "int8"
+        if dtype == "q4":
+            if gguf is None:
+                raise ValueError("dtype q4 reads the Q4_K blocks of the model's GGUF file: pass "
+                                 "gguf=PATH (or load a known model or a .gguf file)")
+            lib, why = quant.vnni_kernel()
+            if lib is None:
+                raise ValueError(f"dtype q4 needs the AVX512-VNNI kernel, which is not in use "
+                                 f"here ({why}); use dtype int8")
+        int8 = dtype in ("int8", "q4")
         layout = layout or quant.best_layout("target")
         if int8 and layout not in quant.LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
         with torch.device("meta"):
             model = cls(args)
         if int8:
-            return model._assign_int8(quant.int8_state(files, layout, args.tie_embeddings),
-                                      layout, f"weights in {path}").eval()
+            state = quant.int8_state(files, layout, args.tie_embeddings,
+                                     Path(gguf) if dtype == "q4" else None)
+            return model._assign_int8(state, layout, f"weights in {path}").eval()
         state = {}
         for f in files:
             state.update(load_file(f))

@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -87,10 +89,12 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building or loading the kernel failed: {e}"
     P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.sd_quantize_rows.argtypes = [P, I, I, P, P, P]
+    lib.sd_quantize_rows.argtypes = [P, I, I, P, P, P, P]
     lib.sd_quantize_rows.restype = None
     lib.sd_int8_linear.argtypes = [P, P, P, I, I, P, P, P, I, P]
     lib.sd_int8_linear.restype = None
+    lib.sd_q4k_linear.argtypes = [P, P, P, I, I, P, P, P, P, P, P, I, P]
+    lib.sd_q4k_linear.restype = None
     return lib, ""
 
 
@@ -188,7 +192,7 @@ class Int8Linear(nn.Module):
             xq = torch.empty(m, k, dtype=torch.int8)
             xs, xsum = torch.empty(m), torch.empty(m, dtype=torch.int32)
             y = torch.empty(m, n)
-            lib.sd_quantize_rows(x2.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr())
+            lib.sd_quantize_rows(x2.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), 0)
             lib.sd_int8_linear(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), m, k,
                                self.qweight.data_ptr(), self.wscale.data_ptr(),
                                0 if self.bias is None else self.bias.data_ptr(), n, y.data_ptr())
@@ -236,20 +240,190 @@ class Int8Embedding(nn.Module):
         return self.qweight[ids].float() * self.wscale[ids].unsqueeze(-1)
 
 
-def swap_modules(model: nn.Module, layout: str) -> None:
+class Q4KLinear(nn.Module):
+    """A linear whose weight is a GGUF file's Q4_K blocks, as they are, with per-row int8
+    activations (the VNNI kernel only; see ``int8_vnni.cpp``, ``sd_q4k_linear``).
+
+    w[n, k] = d * sc * q - dmin * m (q 4-bit, sc and m 6-bit per 32 inputs, d and dmin fp16
+    per 256: llama.cpp's ``block_q4_K``), so the weights equal gguf-py's dequantization (and
+    our fp32 conversion of the file) exactly; each 32-input group's product is an exact int32
+    sum, combined in a fixed float order, so every output row depends only on its input row,
+    bit for bit. x: float [..., in] -> [..., out] in x's dtype. Shapes: in % 256 == 0,
+    out % 16 == 0. Buffers (per block of 16 output channels): ``qweight`` uint8
+    [out/16, in/32, 4, 16, 4] (two 4-bit values a byte), ``d``, ``dmin`` int16 (fp16 bits)
+    [out/16, in/256, 16], ``sc``, ``mn`` uint8 [out/16, in/32, 16], ``bias`` fp32 or None.
+    Raises RuntimeError when run without the VNNI kernel.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        if not q4k_fits(in_features, out_features):
+            raise ValueError(f"a Q4_K linear needs in % 256 == 0 and out % 16 == 0, got "
+                             f"[{out_features}, {in_features}]")
+        self.in_features, self.out_features = in_features, out_features
+        nb, g = out_features // 16, in_features // 32
+
+        def buf(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.register_buffer("qweight", buf((nb, g, 4, 16, 4), torch.uint8))
+        self.register_buffer("d", buf((nb, g // 8, 16), torch.int16))
+        self.register_buffer("dmin", buf((nb, g // 8, 16), torch.int16))
+        self.register_buffer("sc", buf((nb, g, 16), torch.uint8))
+        self.register_buffer("mn", buf((nb, g, 16), torch.uint8))
+        self.register_buffer("bias", buf((out_features,), torch.float32) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib, why = vnni_kernel()
+        if lib is None:
+            raise RuntimeError(f"Q4_K weights need the AVX512-VNNI kernel, which is not in use "
+                               f"({why}); load the model with dtype int8")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        m, k, n = x2.shape[0], self.in_features, self.out_features
+        xq = torch.empty(m, k, dtype=torch.int8)
+        xs, xsum = torch.empty(m), torch.empty(m, dtype=torch.int32)
+        gsum = torch.empty(m, k // 32, dtype=torch.int32)
+        y = torch.empty(m, n)
+        lib.sd_quantize_rows(x2.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(),
+                             gsum.data_ptr())
+        lib.sd_q4k_linear(xq.data_ptr(), xs.data_ptr(), gsum.data_ptr(), m, k,
+                          self.qweight.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(),
+                          self.sc.data_ptr(), self.mn.data_ptr(),
+                          0 if self.bias is None else self.bias.data_ptr(), n, y.data_ptr())
+        return y.to(x.dtype).view(*shape[:-1], n)
+
+    def weight(self) -> torch.Tensor:
+        """The weight dequantized to fp32 [out, in] (gguf-py's arithmetic)."""
+        return q4k_dequantize({k: getattr(self, k) for k in Q4K_BUFFERS})
+
+
+Q4K_BUFFERS = ("qweight", "d", "dmin", "sc", "mn")
+
+
+def q4k_dequantize(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 [out, in] of :class:`Q4KLinear` buffers, computed as gguf-py dequantizes Q4_K:
+    (d * sc) * q - dmin * m."""
+    qw = buffers["qweight"]  # [nb, g, v, j, b]
+    nb, g = qw.shape[0], qw.shape[1]
+    out_f, in_f = nb * 16, g * 32
+    packed = qw.permute(0, 3, 1, 2, 4)  # [nb, j, g, v, b]
+    q = torch.stack((packed & 15, packed >> 4), 4).reshape(out_f, in_f)
+
+    def per_row(t, dtype):  # [nb, groups, 16] -> [out, groups]
+        return t.view(dtype).float().transpose(1, 2).reshape(out_f, -1) if dtype == torch.float16 \
+            else t.float().transpose(1, 2).reshape(out_f, -1)
+
+    a = per_row(buffers["d"], torch.float16).repeat_interleave(8, 1) * per_row(buffers["sc"], None)
+    b = per_row(buffers["dmin"], torch.float16).repeat_interleave(8, 1) * per_row(buffers["mn"], None)
+    return a.repeat_interleave(32, 1) * q.float() - b.repeat_interleave(32, 1)
+
+
+def q4k_fits(in_features: int, out_features: int) -> bool:
+    """Whether a linear of this shape can hold Q4_K blocks in :class:`Q4KLinear`."""
+    return in_features % 256 == 0 and out_features % 16 == 0
+
+
+_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """transformers' name of a GGUF weight (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``), None for names without one here."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+    return None
+
+
+def q4k_buffers(raw) -> dict[str, torch.Tensor]:
+    """A :class:`Q4KLinear`'s buffers (without bias) from the rows of a GGUF Q4_K tensor:
+    raw uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs)."""
+    n, k = raw.shape[0], raw.shape[1] // 144 * 256
+    b = raw.reshape(n, k // 256, 144)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, :, 4:16].reshape(-1, 12))
+    # 64 inputs per 32 bytes: the low nibbles are the first 32, the high ones the next 32
+    qs = b[:, :, 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = torch.from_numpy((qs & 0x0F).reshape(n, k)).view(n // 16, 16, k // 32, 4, 2, 4)
+
+    def blocks(a, per):  # [n, k / per] -> [n / 16, k / per, 16]
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(n // 16, 16, k // per).transpose(1, 2).contiguous()
+
+    return {"qweight": (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous(),
+            "d": blocks(b[:, :, 0:2].copy().view(np.int16), 256),
+            "dmin": blocks(b[:, :, 2:4].copy().view(np.int16), 256),
+            "sc": blocks(sc, 32), "mn": blocks(mn, 32)}
+
+
+def has_q4k(gguf_path: Path) -> bool:
+    """Whether a GGUF file holds a Q4_K weight :class:`Q4KLinear` takes (reads the header)."""
+    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_K and hf_name(t.name) and \
+                q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0]):
+            return True
+    return False
+
+
+def q4k_blocks(gguf_path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The Q4_K weight tensors of a GGUF file, by transformers name, each as the buffers of a
+    :class:`Q4KLinear` (without bias), for shapes it takes. Raises ValueError when the file
+    holds no Q4_K tensor (say which types it holds)."""
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def field(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads, kv_heads = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
+    out, types = {}, set()
+    for t in reader.tensors:
+        types.add(t.tensor_type.name)
+        name = hf_name(t.name)
+        if name is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+            continue
+        raw = np.asarray(t.data)
+        if arch == "llama" and heads and (".attn_q." in t.name or ".attn_k." in t.name):
+            # llama.cpp's converter interleaves the rotary halves of q and k rows; undo it on
+            # whole rows of blocks, as transformers does on the dequantized rows
+            n_head = heads if ".attn_q." in t.name else (kv_heads or heads)
+            raw = raw.reshape(n_head, raw.shape[0] // n_head // 2, 2, -1).swapaxes(2, 1).reshape(raw.shape)
+        if q4k_fits(raw.shape[1] // 144 * 256, raw.shape[0]):
+            out[name] = q4k_buffers(np.ascontiguousarray(raw))
+    if not out:
+        raise ValueError(f"{gguf_path} has no Q4_K weights this runtime takes (its tensor types: "
+                         f"{', '.join(sorted(types))}); load it with dtype int8")
+    return out
+
+
+def swap_modules(model: nn.Module, layout: str, q4k: frozenset[str] = frozenset()) -> None:
     """Replace every ``nn.Linear`` under ``model`` by an empty :class:`Int8Linear` of the
     given layout and every ``nn.Embedding`` by an empty :class:`Int8Embedding`, on the same
     device: for a model built on the meta device whose :func:`quantize_state` is loaded next
-    (``load_state_dict(..., assign=True)``)."""
+    (``load_state_dict(..., assign=True)``). Linears whose module path is in ``q4k`` become
+    :class:`Q4KLinear` instead."""
+    _swap(model, layout, q4k, "")
+
+
+def _swap(model: nn.Module, layout: str, q4k: frozenset[str], prefix: str) -> None:
     for name, child in model.named_children():
+        path = prefix + name
         if isinstance(child, nn.Linear):
-            setattr(model, name, Int8Linear(child.in_features, child.out_features,
-                                            child.bias is not None, layout, child.weight.device))
+            cls = Q4KLinear if path in q4k else Int8Linear
+            args = () if path in q4k else (layout,)
+            setattr(model, name, cls(child.in_features, child.out_features,
+                                     child.bias is not None, *args, device=child.weight.device))
         elif isinstance(child, nn.Embedding):
             setattr(model, name, Int8Embedding(child.num_embeddings, child.embedding_dim,
                                                child.weight.device))
         else:
-            swap_modules(child, layout)
+            _swap(child, layout, q4k, path + ".")
 
 
 def quantize_linears(model: nn.Module, layout: str = "nk") -> nn.Module:
@@ -264,21 +438,31 @@ def quantize_linears(model: nn.Module, layout: str = "nk") -> nn.Module:
 
 
 def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
-                   tie_embeddings: bool) -> dict[str, torch.Tensor]:
+                   tie_embeddings: bool,
+                   q4k: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """The int8 state dict of a Llama-family checkpoint, one tensor at a time.
 
     tensors: (name, tensor) pairs in transformers naming. Every 2-D ``*.weight`` becomes
     ``*.qweight`` int8 + ``*.wscale`` fp32 [rows] (``model.embed_tokens`` row-major, the
-    linears in ``layout``); everything else (norms, biases) becomes fp32. With tied
-    embeddings the checkpoint's ``lm_head.weight`` is ignored; in layout "kn" the lm_head
-    gets its own transposed copy of the embedding's int8 table, in "nk" none (the loader
-    ties the two)."""
+    linears in ``layout``, see :func:`pack`), or, when ``q4k`` (:func:`q4k_blocks`) holds
+    it, the buffers of a :class:`Q4KLinear`; everything else (norms, biases) becomes fp32.
+    With tied embeddings the checkpoint's ``lm_head.weight`` is ignored: the lm_head takes
+    the embedding's Q4_K blocks, or in layout "nk" nothing (the loader ties it to the
+    embedding's int8 table), or else its own copy of that table in the layout."""
+    q4k = dict(q4k or {})
     state: dict[str, torch.Tensor] = {}
     for name, t in tensors:
         if name == "lm_head.weight" and tie_embeddings:
             continue
-        if name.endswith(".weight") and t.dim() == 2:
-            base = name[: -len(".weight")]
+        base = name[: -len(".weight")]
+        if name in q4k and not torch.equal(q4k_dequantize(q4k[name]), t.float()):
+            # blocks that do not give the converted weight (a layout we do not undo): int8
+            print(f"note: {name}: the GGUF's Q4_K blocks differ from the converted weights; "
+                  "kept as int8", file=sys.stderr)
+            del q4k[name]
+        if name in q4k and not base.endswith("embed_tokens"):
+            state.update({f"{base}.{k}": v for k, v in q4k[name].items()})
+        elif name.endswith(".weight") and t.dim() == 2:
             q, state[base + ".wscale"] = quantize_rows(t)
             if base.endswith("embed_tokens"):
                 state[base + ".qweight"] = q
@@ -287,12 +471,19 @@ def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
                 state[base + ".qweight"] = pack(q, lay)
         else:
             state[name] = t.float()
-    if tie_embeddings and layout != "nk":
+    if tie_embeddings and "model.embed_tokens.weight" in q4k:
+        state.update({f"lm_head.{k}": v.clone() for k, v in q4k["model.embed_tokens.weight"].items()})
+    elif tie_embeddings and layout != "nk":
         q = state["model.embed_tokens.qweight"]
         lay = layout if layout != "vnni" or vnni_fits(q.shape[1], q.shape[0]) else "kn"
         state["lm_head.qweight"] = pack(q, lay)
         state["lm_head.wscale"] = state["model.embed_tokens.wscale"].clone()
     return state
+
+
+def q4k_modules(state: dict[str, torch.Tensor]) -> frozenset[str]:
+    """Module paths that hold Q4_K blocks in a :func:`quantize_state` dict."""
+    return frozenset(k[: -len(".dmin")] for k in state if k.endswith(".dmin"))
 
 
 def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -302,39 +493,43 @@ def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
-def int8_state(files: list[Path], layout: str, tie_embeddings: bool,
+def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path | None = None,
                progress: bool = True) -> dict[str, torch.Tensor]:
-    """:func:`quantize_state` of the float safetensors ``files``, cached on disk.
+    """:func:`quantize_state` of the float safetensors ``files`` (with the Q4_K tensors of
+    the GGUF file ``gguf`` when given: dtype q4), cached on disk.
 
     The first call streams the files (one float tensor in memory at a time: no float copy
     of the model) and writes ``<specdecode cache>/int8/<dir>-<key>.safetensors`` (key: the
     files' paths, sizes and mtimes, the layout, the tying, FORMAT_VERSION); later calls read
-    it (about 1 byte per parameter). A cache file that cannot be read is rebuilt; one that
-    cannot be written is skipped with a note on stderr. Raises SafetensorError/OSError for
-    unreadable source files.
+    it (about 1 byte per parameter, 0.6 with Q4_K). A cache file that cannot be read is
+    rebuilt; one that cannot be written is skipped with a note on stderr. Raises
+    SafetensorError/OSError for unreadable source files, ValueError for a GGUF file without
+    Q4_K weights.
     """
     ident = [FORMAT_VERSION, layout, tie_embeddings]
-    for f in files:
+    for f in files + ([gguf] if gguf else []):
         st = f.resolve().stat()
         ident += [str(f.resolve()), st.st_size, st.st_mtime_ns]
     key = hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
-    path = registry.cache_dir() / "int8" / f"{files[0].parent.name}-{key}.safetensors"
+    kind = "q4" if gguf else "int8"
+    path = registry.cache_dir() / "int8" / f"{files[0].parent.name}-{kind}-{key}.safetensors"
     if path.is_file():
         try:
             return load_file(path)
         except (SafetensorError, OSError):
             path.unlink(missing_ok=True)
     if progress:
-        print(f"quantizing {files[0].parent.name} to int8 (once; cached in {path.parent})...",
+        print(f"quantizing {files[0].parent.name} to {kind} (once; cached in {path.parent})...",
               file=sys.stderr)
-    state = quantize_state(_stream(files), layout, tie_embeddings)
+    state = quantize_state(_stream(files), layout, tie_embeddings,
+                           q4k_blocks(gguf) if gguf else None)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, tmp, metadata={"format": f"specdecode-int8-{FORMAT_VERSION}"})
+        save_file(state, tmp, metadata={"format": f"specdecode-{kind}-{FORMAT_VERSION}"})
         os.replace(tmp, path)
     except OSError as e:
-        print(f"note: could not cache the int8 weights in {path.parent} ({e}); they will be "
+        print(f"note: could not cache the {kind} weights in {path.parent} ({e}); they will be "
               "quantized again next time", file=sys.stderr)
     finally:
         with contextlib.suppress(OSError):
