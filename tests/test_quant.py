@@ -331,3 +331,10 @@ def test_q4_refuses_what_it_cannot_load(q4_gguf, tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("SPECDECODE_INT8_KERNEL")
         quant.vnni_kernel.cache_clear()
+
+
+def test_whether_a_gguf_has_q4k_is_read_once(q4_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    assert quant.has_q4k(q4_gguf)
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: pytest.fail("read the header again"))
+    assert quant.has_q4k(q4_gguf)  # from <cache>/int8/q4k-files.json

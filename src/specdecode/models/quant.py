@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -362,12 +363,29 @@ def q4k_buffers(raw) -> dict[str, torch.Tensor]:
 
 
 def has_q4k(gguf_path: Path) -> bool:
-    """Whether a GGUF file holds a Q4_K weight :class:`Q4KLinear` takes (reads the header)."""
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
-        if t.tensor_type == gguf.GGMLQuantizationType.Q4_K and hf_name(t.name) and \
-                q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0]):
-            return True
-    return False
+    """Whether a GGUF file holds a Q4_K weight :class:`Q4KLinear` takes. Reading a GGUF
+    header takes seconds (gguf-py parses the whole vocabulary), so the answer is kept per
+    file (path, size, mtime) in ``<specdecode cache>/int8/q4k-files.json``."""
+    st = Path(gguf_path).resolve().stat()
+    key = f"{Path(gguf_path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    memo_path = registry.cache_dir() / "int8" / "q4k-files.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(key), bool):
+        return memo[key]
+    found = any(t.tensor_type == gguf.GGMLQuantizationType.Q4_K and hf_name(t.name) and
+                q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0])
+                for t in gguf.GGUFReader(str(gguf_path)).tensors)
+    memo = memo if isinstance(memo, dict) else {}
+    memo[key] = found
+    with contextlib.suppress(OSError):
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    return found
 
 
 def q4k_blocks(gguf_path: Path) -> dict[str, dict[str, torch.Tensor]]:
