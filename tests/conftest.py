@@ -15,6 +15,24 @@ def profiles_in_tmp(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session")
+def _cache_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def cache_in_tmp(request, _cache_tmp):
+    """What the tiny models leave in the specdecode cache (int8 / q4 weights, the kernel
+    build) goes to a temporary one, also for the subprocesses a test starts; the real
+    models' tests (marker ``real``) use the user's cache, where the models are."""
+    if request.node.get_closest_marker("real") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDECODE_CACHE", str(_cache_tmp))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def one_thread(request):
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's

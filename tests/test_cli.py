@@ -18,6 +18,7 @@ import torch
 import specdecode
 from specdecode import cli
 from specdecode.cli import common
+from specdecode.models import quant
 from specdecode.models import registry
 
 from tiny_dirs import PROMPT, VOCAB, tiny_dirs_in
@@ -349,3 +350,12 @@ def test_a_busy_core_is_not_counted_idle():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_generate_reports_the_weights_and_threads_it_chose(capsys, dirs):
+    obj = run_json(capsys, dirs)
+    layout = quant.best_layout("target")
+    assert obj["weights"] == {"target": f"int8-{layout}", "draft": f"int8-{quant.best_layout('draft')}"}
+    assert isinstance(obj["threads"], int) and obj["threads"] >= 1
+    obj = run_json(capsys, dirs, "--dtype", "float32", "--method", "ar")
+    assert obj["weights"] == {"target": "float32", "draft": None}

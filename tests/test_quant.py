@@ -2,7 +2,10 @@
 for bit (linears, attention, the whole forward), both weight layouts giving the same bits,
 speculative output equal to the int8 target's plain decoding, and the on-disk cache."""
 
+import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import pytest
@@ -172,6 +175,11 @@ def test_int8_weights_are_cached_once_and_rebuilt_when_broken(tmp_path, monkeypa
     assert torch.equal(rebuilt(ids), want) and calls == [1]
     assert len(list((tmp_path / "cache" / "int8").iterdir())) == 1
 
+    save_file({"x": torch.zeros(2)}, files[0])  # readable, but not this model's tensors
+    again = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
+    again.allocate(1, 32)
+    assert torch.equal(again(ids), want) and calls == [1, 1]  # quantized again, not refused
+
     Transformer.from_pretrained(tmp_path / "m", dtype="int8", layout="kn")  # its own entry
     assert len(list((tmp_path / "cache" / "int8").iterdir())) == 2
 
@@ -338,3 +346,28 @@ def test_whether_a_gguf_has_q4k_is_read_once(q4_gguf, tmp_path, monkeypatch):
     assert quant.has_q4k(q4_gguf)
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a: pytest.fail("read the header again"))
     assert quant.has_q4k(q4_gguf)  # from <cache>/int8/q4k-files.json
+
+
+def test_a_broken_cached_kernel_is_built_again(tmp_path):
+    """A truncated .so in the cache is built again (in a fresh process: this one keeps the
+    library it loaded)."""
+    env = {**os.environ, "SPECDECODE_CACHE": str(tmp_path / "cache")}
+    code = "from specdecode.models import quant; lib, why = quant.vnni_kernel(); print(lib is not None, why)"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if first.stdout.startswith("False"):  # a machine without the kernel: nothing to break
+        return
+    assert first.stdout.strip() == "True", first.stderr
+    (built,) = (tmp_path / "cache" / "kernels").iterdir()
+    built.write_bytes(built.read_bytes()[:100])
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert again.stdout.strip() == "True", again.stderr
+    assert built.stat().st_size > 1000
+
+
+def test_a_draft_q4_that_cannot_load_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    hf_model_dir(tmp_path, "mistral")
+    calls = []
+    monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: calls.append(a))
+    with pytest.raises(ValueError, match=r"^draft '.*': dtype q4 "):
+        specdecode.load_pair(tmp_path, tmp_path, draft_dtype="q4")
+    assert calls == []

@@ -34,7 +34,7 @@ proposer.
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
   (each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
-  model dtype=int8|float32|bfloat16|float16, the draft's dtype, default int8)
+  model dtype={"|".join(d for d in DTYPE_NAMES if d != "auto")}, the draft's dtype, default int8)
 {peers}
 
 workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,

@@ -127,7 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     chunks = stream(target, prompt, draft=draft, method=method, **spec_args, **common)
     info = sys.stderr if args.json else sys.stdout
     if not args.json:
-        print(f"# loaded {target.name}" + (f" + draft {draft.name}" if draft else "")
+        print(f"# loaded {target.name} ({target.lm.weight_format})"
+              + (f" + draft {draft.name} ({draft.lm.weight_format})" if draft else "")
               + f" in {load_s:.1f} s; {threads} thread(s)", file=sys.stderr)
     result = None
     for chunk in chunks:
@@ -139,6 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _print_stats(method.value, result.stats.to_dict(), result.finish_reason, info)
     out = result.to_dict()
     out["threads"] = threads
+    out["weights"] = {"target": target.lm.weight_format,
+                      "draft": draft.lm.weight_format if draft else None}
     if args.compare:
         ar = None
         for chunk in stream(target, prompt, method=Method.AR, **common):

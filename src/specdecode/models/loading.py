@@ -130,13 +130,7 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         if not native:
             raise ValueError(f"dtype q4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
                              "use dtype int8")
-        if layout != "vnni":
-            raise ValueError(f"dtype q4 needs the AVX512-VNNI kernel, which is not in use here "
-                             f"({vnni_kernel()[1]}); use dtype int8")
-        gguf = _gguf_source(name_or_path)
-        if not has_q4k(gguf):
-            raise ValueError(f"{gguf} has no Q4_K weights (dtype q4 keeps those as they are); "
-                             "use dtype int8")
+        gguf = check_q4(name_or_path)
     try:
         if backend == "transformers" or not native_ok:
             from transformers import AutoModelForCausalLM
@@ -158,6 +152,20 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             "delete that directory and run `specdecode models fetch NAME`)") from e
     return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
                        eos_token_ids=_default_eos(path, tok), path=path)
+
+
+def check_q4(name_or_path) -> Path:
+    """The GGUF file whose Q4_K blocks dtype q4 would use for this model. Raises ValueError
+    when q4 cannot load it (no VNNI kernel, no GGUF file, no Q4_K weights in it), before
+    anything is loaded."""
+    if vnni_kernel()[0] is None:
+        raise ValueError(f"dtype q4 needs the AVX512-VNNI kernel, which is not in use here "
+                         f"({vnni_kernel()[1]}); use dtype int8")
+    gguf = _gguf_source(name_or_path)
+    if not has_q4k(gguf):
+        raise ValueError(f"{gguf} has no Q4_K weights (dtype q4 keeps those as they are and "
+                         "makes the rest int8); use dtype int8")
+    return gguf
 
 
 def _gguf_source(name_or_path, required: bool = True) -> Path | None:
@@ -223,6 +231,12 @@ def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT
 
     The draft's dtype only changes speed and acceptance rate, never the output. Raises
     ValueError (IncompatibleDraftError for a draft of another tokenizer) or ModelFetchError."""
+    for name, d, role in ((target, dtype, "target"), (draft, draft_dtype, "draft")):
+        if d == "q4" and name is not None:  # refused before seconds of loading
+            try:
+                check_q4(name)
+            except ValueError as e:
+                raise ValueError(f"{role} {str(name)!r}: {e}") from None
     tgt = load(target, dtype=dtype)
     drf = load(draft, dtype=draft_dtype, role="draft") if draft is not None else None
     if drf is not None:

@@ -754,9 +754,15 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         if int8:
-            state = quant.int8_state(files, layout, args.tie_embeddings,
-                                     Path(gguf) if dtype == "q4" else None)
-            return model._assign_int8(state, layout, f"weights in {path}").eval()
+            source = Path(gguf) if dtype == "q4" else None
+            state = quant.int8_state(files, layout, args.tie_embeddings, source)
+            try:
+                return model._assign_int8(state, layout, f"weights in {path}").eval()
+            except ValueError:  # a cached file of other tensors (edited, or another version)
+                with torch.device("meta"):
+                    model = cls(args)
+                state = quant.int8_state(files, layout, args.tie_embeddings, source, rebuild=True)
+                return model._assign_int8(state, layout, f"weights in {path}").eval()
         state = {}
         for f in files:
             state.update(load_file(f))

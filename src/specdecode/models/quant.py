@@ -42,6 +42,10 @@ from . import registry
 
 QMAX = 127  # symmetric int8: -127..127 (no -128, so negation stays in range)
 FORMAT_VERSION = 2  # of the cached int8 weights; bump when quantize_state changes
+
+
+def _int8_dir() -> Path:
+    return registry.cache_dir() / "int8"
 KERNEL_SOURCE = Path(__file__).with_name("int8_vnni.cpp")
 KERNEL_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp",
                 "-ffp-contract=off", "-shared", "-fPIC")
@@ -71,7 +75,7 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
         return None, f"the CPU lacks {', '.join(lacking)}"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        return None, "no C++ compiler (install g++)"
+        return _unavailable("no C++ compiler: install g++")
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
@@ -84,11 +88,15 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
                 proc = subprocess.run([cxx, *KERNEL_FLAGS, "-o", str(built), str(KERNEL_SOURCE)],
                                       capture_output=True, text=True, timeout=600)
                 if proc.returncode != 0:
-                    return None, f"{cxx} failed: {proc.stderr.strip()[-300:]}"
+                    return _unavailable(f"{cxx} failed: {proc.stderr.strip()[-300:]}")
                 os.replace(built, out)
-        lib = ctypes.CDLL(str(out))
+        try:
+            lib = ctypes.CDLL(str(out))
+        except OSError:  # a broken cached build: build it again, once
+            out.unlink(missing_ok=True)
+            return _vnni_kernel_built_again()
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"building or loading the kernel failed: {e}"
+        return _unavailable(f"building or loading the kernel failed: {e}")
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.sd_quantize_rows.argtypes = [P, I, I, P, P, P, P]
     lib.sd_quantize_rows.restype = None
@@ -97,6 +105,25 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_q4k_linear.argtypes = [P, P, P, I, I, P, P, P, P, P, P, I, P]
     lib.sd_q4k_linear.restype = None
     return lib, ""
+
+
+_REBUILT = []
+
+
+def _vnni_kernel_built_again():
+    if _REBUILT:
+        return _unavailable("the cached kernel could not be loaded, twice")
+    _REBUILT.append(True)
+    vnni_kernel.cache_clear()
+    return vnni_kernel()
+
+
+def _unavailable(why: str) -> tuple[None, str]:
+    """A CPU that could run the kernel but cannot get it: say so once (it runs ~1.5x
+    slower without it, and q4 needs it)."""
+    print(f"note: the AVX512-VNNI kernel is not in use ({why}); int8 runs on torch._int_mm, "
+          "q4 is unavailable", file=sys.stderr)
+    return None, why
 
 
 def vnni_fits(in_features: int, out_features: int) -> bool:
@@ -368,7 +395,7 @@ def has_q4k(gguf_path: Path) -> bool:
     file (path, size, mtime) in ``<specdecode cache>/int8/q4k-files.json``."""
     st = Path(gguf_path).resolve().stat()
     key = f"{Path(gguf_path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    memo_path = registry.cache_dir() / "int8" / "q4k-files.json"
+    memo_path = _int8_dir() / "q4k-files.json"
     try:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
@@ -512,15 +539,16 @@ def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path | None = None,
-               progress: bool = True) -> dict[str, torch.Tensor]:
+               progress: bool = True, rebuild: bool = False) -> dict[str, torch.Tensor]:
     """:func:`quantize_state` of the float safetensors ``files`` (with the Q4_K tensors of
     the GGUF file ``gguf`` when given: dtype q4), cached on disk.
 
     The first call streams the files (one float tensor in memory at a time: no float copy
-    of the model) and writes ``<specdecode cache>/int8/<dir>-<key>.safetensors`` (key: the
+    of the model) and writes ``<specdecode cache>/int8/<dir>-<kind>-<key>.safetensors`` (key: the
     files' paths, sizes and mtimes, the layout, the tying, FORMAT_VERSION); later calls read
     it (about 1 byte per parameter, 0.6 with Q4_K). A cache file that cannot be read is
-    rebuilt; one that cannot be written is skipped with a note on stderr. Raises
+    rebuilt, as is any with ``rebuild`` (the loader's answer to a cached file that does
+    not fit the model); one that cannot be written is skipped with a note on stderr. Raises
     SafetensorError/OSError for unreadable source files, ValueError for a GGUF file without
     Q4_K weights.
     """
@@ -530,7 +558,9 @@ def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path 
         ident += [str(f.resolve()), st.st_size, st.st_mtime_ns]
     key = hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
     kind = "q4" if gguf else "int8"
-    path = registry.cache_dir() / "int8" / f"{files[0].parent.name}-{kind}-{key}.safetensors"
+    path = _int8_dir() / f"{files[0].parent.name}-{kind}-{key}.safetensors"
+    if rebuild:
+        path.unlink(missing_ok=True)
     if path.is_file():
         try:
             return load_file(path)
