@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdecode import profile
+from specdecode.models import registry
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -15,21 +16,18 @@ def profiles_in_tmp(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="session")
-def _cache_tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(autouse=True)
-def cache_in_tmp(request, _cache_tmp):
-    """What the tiny models leave in the specdecode cache (int8 / q4 weights, the kernel
-    build) goes to a temporary one, also for the subprocesses a test starts; the real
-    models' tests (marker ``real``) use the user's cache, where the models are."""
-    if request.node.get_closest_marker("real") is not None:
-        yield
-        return
+@pytest.fixture(autouse=True, scope="session")
+def cache_in_tmp(tmp_path_factory):
+    """The session's specdecode cache is a temporary one: what tests leave there (int8 / q4
+    weights of tiny and real models, the kernel build) is not the user's. The fetched models
+    (``models/``, ``gguf/``, fetched by `make models`) are linked from the user's cache."""
+    user = registry.cache_dir()
+    tmp = tmp_path_factory.mktemp("cache")
+    for sub in ("models", "gguf"):
+        if (user / sub).is_dir():
+            (tmp / sub).symlink_to(user / sub)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDECODE_CACHE", str(_cache_tmp))
+        mp.setenv("SPECDECODE_CACHE", str(tmp))
         yield
 
 
