@@ -323,7 +323,7 @@ def test_exit_codes_follow_one_rule(capsys, dirs, monkeypatch, tmp_path):
     assert code == 2 and "does not apply" in err  # a K that nothing uses is refused, not ignored
 
 
-def test_default_threads_are_the_idle_cores(monkeypatch):
+def test_default_threads_are_the_idle_cores(monkeypatch, capsys):
     """With one core kept busy by another process, the default is one thread fewer: OpenMP
     threads would wait at every barrier for the busy core (8.8 vs 21.7 tokens/s measured)."""
     usable = len(os.sched_getaffinity(0))
@@ -335,6 +335,8 @@ def test_default_threads_are_the_idle_cores(monkeypatch):
             assert common.apply_threads(argparse.Namespace(threads=None)) == want
             assert torch.get_num_threads() == want
         assert common.apply_threads(argparse.Namespace(threads=3)) == 3
+        common.apply_threads(argparse.Namespace(threads=usable + 1))
+        assert f"is more than the {usable} usable cores" in capsys.readouterr().err
         with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
             common.apply_threads(argparse.Namespace(threads=0))
     finally:

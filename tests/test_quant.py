@@ -208,6 +208,8 @@ def test_bad_dtype_role_and_layout_are_refused(tmp_path):
     hf_model_dir(tmp_path, "mistral")
     with pytest.raises(ValueError, match=r"dtype 'int4' is not one of \['auto', 'int8', 'q4', 'float32'"):
         load(tmp_path, dtype="int4")
+    with pytest.raises(ValueError, match="dtype None is not one of"):
+        load(tmp_path, dtype=None)
     with pytest.raises(ValueError, match="role 'verifier' is not one of"):
         load(tmp_path, role="verifier")
     with pytest.raises(ValueError, match="layout 'mk' is not one of"):

@@ -90,6 +90,11 @@ def apply_threads(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         threads = args.threads
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if usable and threads > usable:
+            print(f"note: --threads {threads} is more than the {usable} usable cores; threads "
+                  "beyond them wait for each other at every step (measured 10x slower)",
+                  file=sys.stderr)
     else:
         threads = max(1, int(idle_cores() + 0.3))  # a core 70 % idle still counts
     torch.set_num_threads(threads)

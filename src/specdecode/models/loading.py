@@ -109,6 +109,9 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_NAMES)}")
         dtype = DTYPES.get(dtype, dtype)
+    elif dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_NAMES)} (or the torch "
+                         f"dtypes {', '.join(str(d) for d in DTYPES.values())})")
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     if role not in ROLES:
