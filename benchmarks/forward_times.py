@@ -1,5 +1,5 @@
 """T(1..17) of the default target in one weight format, its load time and peak RSS, in a process of its own:
-`python benchmarks/forward_times.py int8|float32|bfloat16|llamacpp|llamacpp-all-logits` (BENCHMARKS.md section 0)."""
+`python benchmarks/forward_times.py q4|int8|float32|bfloat16|llamacpp|llamacpp-all-logits [MODEL [ROLE]]` (BENCHMARKS.md section 0)."""
 
 import json, resource, sys, time, torch
 torch.set_num_threads(2)

@@ -269,7 +269,6 @@ def test_q4k_linear_equals_its_reference_and_rows_are_independent(shape):
                               "sc": torch.ones_like(lin.sc)})  # the 4-bit values alone
     sums = torch.einsum("ngk,mgk->mng", q.view(n, k // 32, 32).double(),
                         xq.view(17, k // 32, 32).double()).float()
-    a = (w + 0).new_empty(0)  # A and B per group, from the buffers
     d = lin.d.view(torch.float16).float().transpose(1, 2).reshape(n, -1).repeat_interleave(8, 1)
     dmin = lin.dmin.view(torch.float16).float().transpose(1, 2).reshape(n, -1).repeat_interleave(8, 1)
     a = d * lin.sc.float().transpose(1, 2).reshape(n, -1)

@@ -277,8 +277,7 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     print(by_sub)
     print("\nwithout prefill (decode time only; ours):\n")
     print(decode_by_sub)
-    vs_llama = (subtask_table(summary, "speedup_vs_llamacpp-ar")
-                if any("llamacpp-ar" == m for m in summary) else None)
+    vs_llama = subtask_table(summary, "speedup_vs_llamacpp-ar") if "llamacpp-ar" in summary else None
     if vs_llama:
         print("\nvs llamacpp-ar (llama.cpp's plain decoding of the same GGUF):\n")
         print(vs_llama)

@@ -1,6 +1,7 @@
 """The bench's methods: every entry of the method registry (:mod:`specdecode.methods`), run
 through our engine, beside the peers: transformers' plain, assisted and prompt-lookup
-generation, and llama.cpp's plain and prompt-lookup decoding of the target's GGUF file. ``--methods ar,draft:k=4:dtype=float32,...`` names them with options."""
+generation, and llama.cpp's plain and prompt-lookup decoding of the target's GGUF file.
+``--methods ar,draft:k=4:dtype=float32,...`` names them with options."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SU
 from ..methods import METHODS
 from ..models import registry
 from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES
-from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command
+from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command, usable_cores
 
 
 def _help() -> str:
@@ -83,7 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, FileNotFoundError for a missing dataset,
     ModelFetchError when a model cannot be fetched."""
     threads = apply_threads(args)
-    if args.threads is None and threads < len(os.sched_getaffinity(0)):
+    if args.threads is None and threads < usable_cores():
         print(f"note: only {threads} core(s) were idle at start; timings on a busy machine "
               "are not comparable (pass --threads N to fix the count)", file=sys.stderr)
     if args.resume and not args.out:

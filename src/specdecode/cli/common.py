@@ -62,10 +62,15 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
                         "2 threads ran at 8.8 tokens/s, 1 thread at 21.7")
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def idle_cores(seconds: float = 0.2) -> float:
     """How many of this process's CPUs were idle over ``seconds`` (from /proc/stat; the
     number of usable CPUs where that cannot be read)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    usable = usable_cores()
 
     def sample():
         with open("/proc/stat") as f:
@@ -90,8 +95,8 @@ def apply_threads(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         threads = args.threads
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if usable and threads > usable:
+        usable = usable_cores()
+        if threads > usable:
             print(f"note: --threads {threads} is more than the {usable} usable cores; threads "
                   "beyond them wait for each other at every step (measured 10x slower)",
                   file=sys.stderr)

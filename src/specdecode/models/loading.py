@@ -16,7 +16,7 @@ from . import registry
 from .base import CausalLM
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer
-from .quant import best_layout, has_q4k, quantize_linears, vnni_kernel
+from .quant import best_layout, has_q4k, quantize_linears, require_vnni
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "int8": row-independent W8A8; "q4": a GGUF file's own Q4_K blocks, the rest int8 (models/quant.py)
@@ -124,12 +124,14 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         raise ValueError(f"{name_or_path}: model_type {config.get('model_type')!r} with these weights "
                          f"is not supported natively ({SUPPORTED_MODEL_TYPES}); use backend='transformers'")
     native = native_ok and backend != "transformers"
+    gguf = None
     if dtype == "auto":
         source = _gguf_source(name_or_path, required=False)
-        dtype = "q4" if (role == "target" and native and layout == "vnni"
-                         and source is not None and has_q4k(source)) else "int8"
-    gguf = None
-    if dtype == "q4":
+        if role == "target" and native and layout == "vnni" and source is not None and has_q4k(source):
+            dtype, gguf = "q4", source
+        else:
+            dtype = "int8"
+    elif dtype == "q4":
         if not native:
             raise ValueError(f"dtype q4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
                              "use dtype int8")
@@ -161,9 +163,7 @@ def check_q4(name_or_path) -> Path:
     """The GGUF file whose Q4_K blocks dtype q4 would use for this model. Raises ValueError
     when q4 cannot load it (no VNNI kernel, no GGUF file, no Q4_K weights in it), before
     anything is loaded."""
-    if vnni_kernel()[0] is None:
-        raise ValueError(f"dtype q4 needs the AVX512-VNNI kernel, which is not in use here "
-                         f"({vnni_kernel()[1]}); use dtype int8")
+    require_vnni("dtype q4")
     gguf = _gguf_source(name_or_path)
     if not has_q4k(gguf):
         raise ValueError(f"{gguf} has no Q4_K weights (dtype q4 keeps those as they are and "

@@ -728,8 +728,9 @@ class Transformer(nn.Module):
         it changes speed only, not a bit of the output. dtype "q4": the same, except that
         every weight the GGUF file ``gguf`` (the file the directory was converted from)
         holds as Q4_K stays those blocks (:class:`~specdecode.models.quant.Q4KLinear`; the
-        VNNI kernel only); its Q6_K and other weights become int8. pack: reorder float linear weights for oneDNN
-        (:class:`PackedLinear`); default: when the dtype is float32 or bfloat16.
+        VNNI kernel only); its Q6_K and other weights become int8. pack: reorder float
+        linear weights for oneDNN (:class:`PackedLinear`); default: when the dtype is
+        float32 or bfloat16.
         Raises ValueError for an unsupported architecture or layout, or weights that do not
         match it, FileNotFoundError when files lack.
         """
@@ -743,10 +744,7 @@ class Transformer(nn.Module):
             if gguf is None:
                 raise ValueError("dtype q4 reads the Q4_K blocks of the model's GGUF file: pass "
                                  "gguf=PATH (or load a known model or a .gguf file)")
-            lib, why = quant.vnni_kernel()
-            if lib is None:
-                raise ValueError(f"dtype q4 needs the AVX512-VNNI kernel, which is not in use "
-                                 f"here ({why}); use dtype int8")
+            quant.require_vnni("dtype q4")
         int8 = dtype in ("int8", "q4")
         layout = layout or quant.best_layout("target")
         if int8 and layout not in quant.LAYOUTS:

@@ -42,10 +42,6 @@ from . import registry
 
 QMAX = 127  # symmetric int8: -127..127 (no -128, so negation stays in range)
 FORMAT_VERSION = 2  # of the cached int8 weights; bump when quantize_state changes
-
-
-def _int8_dir() -> Path:
-    return registry.cache_dir() / "int8"
 KERNEL_SOURCE = Path(__file__).with_name("int8_vnni.cpp")
 KERNEL_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp",
                 "-ffp-contract=off", "-shared", "-fPIC")
@@ -81,20 +77,17 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
                                  timeout=60).stdout
         key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + repr((KERNEL_FLAGS, version)).encode())
         out = registry.cache_dir() / "kernels" / f"int8_vnni-{key.hexdigest()[:16]}.so"
-        if not out.is_file():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                built = Path(tmp) / out.name
-                proc = subprocess.run([cxx, *KERNEL_FLAGS, "-o", str(built), str(KERNEL_SOURCE)],
-                                      capture_output=True, text=True, timeout=600)
-                if proc.returncode != 0:
-                    return _unavailable(f"{cxx} failed: {proc.stderr.strip()[-300:]}")
-                os.replace(built, out)
+        failed = None if out.is_file() else _build(cxx, out)
+        if failed:
+            return _unavailable(failed)
         try:
             lib = ctypes.CDLL(str(out))
         except OSError:  # a broken cached build: build it again, once
             out.unlink(missing_ok=True)
-            return _vnni_kernel_built_again()
+            failed = _build(cxx, out)
+            if failed:
+                return _unavailable(failed)
+            lib = ctypes.CDLL(str(out))
     except (OSError, subprocess.SubprocessError) as e:
         return _unavailable(f"building or loading the kernel failed: {e}")
     P, I = ctypes.c_void_p, ctypes.c_int64
@@ -107,15 +100,27 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-_REBUILT = []
+def _build(cxx: str, out: Path) -> str | None:
+    """Compile the kernel into ``out`` (via a temporary file: never half written); returns
+    why it failed, or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        proc = subprocess.run([cxx, *KERNEL_FLAGS, "-o", str(built), str(KERNEL_SOURCE)],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            return f"{cxx} failed: {proc.stderr.strip()[-300:]}"
+        os.replace(built, out)
+    return None
 
 
-def _vnni_kernel_built_again():
-    if _REBUILT:
-        return _unavailable("the cached kernel could not be loaded, twice")
-    _REBUILT.append(True)
-    vnni_kernel.cache_clear()
-    return vnni_kernel()
+def require_vnni(what: str) -> ctypes.CDLL:
+    """The kernel, or ValueError saying that ``what`` needs it and to use int8."""
+    lib, why = vnni_kernel()
+    if lib is None:
+        raise ValueError(f"{what} needs the AVX512-VNNI kernel, which is not in use here "
+                         f"({why}); use dtype int8")
+    return lib
 
 
 def _unavailable(why: str) -> tuple[None, str]:
@@ -126,9 +131,15 @@ def _unavailable(why: str) -> tuple[None, str]:
     return None, why
 
 
-def vnni_fits(in_features: int, out_features: int) -> bool:
-    """Whether the VNNI kernel takes a linear of this shape (both multiples of 16)."""
-    return in_features % 16 == 0 and out_features % 16 == 0
+def _int8_dir() -> Path:
+    return registry.cache_dir() / "int8"
+
+
+def layout_for(layout: str, in_features: int, out_features: int) -> str:
+    """``layout``, or "kn" where "vnni" does not take the shape (both multiples of 16)."""
+    if layout == "vnni" and (in_features % 16 or out_features % 16):
+        return "kn"
+    return layout
 
 
 def best_layout(role: str, device: torch.device | str = "cpu") -> str:
@@ -187,8 +198,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-        if layout == "vnni" and not vnni_fits(in_features, out_features):
-            layout = "kn"
+        layout = layout_for(layout, in_features, out_features)
         self.in_features, self.out_features, self.layout = in_features, out_features, layout
         shape, dtype = {"kn": ((in_features, out_features), torch.int8),
                         "nk": ((out_features, in_features), torch.int8),
@@ -213,25 +223,20 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
+        n = self.out_features
         lib = vnni_kernel()[0] if self.layout == "vnni" else None
         if lib is not None and x2.device.type == "cpu":
-            x2 = x2.contiguous()
-            m, k, n = x2.shape[0], self.in_features, self.out_features
-            xq = torch.empty(m, k, dtype=torch.int8)
-            xs, xsum = torch.empty(m), torch.empty(m, dtype=torch.int32)
-            y = torch.empty(m, n)
-            lib.sd_quantize_rows(x2.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), 0)
-            lib.sd_int8_linear(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), m, k,
-                               self.qweight.data_ptr(), self.wscale.data_ptr(),
+            xq, xs, xsum, _ = _quantize_input(lib, x2, groups=False)
+            y = torch.empty(x2.shape[0], n)
+            lib.sd_int8_linear(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), x2.shape[0],
+                               self.in_features, self.qweight.data_ptr(), self.wscale.data_ptr(),
                                0 if self.bias is None else self.bias.data_ptr(), n, y.data_ptr())
             return y.to(x.dtype).view(*shape[:-1], n)
-        amax = x2.abs().amax(dim=-1, keepdim=True)
-        xs = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-        xq = torch.round(x2 / xs).clamp_(-QMAX, QMAX).to(torch.int8)
-        y = torch._int_mm(xq, self.weight_kn()).float() * xs * self.wscale
+        xq, xs = quantize_rows(x2)  # the kernel's steps (int8_vnni.cpp, sd_quantize_rows)
+        y = torch._int_mm(xq, self.weight_kn()).float() * xs[:, None] * self.wscale
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*shape[:-1], n)
 
     def weight_kn(self) -> torch.Tensor:
         """The int8 weight as an [in, out] matrix (a view, or a copy for "vnni")."""
@@ -245,6 +250,19 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"layout={self.layout}, W8A8 per-row")
+
+
+def _quantize_input(lib: ctypes.CDLL, x: torch.Tensor, groups: bool):
+    """Rows of x fp32 [M, K] quantized by the kernel: (xq int8 [M, K], scales [M], sums of xq
+    [M], and with ``groups`` sums per 32 inputs [M, K/32], else None)."""
+    x = x.contiguous()
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xs, xsum = torch.empty(m), torch.empty(m, dtype=torch.int32)
+    gsum = torch.empty(m, k // 32, dtype=torch.int32) if groups else None
+    lib.sd_quantize_rows(x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(),
+                         0 if gsum is None else gsum.data_ptr())
+    return xq, xs, xsum, gsum
 
 
 class Int8Embedding(nn.Module):
@@ -307,14 +325,10 @@ class Q4KLinear(nn.Module):
             raise RuntimeError(f"Q4_K weights need the AVX512-VNNI kernel, which is not in use "
                                f"({why}); load the model with dtype int8")
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        x2 = x.reshape(-1, shape[-1]).float()
         m, k, n = x2.shape[0], self.in_features, self.out_features
-        xq = torch.empty(m, k, dtype=torch.int8)
-        xs, xsum = torch.empty(m), torch.empty(m, dtype=torch.int32)
-        gsum = torch.empty(m, k // 32, dtype=torch.int32)
+        xq, xs, _, gsum = _quantize_input(lib, x2, groups=True)
         y = torch.empty(m, n)
-        lib.sd_quantize_rows(x2.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(),
-                             gsum.data_ptr())
         lib.sd_q4k_linear(xq.data_ptr(), xs.data_ptr(), gsum.data_ptr(), m, k,
                           self.qweight.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(),
                           self.sc.data_ptr(), self.mn.data_ptr(),
@@ -338,12 +352,11 @@ def q4k_dequantize(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     packed = qw.permute(0, 3, 1, 2, 4)  # [nb, j, g, v, b]
     q = torch.stack((packed & 15, packed >> 4), 4).reshape(out_f, in_f)
 
-    def per_row(t, dtype):  # [nb, groups, 16] -> [out, groups]
-        return t.view(dtype).float().transpose(1, 2).reshape(out_f, -1) if dtype == torch.float16 \
-            else t.float().transpose(1, 2).reshape(out_f, -1)
+    def per_row(t):  # [nb, groups, 16] -> fp32 [out, groups]
+        return t.float().transpose(1, 2).reshape(out_f, -1)
 
-    a = per_row(buffers["d"], torch.float16).repeat_interleave(8, 1) * per_row(buffers["sc"], None)
-    b = per_row(buffers["dmin"], torch.float16).repeat_interleave(8, 1) * per_row(buffers["mn"], None)
+    d, dmin = (per_row(buffers[k].view(torch.float16)).repeat_interleave(8, 1) for k in ("d", "dmin"))
+    a, b = d * per_row(buffers["sc"]), dmin * per_row(buffers["mn"])
     return a.repeat_interleave(32, 1) * q.float() - b.repeat_interleave(32, 1)
 
 
@@ -389,6 +402,13 @@ def q4k_buffers(raw) -> dict[str, torch.Tensor]:
             "sc": blocks(sc, 32), "mn": blocks(mn, 32)}
 
 
+def _usable_q4k(t) -> bool:
+    """A GGUF tensor (gguf-py's ReaderTensor) that a Q4KLinear takes: a Q4_K weight with a
+    transformers name, of a shape that fits."""
+    return (t.tensor_type == gguf.GGMLQuantizationType.Q4_K and hf_name(t.name) is not None
+            and q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0]))
+
+
 def has_q4k(gguf_path: Path) -> bool:
     """Whether a GGUF file holds a Q4_K weight :class:`Q4KLinear` takes. Reading a GGUF
     header takes seconds (gguf-py parses the whole vocabulary), so the answer is kept per
@@ -402,9 +422,7 @@ def has_q4k(gguf_path: Path) -> bool:
         memo = {}
     if isinstance(memo, dict) and isinstance(memo.get(key), bool):
         return memo[key]
-    found = any(t.tensor_type == gguf.GGMLQuantizationType.Q4_K and hf_name(t.name) and
-                q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0])
-                for t in gguf.GGUFReader(str(gguf_path)).tensors)
+    found = any(_usable_q4k(t) for t in gguf.GGUFReader(str(gguf_path)).tensors)
     memo = memo if isinstance(memo, dict) else {}
     memo[key] = found
     with contextlib.suppress(OSError):
@@ -430,8 +448,7 @@ def q4k_blocks(gguf_path: Path) -> dict[str, dict[str, torch.Tensor]]:
     out, types = {}, set()
     for t in reader.tensors:
         types.add(t.tensor_type.name)
-        name = hf_name(t.name)
-        if name is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+        if not _usable_q4k(t):
             continue
         raw = np.asarray(t.data)
         if arch == "llama" and heads and (".attn_q." in t.name or ".attn_k." in t.name):
@@ -439,8 +456,7 @@ def q4k_blocks(gguf_path: Path) -> dict[str, dict[str, torch.Tensor]]:
             # whole rows of blocks, as transformers does on the dequantized rows
             n_head = heads if ".attn_q." in t.name else (kv_heads or heads)
             raw = raw.reshape(n_head, raw.shape[0] // n_head // 2, 2, -1).swapaxes(2, 1).reshape(raw.shape)
-        if q4k_fits(raw.shape[1] // 144 * 256, raw.shape[0]):
-            out[name] = q4k_buffers(np.ascontiguousarray(raw))
+        out[hf_name(t.name)] = q4k_buffers(np.ascontiguousarray(raw))
     if not out:
         raise ValueError(f"{gguf_path} has no Q4_K weights this runtime takes (its tensor types: "
                          f"{', '.join(sorted(types))}); load it with dtype int8")
@@ -512,16 +528,14 @@ def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
             if base.endswith("embed_tokens"):
                 state[base + ".qweight"] = q
             else:
-                lay = layout if layout != "vnni" or vnni_fits(t.shape[1], t.shape[0]) else "kn"
-                state[base + ".qweight"] = pack(q, lay)
+                state[base + ".qweight"] = pack(q, layout_for(layout, t.shape[1], t.shape[0]))
         else:
             state[name] = t.float()
     if tie_embeddings and "model.embed_tokens.weight" in q4k:
         state.update({f"lm_head.{k}": v.clone() for k, v in q4k["model.embed_tokens.weight"].items()})
     elif tie_embeddings and layout != "nk":
         q = state["model.embed_tokens.qweight"]
-        lay = layout if layout != "vnni" or vnni_fits(q.shape[1], q.shape[0]) else "kn"
-        state["lm_head.qweight"] = pack(q, lay)
+        state["lm_head.qweight"] = pack(q, layout_for(layout, q.shape[1], q.shape[0]))
         state["lm_head.wscale"] = state["model.embed_tokens.wscale"].clone()
     return state
 
