@@ -6,7 +6,7 @@ SD     := $(VENV)/bin/specdecode
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
 DEMO_PROMPT := Write a Python function that merges two sorted lists into one sorted list, with a docstring and an example.
 
-.PHONY: install models demo test test-fast llamacpp clean
+.PHONY: install models demo test test-fast llamacpp test-llamacpp clean
 
 
 install: $(VENV)/.installed
@@ -31,9 +31,14 @@ test: models
 test-fast: install
 	$(PY) -m pytest -q -m "not real and not slow"
 
-# optional: llama.cpp (llama-cpp-python, compiled for this CPU once, 10-20 minutes) as a bench peer
+# optional: llama.cpp (llama-cpp-python, compiled for this CPU once, 10-20 minutes): a bench
+# peer and a backend (--backend / --draft-backend llama.cpp)
 llamacpp: install
 	$(PY) -m pip install --disable-pip-version-check -e '.[test,llamacpp]'
+
+# the tests on llama.cpp itself (`make test` runs them too once the extra is installed)
+test-llamacpp: llamacpp models
+	$(PY) -m pytest -q -m llamacpp
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

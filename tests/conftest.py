@@ -1,5 +1,7 @@
 """Session-wide test settings."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -43,3 +45,23 @@ def one_thread(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+LLAMACPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+def pytest_report_header(config):
+    if not LLAMACPP:
+        return ("llama.cpp extra not installed: the tests marked llamacpp (llama.cpp itself) "
+                "are deselected; `make test-llamacpp` installs it and runs them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests on llama.cpp itself need the optional extra (compiled for this CPU in 10-20
+    minutes): without it they are deselected, and the header says so."""
+    if LLAMACPP:
+        return
+    keep = [i for i in items if i.get_closest_marker("llamacpp") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep

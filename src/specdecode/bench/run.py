@@ -67,8 +67,11 @@ def ceiling(times: list[float], k: int) -> float:
 def weight_bytes(model: LoadedModel) -> int:
     """Bytes one decode step reads: every weight (parameters, int8 buffers, oneDNN-packed
     copies) except the input embedding table (of which one row is read), each storage
-    counted once, so a tied output layer is counted once."""
+    counted once, so a tied output layer is counted once. The llama.cpp backend: every
+    tensor of its file (the embedding table included)."""
     lm = model.lm
+    if hasattr(lm, "weight_bytes"):
+        return lm.weight_bytes
     module = lm if isinstance(lm, torch.nn.Module) else lm.hf
     if isinstance(lm, torch.nn.Module):
         emb, out = lm.model.embed_tokens, lm.lm_head
@@ -90,13 +93,14 @@ def weight_bytes(model: LoadedModel) -> int:
 
 
 RECORDS_LOG = "records.jsonl"
-RUN_SETTINGS = ("target", "draft", "dtype", "max_new_tokens", "seed", "dataset", "limit")
+RUN_SETTINGS = ("target", "draft", "dtype", "backend", "max_new_tokens", "seed", "dataset", "limit")
 
 
 def check_run_settings(args) -> None:
     """--out DIR keeps the settings that make records comparable in DIR/run.json; --resume
     with other settings is refused (its records would not be comparable; another --limit
-    chooses other prompts). A run.json written before ``limit`` was kept is not checked for it."""
+    chooses other prompts). A run.json written before ``limit`` (``backend``) was kept is not
+    checked for it."""
     path = Path(args.out) / "run.json"
     mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
     if Path(args.dataset).is_file():  # the questions themselves, wherever the file lies
@@ -107,6 +111,7 @@ def check_run_settings(args) -> None:
         except ValueError:
             theirs = {}
         theirs.setdefault("limit", mine["limit"])
+        theirs.setdefault("backend", "auto")
         diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "

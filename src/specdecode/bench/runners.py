@@ -28,10 +28,11 @@ class Output:
 
 
 class BenchModels:
-    """Loads each model once, on first use: ours (native), transformers' and llama.cpp's."""
+    """Loads each model once, on first use: ours (our target on ``backend``, drafts on theirs),
+    transformers' and llama.cpp's."""
 
-    def __init__(self, target: str, draft: str, dtype: str):
-        self.target_name, self.draft_name, self.dtype = target, draft, dtype
+    def __init__(self, target: str, draft: str, dtype: str, backend: str = "auto"):
+        self.target_name, self.draft_name, self.dtype, self.backend = target, draft, dtype, backend
         self._cache: dict = {}
 
     def _get(self, key, make):
@@ -40,14 +41,15 @@ class BenchModels:
         return self._cache[key]
 
     def target(self) -> LoadedModel:
-        return self._get("target", lambda: load(self.target_name, dtype=self.dtype))
+        return self._get("target", lambda: load(self.target_name, dtype=self.dtype,
+                                                backend=self.backend))
 
-    def draft(self, dtype: str) -> LoadedModel:
+    def draft(self, dtype: str, backend: str = "auto") -> LoadedModel:
         def make():
-            d = load(self.draft_name, dtype=dtype, role="draft")
+            d = load(self.draft_name, dtype=dtype, role="draft", backend=backend)
             check_compatible(self.target(), d)
             return d
-        return self._get(("draft", dtype), make)
+        return self._get(("draft", dtype, backend), make)
 
     def hf(self, which: str):
         from transformers import AutoModelForCausalLM
@@ -123,10 +125,14 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
 
 def ours(models: BenchModels, name: str, opts: dict) -> Runner:
     """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
-    ``dtype=`` the draft's, default int8)."""
+    ``dtype=`` and ``backend=`` the draft's, default int8 on our runtime, ``dtype=auto``
+    with ``backend=llama.cpp``)."""
     target = models.target()
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
-    draft = models.draft(opts.pop("dtype", "int8")) if spec.method.needs_draft_model else None
+    draft = None
+    if spec.method.needs_draft_model:
+        backend = opts.pop("backend", "auto")
+        draft = models.draft(opts.pop("dtype", "auto" if backend == "llama.cpp" else "int8"), backend)
     engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
 
     def run(prompt_ids, max_new_tokens):
@@ -249,5 +255,6 @@ def fixed_k(label: str) -> int | None:
         return None
     opts = dict(options)
     opts.pop("dtype", None)
+    opts.pop("backend", None)
     spec = speculative_config(name, opts)
     return spec.num_speculative_tokens if spec.schedule is KSchedule.FIXED else None

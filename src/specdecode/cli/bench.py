@@ -14,7 +14,7 @@ from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SU
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..methods import METHODS
 from ..models import registry
-from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES
+from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
 from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command, usable_cores
 
 
@@ -33,7 +33,9 @@ proposer.
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
   (each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
-  model dtype={"|".join(d for d in DTYPE_NAMES if d != "auto")}, the draft's dtype, default int8)
+  model dtype={"|".join(d for d in DTYPE_NAMES if d != "auto")}, the draft's dtype, default int8,
+  and backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
+  draft:backend=llama.cpp)
 {peers}
 
 workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,
@@ -68,6 +70,12 @@ def add_parser(sub) -> None:
                    help="our target's dtype for every method of ours (default auto: q4 for "
                         "a GGUF target on an AVX512-VNNI CPU, else int8); the "
                         "transformers peers run float32 (bfloat16 when this is bfloat16)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="whose forward passes run our target in every method of ours (default "
+                        "auto: our native runtime). llama.cpp: its passes of the GGUF file; its "
+                        "batched passes round differently from its one-token passes, and the "
+                        "mismatches column counts where that changed our output against our ar "
+                        "on the same backend")
     p.add_argument("--out", default=None,
                    help="write results.json, report.md and speedup.png here; every finished "
                         "prompt is also appended to records.jsonl as the run goes")
@@ -111,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "to continue it, or choose another --out")
     if args.out:
         check_run_settings(args)
-    models = BenchModels(args.target, args.draft, args.dtype)
+    models = BenchModels(args.target, args.draft, args.dtype, args.backend)
     runners = build_runners(models, methods)
     report = run_and_report(models, runners, tasks, args.max_new_tokens, args)
     print(json.dumps(report["overall_json"]))

@@ -10,7 +10,7 @@ import time
 from ..api import _sampling_params, stream
 from ..methods import METHODS, Method, speculative_config
 from ..models import registry
-from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load_pair
+from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, load_pair
 from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, k_argument, max_k_argument,
                      run_command)
 
@@ -73,6 +73,16 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="draft weights; never changes the output, only speed and acceptance "
                         "(default auto: int8)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="whose forward passes run the target: auto (default: native, our "
+                        "runtime, where the architecture allows; else transformers), native, "
+                        "transformers, or llama.cpp (the GGUF file's own quantization; needs "
+                        "`make llamacpp`). llama.cpp's batched passes round differently from "
+                        "its one-token passes, so its speculative output equals its plain "
+                        "decoding only up to that rounding")
+    p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
+                   help="the same for the draft model; never changes the output (llama.cpp's "
+                        "one-token steps are the fastest on a CPU for a Q4/Q5 GGUF draft)")
     add_threads_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding of the target and report the speedup "
@@ -118,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
     t0 = time.perf_counter()
     target, draft = load_pair(args.target, args.draft if method.needs_draft_model else None,
-                             args.dtype, args.draft_dtype)
+                             args.dtype, args.draft_dtype, args.backend, args.draft_backend)
     load_s = time.perf_counter() - t0
     common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,

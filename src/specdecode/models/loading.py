@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from . import registry
+from . import llamacpp, registry
 from .base import CausalLM
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer
@@ -22,7 +22,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # "int8": row-independent W8A8; "q4": a GGUF file's own Q4_K blocks, the rest int8 (models/quant.py)
 DTYPE_NAMES = ("auto", "int8", "q4", *DTYPES)
 DEFAULT_DTYPE = "auto"  # q4 for a target from a GGUF file with Q4_K weights, else int8: BENCHMARKS.md
-BACKENDS = ("auto", "native", "transformers")
+# "llama.cpp": llama.cpp's own forward passes of the GGUF file (optional extra; models/llamacpp.py)
+BACKENDS = ("auto", "native", "transformers", "llama.cpp")
 ROLES = ("target", "draft")
 
 
@@ -92,8 +93,12 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
          backend: str = "auto", tokenizer: bool = True, role: str = "target") -> LoadedModel:
     """Load a model for use as target or draft.
 
-    ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM)
-    or "auto" (native when the architecture allows). ``dtype``: auto (default: q4 for a
+    ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM),
+    "llama.cpp" (llama.cpp's forward passes of a known model's or a ``.gguf`` file in its own
+    quantization, ``dtype`` auto; its verify rows are not row-independent, so as a target its
+    speculative output equals its plain decoding only up to its batched-kernel rounding; as a
+    draft it changes nothing: :class:`specdecode.models.llamacpp.LlamaCppLM`) or "auto"
+    (native when the architecture allows). ``dtype``: auto (default: q4 for a
     target from a GGUF file with Q4_K weights on a CPU with the VNNI kernel, the fastest
     there; else int8), int8 (int8 weights and per-row int8 activations, whose verify-pass rows equal one-token passes bit for bit;
     quantized once from the float files and cached), float32 (the reference), bfloat16 or
@@ -103,7 +108,8 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     AVX512-VNNI, a known model or a ``.gguf`` file): the file's Q4_K weights as they are,
     with the same per-row int8 activations; the others int8.
     Speculative decoding reproduces the plain decoding of the target in the dtype it was
-    loaded with. Raises ValueError naming the bad value.
+    loaded with. Raises ValueError naming the bad value, MissingExtraError for the llama.cpp
+    backend without its extra.
     """
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
@@ -116,6 +122,8 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
+    if backend == "llama.cpp":
+        return _load_llamacpp(name_or_path, dtype, tokenizer)
     layout = best_layout(role)
     path = resolve_model_path(name_or_path)
     config = json.loads((path / "config.json").read_text())
@@ -155,6 +163,22 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             f"could not load the model in {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
             "The files may be missing, truncated or corrupt: re-copy them (for a known model, "
             "delete that directory and run `specdecode models fetch NAME`)") from e
+    return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
+                       eos_token_ids=_default_eos(path, tok), path=path)
+
+
+def _load_llamacpp(name_or_path, dtype, tokenizer: bool) -> LoadedModel:
+    if dtype != "auto":
+        raise ValueError(f"the llama.cpp backend runs the GGUF file's own quantization; dtype "
+                         f"{dtype!r} cannot be chosen there (leave it auto, or use backend native)")
+    llamacpp.llama_cpp()  # a missing extra is said before anything is fetched
+    lm = llamacpp.LlamaCppLM(llamacpp.gguf_file(name_or_path), threads=torch.get_num_threads())
+    path = resolve_model_path(name_or_path)  # the tokenizer and generation config of the file
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
     return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
                        eos_token_ids=_default_eos(path, tok), path=path)
 
@@ -229,19 +253,27 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT_DTYPE,
-              draft_dtype: str = DEFAULT_DTYPE) -> tuple[LoadedModel, LoadedModel | None]:
+              draft_dtype: str = DEFAULT_DTYPE, backend: str = "auto",
+              draft_backend: str = "auto") -> tuple[LoadedModel, LoadedModel | None]:
     """Load a target and (optionally) a draft, checking their compatibility once.
 
-    The draft's dtype only changes speed and acceptance rate, never the output. Raises
-    ValueError (IncompatibleDraftError for a draft of another tokenizer) or ModelFetchError."""
-    for name, d, role in ((target, dtype, "target"), (draft, draft_dtype, "draft")):
-        if d == "q4" and name is not None:  # refused before seconds of loading
-            try:
+    The draft's dtype and backend only change speed and acceptance rate, never the output.
+    Raises ValueError (IncompatibleDraftError for a draft of another tokenizer),
+    ModelFetchError or MissingExtraError (see :func:`load`)."""
+    for name, d, b, role in ((target, dtype, backend, "target"),
+                             (draft, draft_dtype, draft_backend, "draft")):
+        if name is None:
+            continue
+        try:  # refused before seconds of loading
+            if d == "q4" and b != "llama.cpp":
                 check_q4(name)
-            except ValueError as e:
-                raise ValueError(f"{role} {str(name)!r}: {e}") from None
-    tgt = load(target, dtype=dtype)
-    drf = load(draft, dtype=draft_dtype, role="draft") if draft is not None else None
+            if b == "llama.cpp":
+                llamacpp.llama_cpp()
+                llamacpp.gguf_file(name)
+        except (ValueError, llamacpp.MissingExtraError) as e:
+            raise type(e)(f"{role} {str(name)!r}: {e}") from None
+    tgt = load(target, dtype=dtype, backend=backend)
+    drf = load(draft, dtype=draft_dtype, backend=draft_backend, role="draft") if draft is not None else None
     if drf is not None:
         check_compatible(tgt, drf)
     return tgt, drf
