@@ -320,9 +320,10 @@ def test_bench_cli_end_to_end_on_tiny_models(tmp_path_factory, tmp_path, capsys,
     s = results["summary"]["draft:k=3:dtype=float32"]["overall"]
     assert s["decode_speedup_vs_ar"] > 0 and 0 < s["prefill_share"] < 1
     assert results["summary"]["hf-ar"]["overall"]["decode_speedup_vs_ar"] is None
+    assert all(results["summary"][m]["overall"]["peak_memory_bytes"] > 2**20 for m in last["methods"])
     assert len(run.read_records(out / "records.jsonl")) == 14
     # the same --out again is refused (it would overwrite); --resume reuses every prompt
-    args = ["bench", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+    args = ["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
             "--methods", "ar,hf-ar", "--workloads", "humaneval,code-edit", "--limit", "1",
             "--max-new-tokens", "6", "--out", str(out)]
     assert cli.main(args) == 2
@@ -411,3 +412,25 @@ def test_llamacpp_needs_a_gguf_file(tmp_path):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     assert llamacpp.gguf_file(f) == f
+
+
+def test_each_methods_peak_memory_is_its_own_process_not_the_benchs(tmp_path_factory):
+    """Measured in a child that loads only that method's models: not the bench process's
+    peak (which a forked child's ru_maxrss would carry across exec)."""
+    from specdecode.bench.memory import method_peak, own_peak_bytes
+
+    dirs = tiny_dirs_in(tmp_path_factory)
+    ballast = torch.ones(2**28)  # 1 GiB resident in this process
+    mine = own_peak_bytes()
+    peak, err = method_peak("ar", str(dirs["target"]), str(dirs["draft"]), "float32", "auto",
+                            [1, 2, 3], 4)
+    assert err == "" and 50 * 2**20 < peak < mine - ballast.numel() * 4 // 2
+    peak, err = method_peak("draft:k=zero", str(dirs["target"]), str(dirs["draft"]), "float32",
+                            "auto", [1, 2, 3], 4)
+    assert peak is None and "k='zero' is invalid" in err
+    summary = {"ar": {"overall": {"tokens_per_second_median": 1.0, "speedup_vs_ar": 1.0,
+                                  "speedup_vs_hf-ar": None, "speedup_vs_llamacpp-ar": None,
+                                  "mean_acceptance_length": 1.0, "acceptance_rate": None,
+                                  "draft_share": None, "verify_share": None, "mismatches": None,
+                                  "peak_memory_bytes": 3 * 2**29}}}
+    assert "| 1.50 GiB |" in report.markdown_table(summary, {})

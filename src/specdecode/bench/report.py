@@ -53,14 +53,18 @@ def summarize(records: list) -> dict:
     return out
 
 
+def _gib(v) -> str:
+    return "—" if v is None else f"{v / 2**30:.2f} GiB"
+
+
 def _fmt(v, spec=".2f", suffix=""):
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
 def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: str = "overall") -> str:
     lines = [f"| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | vs llamacpp-ar* | "
-             f"ceiling | τ | acceptance | draft / verify time | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"ceiling | τ | acceptance | draft / verify time | mismatches | peak memory† |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, rows in summary.items():
         r = rows.get(subtask)
         if r is None:
@@ -72,9 +76,11 @@ def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: st
             f"{_fmt(r['speedup_vs_hf-ar'], '.2f', '×')} | {_fmt(r['speedup_vs_llamacpp-ar'], '.2f', '×')} | "
             f"{_fmt(ceilings.get(method), '.2f', '×')} | "
             f"{_fmt(r['mean_acceptance_length'])} | {_fmt(r['acceptance_rate'], '.0%')} | {share} | "
-            f"{_fmt(r['mismatches'], 'd')} |")
+            f"{_fmt(r['mismatches'], 'd')} | {_gib(r.get('peak_memory_bytes'))} |")
     lines.append("\n\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians; "
-                 "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer; τ = mean acceptance length")
+                 "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer; τ = mean acceptance length; "
+                 "† peak resident memory of a process running the method alone (its models, one "
+                 "generation of the longest prompt)")
     return "\n".join(lines)
 
 

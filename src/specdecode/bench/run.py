@@ -25,6 +25,7 @@ import torch
 
 from ..models.loading import LoadedModel
 from ..profile import measure_forward_times
+from .memory import method_peak
 from .report import markdown_table, plot, subtask_table, summarize
 from .runners import BenchModels, fixed_k, is_ours
 from .workloads import Task, prompt_ids
@@ -149,6 +150,22 @@ def read_records(path: Path) -> list[Record]:
     return out
 
 
+def add_peak_memory(summary: dict, models: BenchModels, runners, tasks, tok, max_new_tokens) -> None:
+    """Each method's peak resident memory (``peak_memory_bytes`` of its overall row), measured
+    in a process of its own on the run's longest prompt (:mod:`specdecode.bench.memory`),
+    one method after the other, after the timed run (so it cannot disturb the timings)."""
+    from tqdm import tqdm
+
+    ids = max((prompt_ids(tok, t, 0, []) for t in tasks), key=len)
+    for label in tqdm(list(runners), desc="peak memory, a process per method", unit="method"):
+        peak, err = method_peak(label, models.target_name, models.draft_name, models.dtype,
+                                models.backend, ids, max_new_tokens)
+        if err:
+            print(f"note: peak memory of {label} not measured: {err}", file=sys.stderr)
+        if "overall" in summary.get(label, {}):
+            summary[label]["overall"]["peak_memory_bytes"] = peak
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """First index where two token lists differ (or the shorter length); None if equal."""
     if a == b:
@@ -269,6 +286,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud,
                         previous=previous, on_task_done=on_task_done)
     summary = summarize(records)
+    if records and args is not None and getattr(args, "memory", False):
+        add_peak_memory(summary, models, runners, tasks, tok, max_new_tokens)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     limit = {"context_tokens": context, "forward_seconds": times, "weight_bytes": wbytes,
              "bandwidth_gb_per_s": wbytes / times[0] / 1e9,

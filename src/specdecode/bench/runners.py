@@ -15,7 +15,8 @@ from ..config import KSchedule, SamplingParams
 from ..engine import Engine
 from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule
 from ..models import llamacpp
-from ..models.loading import LoadedModel, check_compatible, load, resolve_model_path
+from ..models.loading import (LoadedModel, check_compatible, default_eos_token_ids, load,
+                              resolve_model_path)
 
 
 @dataclass
@@ -50,6 +51,13 @@ class BenchModels:
             check_compatible(self.target(), d)
             return d
         return self._get(("draft", dtype, backend), make)
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The target's EOS ids, for the peers: from our loaded target when it is loaded, else
+        from its tokenizer and generation config alone (a peer's memory is then its own)."""
+        if "target" in self._cache:
+            return tuple(self._cache["target"].eos_token_ids)
+        return self._get("eos", lambda: default_eos_token_ids(resolve_model_path(self.target_name)))
 
     def hf(self, which: str):
         from transformers import AutoModelForCausalLM
@@ -145,7 +153,7 @@ def ours(models: BenchModels, name: str, opts: dict) -> Runner:
 
 def _hf(models: BenchModels, **generate_kwargs) -> Runner:
     hf = models.hf("target")
-    eos = list(models.target().eos_token_ids)
+    eos = list(models.eos_token_ids())
 
     def run(prompt_ids, max_new_tokens):
         ids = torch.tensor([prompt_ids])
@@ -167,7 +175,7 @@ def _hf_assisted(models, opts):
 
 def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
     llm = models.llama(prompt_lookup)
-    eos = tuple(models.target().eos_token_ids)
+    eos = models.eos_token_ids()
 
     def run(prompt_ids, max_new_tokens):
         t0 = time.perf_counter()

@@ -76,6 +76,10 @@ def add_parser(sub) -> None:
                         "batched passes round differently from its one-token passes, and the "
                         "mismatches column counts where that changed our output against our ar "
                         "on the same backend")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the timed run, measure each method's peak resident memory in a "
+                        "process of its own (its models, one generation of the longest prompt; "
+                        "some seconds per method; default on)")
     p.add_argument("--out", default=None,
                    help="write results.json, report.md and speedup.png here; every finished "
                         "prompt is also appended to records.jsonl as the run goes")

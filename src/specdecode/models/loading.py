@@ -209,6 +209,14 @@ def _gguf_source(name_or_path, required: bool = True) -> Path | None:
                      f"({', '.join(registry.KNOWN_MODELS)}) nor a .gguf file; use dtype int8")
 
 
+def default_eos_token_ids(path: Path) -> tuple[int, ...]:
+    """The EOS ids of the model directory ``path`` (generation config ∪ tokenizer), without
+    loading its weights."""
+    from transformers import AutoTokenizer
+
+    return _default_eos(path, AutoTokenizer.from_pretrained(path))
+
+
 def _default_eos(path: Path, tok) -> tuple[int, ...]:
     ids: list[int] = []
     gen = path / "generation_config.json"
