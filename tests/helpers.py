@@ -27,10 +27,11 @@ def tiny_args(**overrides) -> ModelArgs:
 
 
 def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, int8: str | None = None,
-               **overrides) -> Transformer:
+               int4: bool = False, **overrides) -> Transformer:
     """A random fp32 Llama-family decoder; ``scale`` sharpens its logits so that greedy
     decoding has no near-ties and repeats rarely. ``int8``: a layout ("kn", "nk") to
-    quantize it to the W8A8 model (``Transformer.quantize``)."""
+    quantize it to the W8A8 model (``Transformer.quantize``); with ``int4``, its linears as
+    Q4_K blocks quantized here (dtype int4)."""
     torch.manual_seed(seed)
     m = Transformer(tiny_args(**overrides))
     with torch.no_grad():
@@ -42,7 +43,7 @@ def tiny_model(seed: int = 0, scale: float = 4.0, pack: bool = False, int8: str 
         m.model.norm.weight.fill_(scale)
     m.tie_weights()
     if int8:
-        m.quantize(int8)
+        m.quantize(int8, int4=int4)
     if pack:
         from specdecode.models.native import pack_linears
         pack_linears(m)

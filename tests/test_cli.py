@@ -358,7 +358,8 @@ def test_a_busy_core_is_not_counted_idle():
 def test_generate_reports_the_weights_and_threads_it_chose(capsys, dirs):
     obj = run_json(capsys, dirs)
     layout = quant.best_layout("target")
-    assert obj["weights"] == {"target": f"int8-{layout}", "draft": f"int8-{quant.best_layout('draft')}"}
+    draft = "int4" if quant.vnni_kernel()[0] is not None else "int8"
+    assert obj["weights"] == {"target": f"int8-{layout}", "draft": f"{draft}-{quant.best_layout('draft')}"}
     assert isinstance(obj["threads"], int) and obj["threads"] >= 1
     obj = run_json(capsys, dirs, "--dtype", "float32", "--method", "ar")
     assert obj["weights"] == {"target": "float32", "draft": None}

@@ -164,7 +164,7 @@ def test_int8_weights_are_cached_once_and_rebuilt_when_broken(tmp_path, monkeypa
 
     calls = []
     real = quant.quantize_state
-    monkeypatch.setattr(quant, "quantize_state", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(quant, "quantize_state", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     again = Transformer.from_pretrained(tmp_path / "m", dtype="int8")
     again.allocate(1, 32)
     assert torch.equal(again(ids), want) and calls == []  # read from the cache
@@ -182,6 +182,10 @@ def test_int8_weights_are_cached_once_and_rebuilt_when_broken(tmp_path, monkeypa
 
     Transformer.from_pretrained(tmp_path / "m", dtype="int8", layout="kn")  # its own entry
     assert len(list((tmp_path / "cache" / "int8").iterdir())) == 2
+    if quant.vnni_kernel()[0] is not None:  # int4 is another entry, not the int8 one
+        Transformer.from_pretrained(tmp_path / "m", dtype="int4")
+        names = sorted(f.name for f in (tmp_path / "cache" / "int8").iterdir())
+        assert len(names) == 3 and sum("-int4-" in n for n in names) == 1
 
 
 def test_int8_of_a_changed_checkpoint_is_quantized_again(tmp_path, monkeypatch):
@@ -206,8 +210,10 @@ def test_unwritable_cache_still_loads(tmp_path, monkeypatch, capsys):
 
 def test_bad_dtype_role_and_layout_are_refused(tmp_path):
     hf_model_dir(tmp_path, "mistral")
-    with pytest.raises(ValueError, match=r"dtype 'int4' is not one of \['auto', 'int8', 'q4', 'float32'"):
-        load(tmp_path, dtype="int4")
+    with pytest.raises(ValueError, match=r"dtype 'int3' is not one of \['auto', 'int8', 'q4', 'int4', 'float32'"):
+        load(tmp_path, dtype="int3")
+    with pytest.raises(ValueError, match="dtype int4 runs on the native backend only"):
+        load(tmp_path, dtype="int4", backend="transformers")
     with pytest.raises(ValueError, match="dtype None is not one of"):
         load(tmp_path, dtype=None)
     with pytest.raises(ValueError, match="role 'verifier' is not one of"):
@@ -218,11 +224,13 @@ def test_bad_dtype_role_and_layout_are_refused(tmp_path):
         tiny_model(0, pack=True).quantize()
 
 
-def test_default_load_is_int8_and_the_draft_gets_the_one_token_layout(tmp_path):
+def test_default_load_is_int8_and_the_draft_int4_in_the_one_token_layout(tmp_path):
     hf_model_dir(tmp_path, "qwen2-bias-tied")
     t, d = specdecode.load_pair(tmp_path, tmp_path)
     assert t.lm.weight_format == f"int8-{quant.best_layout('target')}"
-    assert d.lm.weight_format == f"int8-{quant.best_layout('draft')}"
+    vnni = quant.vnni_kernel()[0] is not None  # a draft gets int4 where the kernel runs
+    assert d.lm.weight_format == f"{'int4' if vnni else 'int8'}-{quant.best_layout('draft')}"
+    assert any(isinstance(m, quant.Q4KLinear) for m in d.lm.modules()) == vnni
     hf = load(tmp_path, backend="transformers", role="draft", tokenizer=False)
     assert hf.lm.weight_format == f"int8-{quant.best_layout('draft')}"
     assert any(isinstance(m, quant.Int8Linear) for m in hf.lm.hf.modules())
@@ -372,3 +380,76 @@ def test_a_draft_q4_that_cannot_load_is_refused_before_the_target_loads(tmp_path
     with pytest.raises(ValueError, match=r"^draft '.*': dtype q4 "):
         specdecode.load_pair(tmp_path, tmp_path, draft_dtype="q4")
     assert calls == []
+
+
+# ----------------------------------------------------------------------------------------
+# int4: every linear in Q4_K blocks quantized here
+# ----------------------------------------------------------------------------------------
+
+def _int4_linear(n, k, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    lin = quant.Q4KLinear(k, n, True)
+    for name, t in quant.q4k_quantize(w).items():
+        setattr(lin, name, t)
+    lin.bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    return w, lin
+
+
+@pytest.mark.parametrize("shape", [(48, 96), (32, 896), (64, 512)])
+def test_q4k_quantize_is_close_pads_with_zeros_and_stays_on_its_grid(shape):
+    n, k = shape
+    w, lin = _int4_linear(n, k)
+    kp = -(-k // 256) * 256
+    assert lin.padded_in == kp and lin.qweight.shape == (n // 16, kp // 32, 4, 16, 4)
+    full = quant.q4k_dequantize({b: getattr(lin, b) for b in quant.Q4K_BUFFERS})
+    assert full.shape == (n, kp) and not full[:, k:].any()
+    err = (lin.weight() - w).norm() / w.norm()
+    assert 0 < err < 0.12, err  # 4 bits a weight: about 1/15 of each group's range
+    # the blocks are exact Q4_K values: quantizing their dequantization changes nothing
+    again = quant.q4k_quantize(lin.weight())
+    assert torch.equal(quant.q4k_dequantize(again)[:, :k], lin.weight())
+
+
+def test_a_padded_q4k_linear_equals_the_padded_product_and_rows_are_independent():
+    w, lin = _int4_linear(48, 96, seed=3)
+    wide = quant.Q4KLinear(256, 48, True)
+    for b in (*quant.Q4K_BUFFERS, "bias"):
+        setattr(wide, b, getattr(lin, b))
+    x = torch.randn(17, 96) * torch.logspace(-2, 2, 17)[:, None]
+    y = lin(x)
+    assert torch.equal(y, wide(torch.nn.functional.pad(x, (0, 160))))
+    for i in range(17):
+        assert torch.equal(lin(x[i:i + 1]), y[i:i + 1]), i
+    assert torch.equal(lin(x[:8]), y[:8])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int4_verify_pass_rows_equal_one_token_passes_bit_for_bit(tied):
+    model = tiny_model(0, int8="vnni", int4=True, tie_embeddings=tied, dim=64, head_dim=16,
+                       n_kv_heads=1, intermediate_size=96)
+    assert model.weight_format == "int4-vnni"
+    assert sum(isinstance(m, quant.Q4KLinear) for m in model.modules()) == 2 * 7 + 1
+    seq = torch.randint(0, 96, (1, 90), generator=torch.Generator().manual_seed(2))
+    model.allocate(1, 100)
+    model.forward(seq[:, :10], num_logits=0)
+    singles = torch.cat([model.forward(seq[:, i:i + 1])[0] for i in range(10, 80)])
+    for k in (1, 4, 8, 16):
+        model.rollback(10)  # refilled in passes of up to 65 rows (attend_prefixes): the
+        for s in range(10, 80, 65):  # same cache as the singles left
+            model.forward(seq[:, s:min(80, s + 65)], num_logits=0)
+        for pos in reversed(range(10, 80 - k - 1, 9)):  # the cache always holds pos
+            model.rollback(pos)
+            assert torch.equal(model.forward(seq[:, pos:pos + k + 1])[0],
+                               singles[pos - 10:pos - 10 + k + 1]), (k, pos)
+
+
+def test_int4_draft_and_int4_target_keep_the_targets_plain_decoding():
+    """An int4 draft proposes for an int8 target, and a float draft for an int4 target:
+    greedy output is each target's own plain decoding."""
+    prompt, params = PROMPTS["twenty"], SamplingParams(max_new_tokens=60)
+    for target, draft in ((tiny_model(0, int8="vnni"), tiny_model(0, int8="vnni", int4=True)),
+                          (tiny_model(0, int8="vnni", int4=True), tiny_model(0))):
+        plain, _ = run(target, PromptLookupProposer(), 1, prompt, params)
+        gen, _ = run(target, DraftModelProposer(draft), 5, prompt, params)
+        assert gen.token_ids == plain.token_ids
+        assert gen.stats.acceptance_rate > 0.1  # accepted at times (4 bits on a tiny random model)

@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from .runners import BenchModels, build_runners, parse_methods
+
 
 def method_peak(label: str, target: str, draft: str, dtype: str, backend: str,
                 prompt_ids: list[int], max_new_tokens: int) -> tuple[int | None, str]:
@@ -36,8 +38,6 @@ def method_peak(label: str, target: str, draft: str, dtype: str, backend: str,
 
 
 def _child(spec: dict) -> None:
-    from .runners import BenchModels, build_runners, parse_methods
-
     torch.set_num_threads(spec["threads"])
     models = BenchModels(spec["target"], spec["draft"], spec["dtype"], spec["backend"])
     runner, _ = build_runners(models, parse_methods(spec["label"]))[spec["label"]]

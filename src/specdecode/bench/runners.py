@@ -133,14 +133,14 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
 
 def ours(models: BenchModels, name: str, opts: dict) -> Runner:
     """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
-    ``dtype=`` and ``backend=`` the draft's, default int8 on our runtime, ``dtype=auto``
-    with ``backend=llama.cpp``)."""
+    ``dtype=`` and ``backend=`` the draft's, default auto: see
+    :func:`specdecode.models.loading.load`)."""
     target = models.target()
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
     draft = None
     if spec.method.needs_draft_model:
         backend = opts.pop("backend", "auto")
-        draft = models.draft(opts.pop("dtype", "auto" if backend == "llama.cpp" else "int8"), backend)
+        draft = models.draft(opts.pop("dtype", "auto"), backend)
     engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
 
     def run(prompt_ids, max_new_tokens):

@@ -33,7 +33,8 @@ proposer.
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
   (each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
-  model dtype={"|".join(d for d in DTYPE_NAMES if d != "auto")}, the draft's dtype, default int8,
+  model dtype={"|".join(DTYPE_NAMES)}, the draft's dtype, default auto (int4 on an AVX512-VNNI
+  CPU, else int8),
   and backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
   draft:backend=llama.cpp)
 {peers}

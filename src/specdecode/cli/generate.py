@@ -66,13 +66,15 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="target weights. auto (default): q4 for a known model or a .gguf file on "
                         "an AVX512-VNNI CPU, else int8. q4: the GGUF file's own Q4_K blocks, the "
-                        "rest int8; int8: int8 weights. Both take int8 activations per token, so "
+                        "rest int8; int8: int8 weights; int4: 4-bit blocks quantized here (not the "
+                        "GGUF's model). All take int8 activations per token, so "
                         "verify passes equal one-token passes bit for bit; quantized once and "
                         "cached. The output is this target's own plain decoding; float32 is "
                         "the reference, several times slower on CPU")
     p.add_argument("--draft-dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="draft weights; never changes the output, only speed and acceptance "
-                        "(default auto: int8)")
+                        "(default auto: int4, every linear in 4-bit Q4_K blocks quantized here, on "
+                        "an AVX512-VNNI CPU; else int8)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="whose forward passes run the target: auto (default: native, our "
                         "runtime, where the architecture allows; else transformers), native, "

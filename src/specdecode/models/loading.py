@@ -19,8 +19,9 @@ from .native import SUPPORTED_MODEL_TYPES, Transformer
 from .quant import best_layout, has_q4k, quantize_linears, require_vnni
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "int8": row-independent W8A8; "q4": a GGUF file's own Q4_K blocks, the rest int8 (models/quant.py)
-DTYPE_NAMES = ("auto", "int8", "q4", *DTYPES)
+# "int8": row-independent W8A8; "q4": a GGUF file's own Q4_K blocks, the rest int8; "int4": every
+# linear as Q4_K blocks quantized here (models/quant.py)
+DTYPE_NAMES = ("auto", "int8", "q4", "int4", *DTYPES)
 DEFAULT_DTYPE = "auto"  # q4 for a target from a GGUF file with Q4_K weights, else int8: BENCHMARKS.md
 # "llama.cpp": llama.cpp's own forward passes of the GGUF file (optional extra; models/llamacpp.py)
 BACKENDS = ("auto", "native", "transformers", "llama.cpp")
@@ -100,9 +101,11 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     draft it changes nothing: :class:`specdecode.models.llamacpp.LlamaCppLM`) or "auto"
     (native when the architecture allows). ``dtype``: auto (default: q4 for a
     target from a GGUF file with Q4_K weights on a CPU with the VNNI kernel, the fastest
-    there; else int8), int8 (int8 weights and per-row int8 activations, whose verify-pass rows equal one-token passes bit for bit;
-    quantized once from the float files and cached), float32 (the reference), bfloat16 or
-    float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
+    there; int4 for a draft on such a CPU; else int8), int8 (int8 weights and per-row int8
+    activations, whose verify-pass rows equal one-token passes bit for bit; quantized once
+    from the float files and cached), int4 (the native backend on a CPU with the VNNI
+    kernel: every linear in Q4_K blocks quantized here, per-row int8 activations, rows
+    independent as with int8), float32 (the reference), bfloat16 or float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
     fastest for verify passes (target) or one-token steps (draft), which changes no output
     (:func:`specdecode.models.quant.best_layout`). ``q4`` (native backend, x86 CPUs with
     AVX512-VNNI, a known model or a ``.gguf`` file): the file's Q4_K weights as they are,
@@ -137,6 +140,8 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         source = _gguf_source(name_or_path, required=False)
         if role == "target" and native and layout == "vnni" and source is not None and has_q4k(source):
             dtype, gguf = "q4", source
+        elif role == "draft" and native and layout == "vnni":
+            dtype = "int4"  # 0.78x the int8 draft's step, at 2 points less acceptance: BENCHMARKS.md
         else:
             dtype = "int8"
     elif dtype == "q4":
@@ -144,6 +149,11 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             raise ValueError(f"dtype q4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
                              "use dtype int8")
         gguf = check_q4(name_or_path)
+    elif dtype == "int4":
+        if not native:
+            raise ValueError(f"dtype int4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
+                             "use dtype int8")
+        require_vnni("dtype int4")
     try:
         if backend == "transformers" or not native_ok:
             from transformers import AutoModelForCausalLM

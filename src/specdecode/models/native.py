@@ -684,21 +684,22 @@ class Transformer(nn.Module):
             self._layer_lengths = None if all(h == new for h in ll) else ll
         self.row_lengths = new
 
-    def quantize(self, layout: str | None = None) -> "Transformer":
+    def quantize(self, layout: str | None = None, int4: bool = False) -> "Transformer":
         """Turn this float model into the int8 model ``from_pretrained(dtype="int8")`` would
-        load (models/quant.py), in place; returns it. layout: see from_pretrained. Raises
-        ValueError for a model whose linears are already packed or quantized, or an unknown
-        layout."""
+        load (models/quant.py; ``int4``: dtype "int4"'s), in place; returns it. layout: see
+        from_pretrained. Raises ValueError for a model whose linears are already packed or
+        quantized, or an unknown layout."""
         layout = layout or quant.best_layout("target", self.model.norm.weight.device)
         if any(isinstance(m, (PackedLinear, quant.Int8Linear)) for m in self.modules()):
             raise ValueError("quantize needs a float model with plain nn.Linear layers "
                              "(load it with pack=False)")
         if layout not in quant.LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
-        state = quant.quantize_state(self.state_dict().items(), layout, self.args.tie_embeddings)
-        return self._assign_int8(state, layout, "the model's weights")
+        state = quant.quantize_state(self.state_dict().items(), layout, self.args.tie_embeddings,
+                                     int4=int4)
+        return self._assign_int8(state, layout, "the model's weights", "int4" if int4 else "int8")
 
-    def _assign_int8(self, state: dict, layout: str, what: str) -> "Transformer":
+    def _assign_int8(self, state: dict, layout: str, what: str, kind: str = "int8") -> "Transformer":
         q4k = quant.q4k_modules(state)
         quant.swap_modules(self, layout, q4k)
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
@@ -706,7 +707,7 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and layout == "nk" and "lm_head" not in q4k:
             emb = self.model.embed_tokens
             self.lm_head.qweight, self.lm_head.wscale = emb.qweight, emb.wscale
-        self.weight_format = f"q4-{layout}" if q4k else f"int8-{layout}"
+        self.weight_format = f"{kind if kind == 'int4' else 'q4' if q4k else 'int8'}-{layout}"
         return self
 
     def _check_loaded(self, missing, unexpected, tied: tuple[str, ...], what: str):
@@ -728,7 +729,11 @@ class Transformer(nn.Module):
         it changes speed only, not a bit of the output. dtype "q4": the same, except that
         every weight the GGUF file ``gguf`` (the file the directory was converted from)
         holds as Q4_K stays those blocks (:class:`~specdecode.models.quant.Q4KLinear`; the
-        VNNI kernel only); its Q6_K and other weights become int8. pack: reorder float
+        VNNI kernel only); its Q6_K and other weights become int8. dtype "int4": every
+        linear as Q4_K blocks quantized here from the float weights
+        (:func:`~specdecode.models.quant.q4k_quantize`; VNNI kernel only), the embedding
+        table int8: a cheaper draft, or a target whose output is its own plain decoding
+        (not the GGUF file's model). pack: reorder float
         linear weights for oneDNN (:class:`PackedLinear`); default: when the dtype is
         float32 or bfloat16.
         Raises ValueError for an unsupported architecture or layout, or weights that do not
@@ -744,8 +749,9 @@ class Transformer(nn.Module):
             if gguf is None:
                 raise ValueError("dtype q4 reads the Q4_K blocks of the model's GGUF file: pass "
                                  "gguf=PATH (or load a known model or a .gguf file)")
-            quant.require_vnni("dtype q4")
-        int8 = dtype in ("int8", "q4")
+        if dtype in ("q4", "int4"):
+            quant.require_vnni(f"dtype {dtype}")
+        int8 = dtype in ("int8", "q4", "int4")
         layout = layout or quant.best_layout("target")
         if int8 and layout not in quant.LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
@@ -753,14 +759,16 @@ class Transformer(nn.Module):
             model = cls(args)
         if int8:
             source = Path(gguf) if dtype == "q4" else None
-            state = quant.int8_state(files, layout, args.tie_embeddings, source)
+            int4 = dtype == "int4"
+            state = quant.int8_state(files, layout, args.tie_embeddings, source, int4=int4)
             try:
-                return model._assign_int8(state, layout, f"weights in {path}").eval()
+                return model._assign_int8(state, layout, f"weights in {path}", dtype).eval()
             except ValueError:  # a cached file of other tensors (edited, or another version)
                 with torch.device("meta"):
                     model = cls(args)
-                state = quant.int8_state(files, layout, args.tie_embeddings, source, rebuild=True)
-                return model._assign_int8(state, layout, f"weights in {path}").eval()
+                state = quant.int8_state(files, layout, args.tie_embeddings, source, rebuild=True,
+                                         int4=int4)
+                return model._assign_int8(state, layout, f"weights in {path}", dtype).eval()
         state = {}
         for f in files:
             state.update(load_file(f))

@@ -294,20 +294,23 @@ class Q4KLinear(nn.Module):
     per 256: llama.cpp's ``block_q4_K``), so the weights equal gguf-py's dequantization (and
     our fp32 conversion of the file) exactly; each 32-input group's product is an exact int32
     sum, combined in a fixed float order, so every output row depends only on its input row,
-    bit for bit. x: float [..., in] -> [..., out] in x's dtype. Shapes: in % 256 == 0,
-    out % 16 == 0. Buffers (per block of 16 output channels): ``qweight`` uint8
-    [out/16, in/32, 4, 16, 4] (two 4-bit values a byte), ``d``, ``dmin`` int16 (fp16 bits)
-    [out/16, in/256, 16], ``sc``, ``mn`` uint8 [out/16, in/32, 16], ``bias`` fp32 or None.
-    Raises RuntimeError when run without the VNNI kernel.
+    bit for bit. x: float [..., in] -> [..., out] in x's dtype. Shapes: out % 16 == 0; the
+    blocks cover K = in rounded up to a multiple of 256, the weights of the padding inputs
+    0 (:func:`q4k_quantize`; a GGUF file's blocks always have in % 256 == 0), and x gets
+    zeros there, which change neither its scale nor any sum. Buffers (per block of 16
+    output channels): ``qweight`` uint8 [out/16, K/32, 4, 16, 4] (two 4-bit values a
+    byte), ``d``, ``dmin`` int16 (fp16 bits) [out/16, K/256, 16], ``sc``, ``mn`` uint8
+    [out/16, K/32, 16], ``bias`` fp32 or None. Raises RuntimeError when run without the
+    VNNI kernel.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
         super().__init__()
-        if not q4k_fits(in_features, out_features):
-            raise ValueError(f"a Q4_K linear needs in % 256 == 0 and out % 16 == 0, got "
-                             f"[{out_features}, {in_features}]")
+        if out_features % 16:
+            raise ValueError(f"a Q4_K linear needs out % 16 == 0, got [{out_features}, {in_features}]")
         self.in_features, self.out_features = in_features, out_features
-        nb, g = out_features // 16, in_features // 32
+        self.padded_in = -(-in_features // 256) * 256
+        nb, g = out_features // 16, self.padded_in // 32
 
         def buf(shape, dtype):
             return torch.empty(shape, dtype=dtype, device=device)
@@ -326,7 +329,9 @@ class Q4KLinear(nn.Module):
                                f"({why}); load the model with dtype int8")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
-        m, k, n = x2.shape[0], self.in_features, self.out_features
+        m, k, n = x2.shape[0], self.padded_in, self.out_features
+        if k != self.in_features:
+            x2 = nn.functional.pad(x2, (0, k - self.in_features))
         xq, xs, _, gsum = _quantize_input(lib, x2, groups=True)
         y = torch.empty(m, n)
         lib.sd_q4k_linear(xq.data_ptr(), xs.data_ptr(), gsum.data_ptr(), m, k,
@@ -337,7 +342,7 @@ class Q4KLinear(nn.Module):
 
     def weight(self) -> torch.Tensor:
         """The weight dequantized to fp32 [out, in] (gguf-py's arithmetic)."""
-        return q4k_dequantize({k: getattr(self, k) for k in Q4K_BUFFERS})
+        return q4k_dequantize({k: getattr(self, k) for k in Q4K_BUFFERS})[:, :self.in_features]
 
 
 Q4K_BUFFERS = ("qweight", "d", "dmin", "sc", "mn")
@@ -391,15 +396,48 @@ def q4k_buffers(raw) -> dict[str, torch.Tensor]:
     sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, :, 4:16].reshape(-1, 12))
     # 64 inputs per 32 bytes: the low nibbles are the first 32, the high ones the next 32
     qs = b[:, :, 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = torch.from_numpy((qs & 0x0F).reshape(n, k)).view(n // 16, 16, k // 32, 4, 2, 4)
+    t = torch.from_numpy
+    return _q4k_pack(t((qs & 0x0F).reshape(n, k)), t(b[:, :, 0:2].copy().view(np.int16)).view(n, -1),
+                     t(b[:, :, 2:4].copy().view(np.int16)).view(n, -1),
+                     t(np.ascontiguousarray(sc)).view(n, -1), t(np.ascontiguousarray(mn)).view(n, -1))
+
+
+def _q4k_pack(q, d, dmin, sc, mn) -> dict[str, torch.Tensor]:
+    """:class:`Q4KLinear` buffers from q uint8 [n, k] (0..15, inputs in order), d and dmin
+    int16 (fp16 bits) [n, k/256], sc and mn uint8 [n, k/32]."""
+    n, k = q.shape
+    q = q.view(n // 16, 16, k // 32, 4, 2, 4)
 
     def blocks(a, per):  # [n, k / per] -> [n / 16, k / per, 16]
-        return torch.from_numpy(np.ascontiguousarray(a)).reshape(n // 16, 16, k // per).transpose(1, 2).contiguous()
+        return a.reshape(n // 16, 16, k // per).transpose(1, 2).contiguous()
 
     return {"qweight": (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous(),
-            "d": blocks(b[:, :, 0:2].copy().view(np.int16), 256),
-            "dmin": blocks(b[:, :, 2:4].copy().view(np.int16), 256),
-            "sc": blocks(sc, 32), "mn": blocks(mn, 32)}
+            "d": blocks(d, 256), "dmin": blocks(dmin, 256), "sc": blocks(sc, 32), "mn": blocks(mn, 32)}
+
+
+def q4k_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:class:`Q4KLinear` buffers of a float weight [out, in] (out % 16 == 0), quantized here
+    to llama.cpp's Q4_K arithmetic: per 32 inputs a 4-bit grid from the group's minimum
+    (offset dmin*m, m 6-bit) to its maximum (step d*sc, sc 6-bit), d and dmin fp16 per 256
+    inputs; round to nearest (llama.cpp searches the scales further: ``make_qkx2_quants``).
+    Inputs are padded with zero weights to a multiple of 256. For dtype int4, whose output
+    is the plain decoding of that quantized model (a draft's weights change only its
+    acceptance)."""
+    n, k = w.shape
+    kp = -(-k // 256) * 256
+    w = nn.functional.pad(w.float(), (0, kp - k)).view(n, kp // 32, 32)
+    lo = w.amin(-1).clamp(max=0).neg()  # [n, g]: the offset is -dmin*m <= 0
+    step = (w.amax(-1) + lo) / 15
+    sup = lambda t: t.view(n, kp // 256, 8)  # noqa: E731 - groups of a superblock
+    d = (sup(step).amax(-1) / 63).half()
+    dmin = (sup(lo).amax(-1) / 63).half()
+    dd, dm = d.float().repeat_interleave(8, 1), dmin.float().repeat_interleave(8, 1)
+    sc = torch.where(dd > 0, step / dd.clamp(min=1e-30), 0).round().clamp(0, 63)
+    mn = torch.where(dm > 0, lo / dm.clamp(min=1e-30), 0).round().clamp(0, 63)
+    a, b = (dd * sc)[..., None], (dm * mn)[..., None]
+    q = torch.where(a > 0, (w + b) / a.clamp(min=1e-30), 0).round().clamp(0, 15)
+    return _q4k_pack(q.to(torch.uint8).view(n, kp), d.view(torch.int16), dmin.view(torch.int16),
+                     sc.to(torch.uint8), mn.to(torch.uint8))
 
 
 def _usable_q4k(t) -> bool:
@@ -500,7 +538,8 @@ def quantize_linears(model: nn.Module, layout: str = "nk") -> nn.Module:
 
 def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
                    tie_embeddings: bool,
-                   q4k: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+                   q4k: dict[str, dict[str, torch.Tensor]] | None = None,
+                   int4: bool = False) -> dict[str, torch.Tensor]:
     """The int8 state dict of a Llama-family checkpoint, one tensor at a time.
 
     tensors: (name, tensor) pairs in transformers naming. Every 2-D ``*.weight`` becomes
@@ -509,14 +548,21 @@ def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
     it, the buffers of a :class:`Q4KLinear`; everything else (norms, biases) becomes fp32.
     With tied embeddings the checkpoint's ``lm_head.weight`` is ignored: the lm_head takes
     the embedding's Q4_K blocks, or in layout "nk" nothing (the loader ties it to the
-    embedding's int8 table), or else its own copy of that table in the layout."""
+    embedding's int8 table), or else its own copy of that table in the layout. ``int4``:
+    every linear whose out % 16 == 0 (the lm_head too, tied or not) gets Q4_K blocks
+    quantized here (:func:`q4k_quantize`) instead; the embedding table stays int8."""
     q4k = dict(q4k or {})
     state: dict[str, torch.Tensor] = {}
     for name, t in tensors:
+        if int4 and t.dim() == 2 and t.shape[0] % 16 == 0 and name.endswith(".weight") and (
+                name == "model.embed_tokens.weight" and tie_embeddings
+                or not name.endswith("embed_tokens.weight")
+                and not (name == "lm_head.weight" and tie_embeddings)):
+            q4k["lm_head.weight" if name == "model.embed_tokens.weight" else name] = q4k_quantize(t)
         if name == "lm_head.weight" and tie_embeddings:
             continue
         base = name[: -len(".weight")]
-        if name in q4k and not torch.equal(q4k_dequantize(q4k[name]), t.float()):
+        if not int4 and name in q4k and not torch.equal(q4k_dequantize(q4k[name]), t.float()):
             # blocks that do not give the converted weight (a layout we do not undo): int8
             print(f"note: {name}: the GGUF's Q4_K blocks differ from the converted weights; "
                   "kept as int8", file=sys.stderr)
@@ -531,7 +577,9 @@ def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
                 state[base + ".qweight"] = pack(q, layout_for(layout, t.shape[1], t.shape[0]))
         else:
             state[name] = t.float()
-    if tie_embeddings and "model.embed_tokens.weight" in q4k:
+    if int4 and tie_embeddings and "lm_head.weight" in q4k:
+        state.update({f"lm_head.{k}": v for k, v in q4k["lm_head.weight"].items()})
+    elif tie_embeddings and "model.embed_tokens.weight" in q4k:
         state.update({f"lm_head.{k}": v.clone() for k, v in q4k["model.embed_tokens.weight"].items()})
     elif tie_embeddings and layout != "nk":
         q = state["model.embed_tokens.qweight"]
@@ -553,7 +601,7 @@ def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path | None = None,
-               progress: bool = True, rebuild: bool = False) -> dict[str, torch.Tensor]:
+               progress: bool = True, rebuild: bool = False, int4: bool = False) -> dict[str, torch.Tensor]:
     """:func:`quantize_state` of the float safetensors ``files`` (with the Q4_K tensors of
     the GGUF file ``gguf`` when given: dtype q4), cached on disk.
 
@@ -564,14 +612,14 @@ def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path 
     rebuilt, as is any with ``rebuild`` (the loader's answer to a cached file that does
     not fit the model); one that cannot be written is skipped with a note on stderr. Raises
     SafetensorError/OSError for unreadable source files, ValueError for a GGUF file without
-    Q4_K weights.
+    Q4_K weights. ``int4``: the linears as Q4_K blocks quantized here (dtype int4).
     """
-    ident = [FORMAT_VERSION, layout, tie_embeddings]
+    ident = [FORMAT_VERSION, layout, tie_embeddings] + (["int4"] if int4 else [])
     for f in files + ([gguf] if gguf else []):
         st = f.resolve().stat()
         ident += [str(f.resolve()), st.st_size, st.st_mtime_ns]
     key = hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
-    kind = "q4" if gguf else "int8"
+    kind = "q4" if gguf else "int4" if int4 else "int8"
     path = _int8_dir() / f"{files[0].parent.name}-{kind}-{key}.safetensors"
     if rebuild:
         path.unlink(missing_ok=True)
@@ -584,7 +632,7 @@ def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path 
         print(f"quantizing {files[0].parent.name} to {kind} (once; cached in {path.parent})...",
               file=sys.stderr)
     state = quantize_state(_stream(files), layout, tie_embeddings,
-                           q4k_blocks(gguf) if gguf else None)
+                           q4k_blocks(gguf) if gguf else None, int4=int4)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
