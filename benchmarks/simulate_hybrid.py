@@ -1,7 +1,7 @@
 """Replay the hybrid's choices on recorded greedy outputs, at no bench noise.
 
 A greedy request's output does not depend on the proposer, so for every position of a
-recorded `ar` output two things are fixed: how many tokens the (int8) draft model's greedy
+recorded `ar` output two things are fixed: how many tokens the draft model's greedy
 continuation would get accepted there, and what the suffix matcher would propose. Step 1
 measures the first by running the draft at every position (cached in ``--cache``, ~15 s a
 prompt). Step 2 replays the real ``HybridProposer`` on them, with a stand-in draft model
@@ -111,16 +111,21 @@ def main() -> None:
     p.add_argument("--cold", default="1.1", help="HybridTuning.cold_margin values")
     p.add_argument("--cache", default=str(registry.cache_dir() / "draft_accepts.json"),
                    help="where step 1's results are kept (default: %(default)s)")
+    p.add_argument("--prefill-cost", type=float, default=None,
+                   help="the draft's prefill per token / T(1), charged and told to the hybrid "
+                        f"(default {DRAFT_PREFILL_COST}, HybridProposer's)")
+    p.add_argument("--dtype", default="auto", help="the target's dtype (that of the run recorded)")
+    p.add_argument("--draft-dtype", default="auto", help="the draft's dtype (default: load()'s)")
     args = p.parse_args()
     records = [json.loads(line) for line in open(args.records) if line.strip()]
-    models = BenchModels(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, "float32")
-    target, draft = models.target(), models.draft("int8")
+    models = BenchModels(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, args.dtype)
+    target, draft = models.target(), models.draft(args.draft_dtype)
     cases = load_cases(records, target.tokenizer)
     cache_path = Path(args.cache)
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     accepts = []
     for sub, pid, _, prompt, out in cases:
-        name = f"{sub}/{pid}/{len(prompt)}/{len(out)}"
+        name = f"{sub}/{pid}/{len(prompt)}/{len(out)}/{draft.lm.weight_format}"
         if name not in cache:
             cache[name] = draft_accepts(draft.lm, prompt, out)
             cache_path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,12 +134,13 @@ def main() -> None:
     times = verify_profile(target, 16)
     vc = [t / times[0] for t in times]  # T(n)/T(1): every cost in units of T(1)
     c_draft = verify_profile(draft, 0)[0] / times[0]
+    prefill_cost = DRAFT_PREFILL_COST if args.prefill_cost is None else args.prefill_cost
 
     def cost_of(drafter: ReplayDraft):
         def cost(proposal, n):
             t = vc[min(n, len(vc) - 1)]
             if proposal is not None and proposal.source == "draft":
-                return n * c_draft + t + drafter.caught_up * DRAFT_PREFILL_COST
+                return n * c_draft + t + drafter.caught_up * prefill_cost
             return t
         return cost
 
@@ -152,7 +158,8 @@ def main() -> None:
                 tuning = dataclasses.replace(HybridTuning(), lookup_margin=float(m), explore=float(e),
                                              draft_prior_alpha=float(a), cold_margin=float(b))
                 d = ReplayDraft(len(prompt), out, acc)
-                h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft, tuning=tuning)
+                h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft,
+                                   draft_prefill_cost=prefill_cost, tuning=tuning)
                 res[f"hybrid margin={m} explore={e} prior={a} cold={b}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
         for name, v in res.items():
             rows.setdefault(name, {}).setdefault(sub, []).append(v)

@@ -118,15 +118,16 @@ def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning()):
 def test_hybrid_amortises_the_draft_prefill_over_the_answer_so_far():
     """A long prompt's draft prefill is paid only once the answer has gone on long enough to
     spread it (RAG: 800 prompt tokens, a 15-token answer), not over max_new_tokens: before
-    that the draft is not fed at all. Numbers (default costs, prior acceptance 0.7): 40
-    unseen prompt tokens at 0.12 T(1) each beat plain decoding by cold_margin (10 %) from
-    about 35 generated tokens on; spread over max_new_tokens they would from the start. With
-    no margin, a draft that beats plain decoding barely is fed at once."""
-    first_fed_at, accepted = _amortised_run(0.12)
+    that the draft is not fed at all. Numbers (default costs, prior acceptance 0.7, a cold
+    margin of 10 %): 40 unseen prompt tokens at 0.12 T(1) each beat plain decoding by the
+    margin from about 35 generated tokens on; spread over max_new_tokens they would from the
+    start. With no margin, a draft that beats plain decoding barely is fed at once."""
+    tuning = HybridTuning(draft_prior_alpha=0.7, cold_margin=1.1)
+    first_fed_at, accepted = _amortised_run(0.12, tuning)
     assert 25 <= first_fed_at <= 50
     assert accepted >= 0.8 * (120 - first_fed_at)  # then it serves most of the answer
-    assert _amortised_run(0.18) == (None, 0)  # dearer: never pays within 120 tokens
-    assert _amortised_run(0.12, HybridTuning(cold_margin=1.0))[0] == 0
+    assert _amortised_run(0.18, tuning) == (None, 0)  # dearer: never pays within 120 tokens
+    assert _amortised_run(0.12, HybridTuning(draft_prior_alpha=0.7, cold_margin=1.0))[0] == 0
 
 
 def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
@@ -144,7 +145,7 @@ def test_hybrid_drafts_as_far_as_the_draft_is_accepted():
     gen, _ = run(tgt, other, 8, prompt, GREEDY128)
     by = gen.stats.by_proposer["draft"]
     assert gen.token_ids == expected and other.draft_alpha[0] < 0.3
-    assert by["num_drafts"] <= 8 and by["num_draft_tokens"] < 3 * by["num_drafts"]
+    assert by["num_drafts"] <= 12 and by["num_draft_tokens"] < 3 * by["num_drafts"]  # of 128 tokens
 
 
 def test_hybrid_draft_stops_where_it_is_unsure():
@@ -212,7 +213,7 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
     gen, _ = run(tgt, hybrid, 8, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     by = gen.stats.by_proposer["draft"]
-    assert by["num_accepted_tokens"] > 100 and hybrid.draft_alpha[0] > 0.8
+    assert by["num_accepted_tokens"] > 100 and hybrid.draft_alpha[0] > 0.7  # bad start included
     # a draft that is never right is tried again less and less often
     never = HybridProposer(SuffixProposer(8, 0.99),
                            HybridProposer.draft_for(MockLM(50, lambda toks: torch.roll(tfn(toks), 1)), p_min=0.0))

@@ -17,7 +17,7 @@ class HybridTuning:
 
     prior_weight: float = 2.0
     """Weight, in rounds (or tokens), of the prior in every estimate the hybrid learns."""
-    draft_prior_alpha: float = 0.7
+    draft_prior_alpha: float = 0.85
     """Prior acceptance of the draft's first token before it has drafted in this request."""
     horizon: int = 16
     """Fewest tokens an answer is expected to go on for when spreading a draft's catch-up."""
@@ -35,7 +35,7 @@ class HybridTuning:
     check_below: float = 0.9
     """A lookup round goes through the draft when the lookup expects to keep less than this
     share of its proposal (greedy, draft at most one token behind)."""
-    cold_margin: float = 1.1
+    cold_margin: float = 1.0
     """A draft that must first be fed more than two committed tokens drafts only if it beats
     plain decoding by this factor: that feed is paid for certain, its return only if the
     answer goes on."""
