@@ -219,7 +219,8 @@ def test_hybrid_tries_a_draft_again_after_giving_it_up():
                            HybridProposer.draft_for(MockLM(50, lambda toks: torch.roll(tfn(toks), 1)), p_min=0.0))
     gen, _ = run(tgt, never, 8, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
-    assert 3 <= gen.stats.by_proposer["draft"]["num_drafts"] <= 10  # probes after 8, 16, 32, 64 rounds
+    # a few rounds until its estimate falls below the prior's pull, then probes after 8, 16, 32, 64 rounds
+    assert 3 <= gen.stats.by_proposer["draft"]["num_drafts"] <= 12
 
 
 def test_hybrid_costs_beyond_the_profile_never_fall():
@@ -272,9 +273,9 @@ def test_hybrid_sampled_output_follows_target():
     """Rounds from the lookup (point masses) and from a draft model (its distribution) mixed
     in one request: the joint of the first two tokens is the target's."""
     params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5)
-    # here the lookup must win some rounds against a free draft: no margin
+    # here the lookup must win some rounds against a free draft: no margin, a modest prior
     hybrid = HybridProposer(SuffixProposer(8, 0.0), HybridProposer.draft_for(mock_draft(), p_min=0.0),
-                            draft_cost=0.0, tuning=HybridTuning(lookup_margin=1.0))
+                            draft_cost=0.0, tuning=HybridTuning(lookup_margin=1.0, draft_prior_alpha=0.7))
     engine = Engine(mock_target(), hybrid, 3, debug=True)
     counts = torch.zeros(EV * EV, dtype=torch.long)
     sources = set()
