@@ -17,6 +17,9 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#include <vector>
 
 namespace {
 
@@ -193,6 +196,56 @@ void sd_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int64
                            y + m0 * N, N, nb * 16);
         }
     }
+}
+
+}  // extern "C"
+
+namespace {
+
+// Scratch for the activations of the calling thread (a Python thread per request may call
+// at once: ctypes releases the GIL), grown as needed, never shrunk.
+struct Scratch {
+    std::vector<float> xpad;
+    std::vector<int8_t> xq;
+    std::vector<float> xs;
+    std::vector<int32_t> xsum, gsum;
+};
+thread_local Scratch scratch;
+
+}  // namespace
+
+extern "C" {
+
+// The same as sd_quantize_rows + sd_int8_linear, in one call from fp32 x [M, K]: one
+// crossing from Python instead of two, and no tensors allocated for the quantized rows.
+void sd_int8_linear_x(const float* x, int64_t M, int64_t K, const uint8_t* wp, const float* ws,
+                      const float* bias, int64_t N, float* y) {
+    Scratch& s = scratch;
+    s.xq.resize(M * K);
+    s.xs.resize(M);
+    s.xsum.resize(M);
+    sd_quantize_rows(x, M, K, s.xq.data(), s.xs.data(), s.xsum.data(), nullptr);
+    sd_int8_linear(s.xq.data(), s.xs.data(), s.xsum.data(), M, K, wp, ws, bias, N, y);
+}
+
+// sd_quantize_rows (with group sums) + sd_q4k_linear from fp32 x [M, Kin]; the weights
+// cover K >= Kin inputs (K % 256 == 0, Kin % 16 == 0), those past Kin meeting zeros, which
+// change neither a row's scale nor any sum (so the result is that of x padded with zeros).
+void sd_q4k_linear_x(const float* x, int64_t M, int64_t Kin, int64_t K, const uint8_t* wq,
+                     const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
+                     const uint8_t* mn, const float* bias, int64_t N, float* y) {
+    Scratch& s = scratch;
+    if (Kin != K) {
+        s.xpad.assign(M * K, 0.0f);
+        for (int64_t m = 0; m < M; m++) memcpy(s.xpad.data() + m * K, x + m * Kin, Kin * sizeof(float));
+        x = s.xpad.data();
+    }
+    s.xq.resize(M * K);
+    s.xs.resize(M);
+    s.xsum.resize(M);
+    s.gsum.resize(M * (K / 32));
+    sd_quantize_rows(x, M, K, s.xq.data(), s.xs.data(), s.xsum.data(), s.gsum.data());
+    sd_q4k_linear(s.xq.data(), s.xs.data(), s.gsum.data(), M, K, wq, d, dmin, sc, mn, bias, N, y);
 }
 
 }  // extern "C"

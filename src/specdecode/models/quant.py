@@ -91,12 +91,10 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return _unavailable(f"building or loading the kernel failed: {e}")
     P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.sd_quantize_rows.argtypes = [P, I, I, P, P, P, P]
-    lib.sd_quantize_rows.restype = None
-    lib.sd_int8_linear.argtypes = [P, P, P, I, I, P, P, P, I, P]
-    lib.sd_int8_linear.restype = None
-    lib.sd_q4k_linear.argtypes = [P, P, P, I, I, P, P, P, P, P, P, I, P]
-    lib.sd_q4k_linear.restype = None
+    lib.sd_int8_linear_x.argtypes = [P, I, I, P, P, P, I, P]
+    lib.sd_int8_linear_x.restype = None
+    lib.sd_q4k_linear_x.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
+    lib.sd_q4k_linear_x.restype = None
     return lib, ""
 
 
@@ -226,11 +224,10 @@ class Int8Linear(nn.Module):
         n = self.out_features
         lib = vnni_kernel()[0] if self.layout == "vnni" else None
         if lib is not None and x2.device.type == "cpu":
-            xq, xs, xsum, _ = _quantize_input(lib, x2, groups=False)
+            x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], n)
-            lib.sd_int8_linear(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), x2.shape[0],
-                               self.in_features, self.qweight.data_ptr(), self.wscale.data_ptr(),
-                               0 if self.bias is None else self.bias.data_ptr(), n, y.data_ptr())
+            lib.sd_int8_linear_x(x2.data_ptr(), x2.shape[0], self.in_features, *_pointers(
+                self, ("qweight", "wscale", "bias")), n, y.data_ptr())
             return y.to(x.dtype).view(*shape[:-1], n)
         xq, xs = quantize_rows(x2)  # the kernel's steps (int8_vnni.cpp, sd_quantize_rows)
         y = torch._int_mm(xq, self.weight_kn()).float() * xs[:, None] * self.wscale
@@ -252,17 +249,17 @@ class Int8Linear(nn.Module):
                 f"layout={self.layout}, W8A8 per-row")
 
 
-def _quantize_input(lib: ctypes.CDLL, x: torch.Tensor, groups: bool):
-    """Rows of x fp32 [M, K] quantized by the kernel: (xq int8 [M, K], scales [M], sums of xq
-    [M], and with ``groups`` sums per 32 inputs [M, K/32], else None)."""
-    x = x.contiguous()
-    m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.int8)
-    xs, xsum = torch.empty(m), torch.empty(m, dtype=torch.int32)
-    gsum = torch.empty(m, k // 32, dtype=torch.int32) if groups else None
-    lib.sd_quantize_rows(x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(),
-                         0 if gsum is None else gsum.data_ptr())
-    return xq, xs, xsum, gsum
+def _pointers(module: nn.Module, names: tuple[str, ...]) -> tuple[int, ...]:
+    """Data pointers of a module's buffers (0 for None), kept on the module while the same
+    tensors are assigned: a call of the kernel then costs one crossing from Python."""
+    buffers = module._buffers  # not getattr: nn.Module's lookup costs a microsecond a name
+    tensors = tuple(buffers[k] for k in names)
+    cached = module.__dict__.get("_kernel_args")
+    if cached is None or len(cached[0]) != len(tensors) or any(
+            a is not b for a, b in zip(cached[0], tensors)):
+        cached = (tensors, tuple(0 if t is None else t.data_ptr() for t in tensors))
+        module.__dict__["_kernel_args"] = cached
+    return cached[1]
 
 
 class Int8Embedding(nn.Module):
@@ -328,16 +325,11 @@ class Q4KLinear(nn.Module):
             raise RuntimeError(f"Q4_K weights need the AVX512-VNNI kernel, which is not in use "
                                f"({why}); load the model with dtype int8")
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
-        m, k, n = x2.shape[0], self.padded_in, self.out_features
-        if k != self.in_features:
-            x2 = nn.functional.pad(x2, (0, k - self.in_features))
-        xq, xs, _, gsum = _quantize_input(lib, x2, groups=True)
-        y = torch.empty(m, n)
-        lib.sd_q4k_linear(xq.data_ptr(), xs.data_ptr(), gsum.data_ptr(), m, k,
-                          self.qweight.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(),
-                          self.sc.data_ptr(), self.mn.data_ptr(),
-                          0 if self.bias is None else self.bias.data_ptr(), n, y.data_ptr())
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        n = self.out_features
+        y = torch.empty(x2.shape[0], n)
+        lib.sd_q4k_linear_x(x2.data_ptr(), x2.shape[0], self.in_features, self.padded_in,
+                            *_pointers(self, (*Q4K_BUFFERS, "bias")), n, y.data_ptr())
         return y.to(x.dtype).view(*shape[:-1], n)
 
     def weight(self) -> torch.Tensor:
