@@ -4,6 +4,7 @@ and the hybrid's cost model read them)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -17,6 +18,7 @@ import torch
 from .models import registry
 from .models.base import busy_lock
 from .models.loading import LoadedModel
+from .models.quant import KERNEL_SOURCE
 
 
 def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 5,
@@ -47,6 +49,12 @@ def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 
 
 
 PROFILE_CONTEXT = 256
+@functools.cache
+def _kernel_source() -> str:
+    """A digest of our C++ kernels' source: a changed kernel is measured again."""
+    return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:12]
+
+
 PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profiles are measured again
 PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode cache>/profiles
 
@@ -66,7 +74,7 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     if cached is not None and len(cached) >= n:
         return cached[:n]
     key = json.dumps([PROFILE_VERSION, str(model.path or model.name), type(model.lm).__name__,
-                      model.lm.weight_format, torch.get_num_threads(),
+                      model.lm.weight_format, _kernel_source(), torch.get_num_threads(),
                       torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
     path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
         hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
