@@ -827,3 +827,26 @@ def test_max_matching_ngram_size_sets_the_longest_n_gram_and_keeps_the_shortest_
     for given, expected in [(1, (1, 1)), (2, (2, 2)), (8, (2, 8))]:
         c = speculative_config("prompt-lookup", False, max_ngram=given)
         assert (c.min_ngram, c.max_ngram) == expected
+
+
+def test_a_stream_closed_or_abandoned_early_frees_its_models_at_once(target, draft):
+    """``close()`` on a stream, or a ``break`` out of a loop over it, releases the models
+    then and there (not when the cyclic garbage collector runs): the next request works,
+    every time. A stream paused but still held keeps them (issue 21, fault 1)."""
+    import gc
+
+    gc.disable()  # only reference counting may free anything here
+    try:
+        for _ in range(5):
+            s = specdecode.stream(target, PROMPT, draft=draft, max_new_tokens=30)
+            next(s), next(s)
+            with pytest.raises(RuntimeError, match="already generating"):
+                specdecode.generate(target, PROMPT, max_new_tokens=4)
+            s.close()
+            assert len(specdecode.generate(target, PROMPT, draft=draft, max_new_tokens=4).token_ids) >= 1
+            for i, _ in enumerate(specdecode.stream(target, PROMPT, draft=draft, max_new_tokens=30)):
+                if i == 1:
+                    break
+            assert len(specdecode.generate(target, PROMPT, draft=draft, max_new_tokens=4).token_ids) >= 1
+    finally:
+        gc.enable()

@@ -409,6 +409,8 @@ def test_llamacpp_without_the_extra_says_how_to_install_it(monkeypatch, capsys, 
 def test_llamacpp_needs_a_gguf_file(tmp_path):
     with pytest.raises(ValueError, match="llama.cpp runs GGUF files"):
         llamacpp.gguf_file(tmp_path)
+    with pytest.raises(ValueError, match="GGUF file .*m.gguf' not found"):
+        llamacpp.gguf_file(tmp_path / "m.gguf")
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     assert llamacpp.gguf_file(f) == f

@@ -103,6 +103,10 @@ def test_a_file_llama_cpp_cannot_load_is_named_with_its_error(lc, tmp_path):
     bad.write_bytes(b"not a gguf")
     with pytest.raises(ValueError, match=r"could not load .*bad\.gguf.*invalid magic"):
         llamacpp.LlamaCppLM(bad, threads=1)
+    llamacpp._LOG.clear()
+    lc.log_cb = lambda *a: None  # a failure llama.cpp logs nothing about
+    with pytest.raises(ValueError, match=r"truncated\): llama.cpp gave no reason"):
+        llamacpp.LlamaCppLM(bad, threads=1)
 
 
 @pytest.mark.parametrize("k", [1, 4])

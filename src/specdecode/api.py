@@ -192,19 +192,22 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     detok = IncrementalDetokenizer(lambda ids: _decode(tok, ids)) if tok is not None else None
     sent, final = 0, None
     hold = max((len(s) for s in params.stop), default=1) - 1
-    for new in gen:
-        if detok is None:
-            yield StreamChunk("", new)
-            continue
-        if gen.finish_reason is not None:
-            final = completion()
-            delta = final[sent:]
-        else:
-            detok.add(new)  # no stop string yet: the engine would have ended the request
-            text = detok.text
-            delta = text[sent:max(sent, len(text) - hold)]
-        sent += len(delta)
-        yield StreamChunk(delta, new)
+    try:
+        for new in gen:
+            if detok is None:
+                yield StreamChunk("", new)
+                continue
+            if gen.finish_reason is not None:
+                final = completion()
+                delta = final[sent:]
+            else:
+                detok.add(new)  # no stop string yet: the engine would have ended the request
+                text = detok.text
+                delta = text[sent:max(sent, len(text) - hold)]
+            sent += len(delta)
+            yield StreamChunk(delta, new)
+    finally:  # a stream closed (or dropped) early frees its models now, not at garbage collection
+        gen.close()
     text = "" if tok is None else final if final is not None else completion()
     result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids)
     yield StreamChunk(text[sent:], [], result)

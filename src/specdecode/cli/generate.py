@@ -164,6 +164,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_stats("ar", ar.stats.to_dict(), ar.finish_reason, info)
         verdict = {True: "identical to plain decoding", False: "DIFFERENT from plain decoding",
                    None: "(sampled: not compared)"}[identical]
+        if identical is False and target.lm.weight_format.startswith("llama.cpp"):
+            verdict += (" (the llama.cpp backend: its passes over several tokens round "
+                        "differently from one-token passes; --backend native is exact)")
         print(f"speedup {speedup:.2f}x over plain decoding; output {verdict}", file=info)
         out["ar"] = {"text": ar.text, "token_ids": ar.token_ids,
                      "tokens_per_second": round(ar.stats.tokens_per_second, 3)}

@@ -48,6 +48,8 @@ def gguf_file(name_or_path: str | Path) -> Path:
     p = Path(s).expanduser()
     if p.suffix.lower() == ".gguf" and p.is_file():
         return p
+    if p.suffix.lower() == ".gguf":
+        raise ValueError(f"GGUF file {s!r} not found")
     raise ValueError(f"llama.cpp runs GGUF files: {s!r} is neither a known model "
                      f"({', '.join(registry.KNOWN_MODELS)}) nor a .gguf file")
 
@@ -117,7 +119,8 @@ class LlamaCppLM:
             model = lc.llama_model_load_from_file(str(self.path).encode(), params)
             if not model:
                 raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF file it "
-                                 f"reads, or truncated): {' '.join(_LOG[-3:]).strip()}")
+                                 f"reads, or truncated): "
+                                 f"{' '.join(_LOG[-3:]).strip() or 'llama.cpp gave no reason'}")
             _model = _ModelHandle(lc, model)
         self._model = _model
         m = _model.ptr

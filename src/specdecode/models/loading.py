@@ -146,13 +146,13 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             dtype = "int8"
     elif dtype == "q4":
         if not native:
-            raise ValueError(f"dtype q4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
-                             "use dtype int8")
+            raise ValueError(f"dtype q4 runs on the native backend only (model types "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}); use dtype int8, or backend native")
         gguf = check_q4(name_or_path)
     elif dtype == "int4":
         if not native:
-            raise ValueError(f"dtype int4 runs on the native backend only ({SUPPORTED_MODEL_TYPES}); "
-                             "use dtype int8")
+            raise ValueError(f"dtype int4 runs on the native backend only (model types "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}); use dtype int8, or backend native")
         require_vnni("dtype int4")
     try:
         if backend == "transformers" or not native_ok:
