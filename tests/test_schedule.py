@@ -201,3 +201,18 @@ def test_inapplicable_options_raise():
         SpeculativeConfig("draft", 4, KSchedule.FIXED, 8)
     with pytest.raises(ValueError, match="draft_p_min applies to 'draft' and 'hybrid'"):
         SpeculativeConfig("suffix", draft_p_min=0.5)
+
+
+def test_auto_k_does_not_count_a_probes_catch_up_as_draft_cost():
+    """A round after rounds without drafts feeds the draft everything committed meanwhile;
+    that time is not a cost per drafted token (counted so, a one-token probe cost twice a
+    draft step and kept K at 0 for good). Ordinary rounds still update the cost."""
+    a = AutoK(linear_times(9), 8, draft_seconds_per_token=0.3)
+    a.next_k()
+    a.update(0, 0, 0.0, 1.0)  # a round without drafts
+    a.next_k()
+    a.update(1, 1, 1.5, 1.1)  # the probe: catch-up + one step
+    assert a.draft_per_token == pytest.approx(0.3)
+    a.next_k()
+    a.update(4, 4, 1.6, 1.2)  # a round after a drafting one: 0.4 a token, measured
+    assert a.draft_per_token == pytest.approx(0.4)

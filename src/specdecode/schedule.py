@@ -120,7 +120,7 @@ class AutoK(Schedule):
 
     def __init__(self, forward_seconds: list[float], max_k: int = 16,
                  draft_seconds_per_token: float = 0.0, decay: float = 0.9,
-                 prior_weight: float = 1.0, first_alpha: float = 0.6, probe_every: int = 8):
+                 prior_weight: float = 1.0, first_alpha: float = 0.85, probe_every: int = 8):
         check_k("max K", max_k)
         if len(forward_seconds) < 2 or not all(_positive(t) for t in forward_seconds):
             raise ValueError(f"AutoK needs forward times T(1), T(2), ... in seconds (at least 2, "
@@ -145,6 +145,7 @@ class AutoK(Schedule):
         self.draft_per_token = self.draft_seconds_per_token
         self.scale = 1.0
         self._seen_draft = False
+        self._after_idle = False  # the last costly round drafted nothing
         # (reached, accepted) counts per position (index i: position i, 1-based) and rounds
         # spent at K = 0, per offered-length bucket of free proposals; None: costly proposals
         self._counts: dict[int | None, tuple[list[float], list[float]]] = {}
@@ -217,11 +218,16 @@ class AutoK(Schedule):
             reached[i] += 1
             if i <= accepted:
                 acc[i] += 1
-        if proposed and draft_s is not None and bucket is None:
+        if proposed and draft_s is not None and bucket is None and not self._after_idle:
+            # a round after rounds without drafts also fed the draft every token committed
+            # meanwhile: counted per drafted token, that catch-up made a one-token probe cost
+            # twice a draft step and kept K at 0 (q4 target, int4 draft: mean K 0.14)
             per_token = draft_s / proposed
             self.draft_per_token = (per_token if not self._seen_draft
                                     else 0.8 * self.draft_per_token + 0.2 * per_token)
             self._seen_draft = True
+        if bucket is None:
+            self._after_idle = not proposed
         n = min(proposed + 1, len(self.times))
         if verify_s is not None and verify_s > 0:
             self.scale = 0.8 * self.scale + 0.2 * (verify_s / self.times[n - 1])
