@@ -44,9 +44,11 @@ def module() -> ModuleType:
         m.contexts.append(ctx)
         return ctx
 
-    def batch_init(n, embd, n_seq):
-        return SimpleNamespace(n_tokens=0, token=[0] * n, pos=[0] * n, n_seq_id=[0] * n,
-                               seq_id=[[0] for _ in range(n)], logits=[False] * n)
+    def batch_init(n, embd, n_seq):  # ctypes arrays, as llama_batch's fields are C arrays
+        return SimpleNamespace(n_tokens=0, token=(ctypes.c_int32 * n)(), pos=(ctypes.c_int32 * n)(),
+                               n_seq_id=(ctypes.c_int32 * n)(),
+                               seq_id=[(ctypes.c_int32 * 1)(-1) for _ in range(n)],
+                               logits=(ctypes.c_int8 * n)())
 
     def decode(ctx, b):
         m.decode_calls.append(b.n_tokens)

@@ -135,8 +135,11 @@ class LlamaCppLM:
         self._ctx = None
         self._n_ctx = 0
         self._new_context(n_ctx)
-        self._batch = lc.llama_batch_init(N_BATCH, 0, 1)
-        weakref.finalize(self, lc.llama_batch_free, self._batch)
+        self._batch = b = lc.llama_batch_init(N_BATCH, 0, 1)
+        weakref.finalize(self, lc.llama_batch_free, b)
+        for i in range(N_BATCH):  # every token belongs to sequence 0, in every call
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
 
     def _new_context(self, n_ctx: int) -> None:
         lc = self._lc
@@ -184,20 +187,18 @@ class LlamaCppLM:
         out = np.empty((n, self.vocab_size), dtype=np.float32)
         done = 0
         for start in range(0, t, N_BATCH):
-            chunk = ids[start:start + N_BATCH]
-            b.n_tokens = len(chunk)
-            rows = 0
-            for i, tok in enumerate(chunk):
-                b.token[i] = tok
-                b.pos[i] = self.seq_len + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = keep = start + i >= t - n
-                rows += keep
+            chunk = np.asarray(ids[start:start + N_BATCH], dtype=np.int32)
+            c = len(chunk)
+            keep = (np.arange(start, start + c) >= t - n).astype(np.int8)
+            pos = np.arange(self.seq_len, self.seq_len + c, dtype=np.int32)
+            for field, values in ((b.token, chunk), (b.pos, pos), (b.logits, keep)):
+                ctypes.memmove(field, values.ctypes.data, values.nbytes)
+            b.n_tokens = c
+            rows = int(keep.sum())
             rc = lc.llama_decode(self._ctx, b)
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc} at position {self.seq_len}")
-            self.seq_len += len(chunk)
+            self.seq_len += c
             if rows:
                 buf = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(rows * self.vocab_size,))
                 out[done:done + rows] = buf.reshape(rows, self.vocab_size)

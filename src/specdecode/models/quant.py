@@ -546,11 +546,12 @@ def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
     q4k = dict(q4k or {})
     state: dict[str, torch.Tensor] = {}
     for name, t in tensors:
-        if int4 and t.dim() == 2 and t.shape[0] % 16 == 0 and name.endswith(".weight") and (
-                name == "model.embed_tokens.weight" and tie_embeddings
-                or not name.endswith("embed_tokens.weight")
-                and not (name == "lm_head.weight" and tie_embeddings)):
-            q4k["lm_head.weight" if name == "model.embed_tokens.weight" else name] = q4k_quantize(t)
+        if int4 and t.dim() == 2 and t.shape[0] % 16 == 0:
+            # the linear these weights serve: a tied embedding table is also the lm_head's
+            served = {"model.embed_tokens.weight": "lm_head.weight" if tie_embeddings else None,
+                      "lm_head.weight": None if tie_embeddings else name}.get(name, name)
+            if served is not None:
+                q4k[served] = q4k_quantize(t)
         if name == "lm_head.weight" and tie_embeddings:
             continue
         base = name[: -len(".weight")]
