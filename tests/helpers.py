@@ -229,4 +229,6 @@ def run(tgt, proposer, k, prompt, params, eos=(), decode=None):
     assert 0.0 <= gen.stats.acceptance_rate <= 1.0
     assert gen.stats.num_accepted_tokens <= gen.stats.num_draft_tokens
     assert gen.stats.num_verify_passes == len(blocks)
+    if proposer is not None:  # the mean K counts what was verified
+        assert sum(gen.stats.speculation_lengths) == gen.stats.num_draft_tokens
     return gen, blocks

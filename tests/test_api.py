@@ -215,9 +215,9 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     a, b = results["draft+K3"].stats, results["assistant+num_assistant_tokens3"].stats
     assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == \
         (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens)
-    # method="ar" ignores a given draft
-    r = specdecode.generate(target, PROMPT, draft=draft, method="ar", max_new_tokens=40)
-    assert r.token_ids == ar.token_ids and r.stats.num_draft_tokens == 0
+    # method="ar" with a draft is refused, not ignored (issue 21, fault 8)
+    with pytest.raises(ValueError, match="not 'ar'"):
+        specdecode.generate(target, PROMPT, draft=draft, method="ar", max_new_tokens=40)
     # do_sample=False alone is greedy too
     assert specdecode.generate(target, PROMPT, do_sample=False, max_new_tokens=40).token_ids == ar.token_ids
 
@@ -233,7 +233,8 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
 def test_every_method_and_k_option_equals_plain_decoding(target, draft, kwargs):
     prompt = "one two three one two three one two three one two"
     ar = specdecode.generate(target, prompt, method="ar", max_new_tokens=40)
-    r = specdecode.generate(target, prompt, draft=draft, max_new_tokens=40, debug=True, **kwargs)
+    with_draft = {"draft": draft} if kwargs.get("method") in ("draft", "hybrid") else {}
+    r = specdecode.generate(target, prompt, max_new_tokens=40, debug=True, **with_draft, **kwargs)
     assert r.token_ids == ar.token_ids and r.text == ar.text
     if kwargs.get("method") != "hybrid":
         assert r.stats.num_draft_tokens > 0
@@ -268,13 +269,36 @@ def test_auto_k_profiles_once_and_caches_on_disk(dirs, tok, monkeypatch, tmp_pat
 def test_suffix_session_cache_lives_with_the_loaded_target(dirs, draft, method):
     target = specdecode.load(dirs["target"])  # a fresh session
     ids = list(range(40, 60))
-    kw = dict(input_ids=ids, draft=draft, method=method, suffix_cache="session", max_new_tokens=40)
+    kw = dict(input_ids=ids, method=method, suffix_cache="session", max_new_tokens=40,
+              **({"draft": draft} if method == "hybrid" else {}))
     one = specdecode.generate(target, **kw)
     two = specdecode.generate(target, **kw)
     assert one.token_ids == two.token_ids == specdecode.generate(target, input_ids=ids, max_new_tokens=40).token_ids
     by_suffix = [r.stats.by_proposer.get("suffix", {}).get("num_accepted_tokens", 0) for r in (one, two)]
     assert by_suffix[1] > by_suffix[0] + 20
     assert list(target.session_proposers) == ["suffix"]  # declared state of the loaded model
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_a_seeded_request_is_the_same_after_other_requests_filled_the_session_cache(dirs, draft, method):
+    """Issue 21, fault 4: with the session suffix cache, T = 1 and seed 7, the same prompt
+    gave another text after three other requests ran (the cache changed the proposals, and
+    the proposals moved the draws). Under the gumbel rule (the default with a seed) the
+    text is plain sampling's with that seed, whatever the cache holds."""
+    target = specdecode.load(dirs["target"])  # a fresh session
+    kw = dict(method=method, suffix_cache="session", max_new_tokens=40, temperature=1.0,
+              **({"draft": draft} if method == "hybrid" else {}))
+    plain = specdecode.generate(target, PROMPT, method="ar", max_new_tokens=40, temperature=1.0, seed=7)
+    first = specdecode.generate(target, PROMPT, seed=7, **kw)
+    for other in ("one two three", PROMPT, ASCII_TEXT):
+        specdecode.generate(target, other, seed=3, **kw)
+    again = specdecode.generate(target, PROMPT, seed=7, **kw)
+    assert first.text == again.text == plain.text and first.token_ids == again.token_ids
+    assert again.stats.num_draft_tokens > 0
+    # the rejection rule, chosen explicitly, is lossless in distribution only: its text moves
+    rejection = {specdecode.generate(target, PROMPT, seed=7, acceptance_rule="rejection", **kw).text
+                 for _ in range(3)}
+    assert rejection != {plain.text}
 
 
 def test_a_pair_is_checked_once(dirs, monkeypatch):
@@ -599,8 +623,8 @@ def test_different_tokenizer_is_refused_at_pairing(dirs, target):
     with pytest.raises(IncompatibleDraftError):
         specdecode.generate(LoadedModel(rec, target.tokenizer, "t", target.eos_token_ids), PROMPT, draft=foreign)
     assert rec.forwards == []
-    # the plain method still works with the would-be draft given
-    assert specdecode.generate(target, PROMPT, draft=foreign, method="ar", max_new_tokens=3).token_ids
+    # the way out the message names: the plain method, without the draft
+    assert specdecode.generate(target, PROMPT, method="ar", max_new_tokens=3).token_ids
 
 
 def _check_incompatible_message(msg: str) -> None:
@@ -666,10 +690,17 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     (dict(method="draft", max_matching_ngram_size=5), ["n-gram", "'draft'", "max_ngram=5"]),
     (dict(method="suffix", suffix_cache="forever"), ["suffix_cache", "forever"]),
     (dict(draft_p_min=0.5, assistant_confidence_threshold=0.5), ["draft_p_min", "alias"]),
+    # a positive temperature too small to divide by (issue 21, fault 6: nan in multinomial)
+    (dict(temperature=1e-40), ["temperature=1e-40", "1e-20"]),
+    (dict(temperature=True), ["temperature=True"]),
+    (dict(stop=5), ["stop=5"]),  # fault 7: was a bare TypeError
+    (dict(stop=["ok", 5]), ["stop", "strings"]),
+    (dict(acceptance_rule="coupled", temperature=1.0), ["acceptance_rule", "'coupled'", "gumbel"]),
 ])
 def test_bad_arguments_raise_value_error_naming_the_value(target, draft, kwargs, words):
+    with_draft = {} if kwargs.get("method") in ("prompt-lookup", "suffix", "ar") else {"draft": draft}
     with pytest.raises(ValueError) as err:
-        specdecode.generate(target, PROMPT, draft=draft, **kwargs)
+        specdecode.generate(target, PROMPT, **with_draft, **kwargs)
     msg = str(err.value)
     assert all(w in msg for w in words), msg
     assert not isinstance(err.value, IncompatibleDraftError)
@@ -694,6 +725,38 @@ def test_bad_prompts(target, tok):
         specdecode.generate(target, PROMPT, method="draft")
     with pytest.raises(ValueError, match="needs a draft"):
         specdecode.stream(target, PROMPT, method="draft").__next__()
+
+
+def test_text_that_is_not_utf8_is_refused_naming_the_character(target, tok):
+    """Issue 21, fault 5: a lone surrogate (what Python makes of a byte that is not UTF-8)
+    crashed inside the tokenizers library with a TypeError."""
+    for prompt, words in (("abc \ud800 def", ["prompt", "U+D800", "character 4", "lone surrogate"]),
+                          (b"abc \xff def".decode("utf-8", "surrogateescape"), ["U+DCFF", "0xFF"])):
+        with pytest.raises(ValueError) as err:
+            specdecode.generate(target, prompt, max_new_tokens=3)
+        assert all(w in str(err.value) for w in words), err.value
+        with pytest.raises(ValueError, match="'user' message is not valid UTF-8"):
+            specdecode.generate(target, [{"role": "user", "content": prompt}], max_new_tokens=3)
+
+
+@pytest.mark.parametrize("method", ["ar", "prompt-lookup", "suffix"])
+def test_a_draft_given_to_a_method_without_one_is_refused(target, draft, method):
+    """Issue 21, fault 8: one rule for every option: a draft model given to a method that
+    does not use one is an error, like draft_p_min to prompt lookup (it was dropped)."""
+    for kwargs in (dict(draft=draft), dict(assistant_model=draft)):
+        with pytest.raises(ValueError) as err:
+            specdecode.generate(target, PROMPT, method=method, max_new_tokens=3, **kwargs)
+        assert all(w in str(err.value) for w in ("draft model", "'draft'", "'hybrid'", repr(method)))
+    with pytest.raises(ValueError, match="does not apply"):
+        specdecode.generate(target, PROMPT, method="ar", num_speculative_tokens=5, max_new_tokens=3)
+
+
+def test_smallest_allowed_temperature_samples_the_argmax(target):
+    greedy = specdecode.generate(target, PROMPT, max_new_tokens=12)
+    for rule in ("gumbel", "rejection"):
+        tiny = specdecode.generate(target, PROMPT, max_new_tokens=12, temperature=1e-20, seed=3,
+                                   acceptance_rule=rule)
+        assert tiny.token_ids == greedy.token_ids
 
 
 def test_chat_without_a_chat_template(dirs):
@@ -733,6 +796,13 @@ def test_bad_model_references(tmp_path, dirs):
         specdecode.load(dirs["target"], dtype="float8")
     with pytest.raises(ValueError, match="backend 'onnx'"):
         specdecode.load(dirs["target"], backend="onnx")
+    broken = tmp_path / "broken_config"
+    shutil.copytree(dirs["target"], broken)
+    for text in ("{bad json", "[1, 2]"):  # issue 21, fault 9: a bare JSONDecodeError
+        (broken / "config.json").write_text(text)
+        with pytest.raises(ValueError) as err:
+            specdecode.load(broken)
+        assert str(broken / "config.json") in str(err.value) and "JSON" in str(err.value)
     with pytest.raises(ValueError) as err:
         specdecode.load_pair(dirs["target"], "no-such-draft")
     assert "no-such-draft" in str(err.value)

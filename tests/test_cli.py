@@ -50,8 +50,15 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def draft_flag(dirs, extra) -> list:
+    """``--draft DIR`` unless ``extra`` names a method without a draft model (where a draft is
+    refused)."""
+    method = extra[list(extra).index("--method") + 1] if "--method" in extra else "draft"
+    return ["--draft", dirs["draft"]] if method in ("draft", "hybrid") else []
+
+
 def run_json(capsys, dirs, *extra, max_new_tokens: int = 20) -> dict:
-    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], *draft_flag(dirs, extra),
                          "--prompt", PROMPT, "--json", "--max-new-tokens", max_new_tokens, *extra)
     assert code == 0, err
     lines = out.strip().splitlines()
@@ -89,16 +96,30 @@ def test_generate_json_compare(capsys, dirs):
     assert obj["stats"]["num_draft_tokens"] <= 3 * obj["stats"]["num_drafts"]
 
 
-def test_method_ar_loads_no_draft(capsys, dirs):
+def test_method_ar_loads_no_draft(capsys, dirs, monkeypatch):
     ref = run_json(capsys, dirs)
-    # --draft is not even loaded with --method ar
-    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", "no-such-model",
+    # the default draft is not even loaded with --method ar
+    monkeypatch.setattr(registry, "DEFAULT_DRAFT", "no-such-model")
+    code, out, err = run(capsys, "generate", "--target", dirs["target"],
                          "--method", "ar", "--prompt", PROMPT, "--json", "--max-new-tokens", 20)
     assert code == 0, err
     obj = json.loads(out.strip().splitlines()[-1])
     assert obj["token_ids"] == ref["token_ids"]
     assert obj["stats"]["num_draft_tokens"] == 0 and obj["stats"]["num_drafts"] == 0
     assert obj["stats"]["mean_acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["ar", "prompt-lookup", "suffix"])
+@pytest.mark.parametrize("flag, value", [("--draft", "DRAFT"), ("--draft-dtype", "float32"),
+                                         ("--draft-backend", "native")])
+def test_draft_flags_with_a_method_without_a_draft_are_refused(capsys, dirs, method, flag, value):
+    """Issue 21, fault 8: a --draft that the method would not use was dropped in silence."""
+    value = dirs["draft"] if value == "DRAFT" else value
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--method", method,
+                         flag, value, "--prompt", PROMPT, "--max-new-tokens", 3)
+    assert code == 2 and out == "" and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: a draft model") and f"not {method!r}" in line, err
 
 
 @pytest.mark.parametrize("extra", [
@@ -115,7 +136,7 @@ def test_lookup_methods_and_k_controls(capsys, dirs, extra, monkeypatch, tmp_pat
     assert obj["stats"]["mean_speculation_length"] is not None
     if "--max-k" in extra:
         assert obj["stats"]["mean_speculation_length"] <= 6
-    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], *draft_flag(dirs, extra),
                          "--prompt", PROMPT, "--max-new-tokens", 10, *extra)
     assert code == 0 and f"[{extra[1]}] 10 tokens" in out, err
 
@@ -165,10 +186,29 @@ def test_draft_dtype_never_changes_the_output(capsys, dirs, dtype):
 
 def test_prompt_from_stdin(capsys, dirs, monkeypatch):
     ref = run_json(capsys, dirs, max_new_tokens=8)
-    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode())))
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
                          "--prompt", "-", "--json", "--max-new-tokens", 8)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == ref["token_ids"]
+    # issue 21, fault 5: bytes that are not UTF-8 on stdin: one line naming the byte, exit 2
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc \xff def")))
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--prompt", "-",
+                         "--method", "ar", "--max-new-tokens", 8)
+    assert code == 2 and "Traceback" not in err and out == ""
+    assert err.startswith("error: standard input is not valid UTF-8") and "0xFF" in err, err
+
+
+def test_model_directory_with_broken_config_is_a_one_line_error(capsys, dirs, tmp_path):
+    """Issue 21, fault 9: it printed only "error: Expecting property name...", naming no file."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(dirs["target"], broken)
+    (broken / "config.json").write_text("{not json")
+    code, out, err = run(capsys, "generate", "--target", broken, "--method", "ar", "--prompt", PROMPT)
+    assert code == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and str(broken / "config.json") in line and "JSON" in line
 
 
 def test_streaming_mode_prints_text_then_stats(capsys, dirs, target):
@@ -221,9 +261,12 @@ def test_unknown_target_is_a_one_line_error(capsys, dirs):
     (["--k", "4", "--max-k", "8"], ["--max-k", "heuristic", "auto"]),
     (["--max-ngram", "2"], ["n-gram", "'draft'"]),
     (["--max-ngram", "5"], ["n-gram", "'draft'"]),  # the default value, given: still an error
+    (["--temperature", "1e-40"], ["temperature=1e-40"]),  # issue 21, fault 6: a traceback
+    (["--prompt", b"abc \xff def".decode("utf-8", "surrogateescape")],  # fault 5: argv bytes
+     ["--prompt", "not valid UTF-8", "0xFF"]),
 ])
 def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):
-    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], *draft_flag(dirs, argv),
                          "--prompt", PROMPT, *argv)
     assert code == 2
     line = err.strip().splitlines()[-1]
@@ -294,12 +337,16 @@ def test_help_subprocess():
     assert "generate" in proc.stdout and "models" in proc.stdout and "usage: specdecode" in proc.stdout
 
 
-def test_compare_of_a_sampled_run_claims_no_identity(capsys, dirs):
-    """Sampled outputs match plain decoding in distribution, not token for token: --compare
-    --json reports identical as null for them (a correct run could show false), true/false
-    only for greedy runs."""
-    obj = run_json(capsys, dirs, "--compare", "--temperature", "1.0", "--seed", "3")
+def test_compare_of_a_sampled_run_claims_identity_only_where_it_holds(capsys, dirs):
+    """Speculative sampling matches plain sampling in distribution, not token for token:
+    --compare --json reports identical as null for it (a correct run could show false);
+    true/false for greedy runs and seeded runs of the gumbel rule (the default with a seed),
+    whose tokens are plain sampling's with the same seed."""
+    obj = run_json(capsys, dirs, "--compare", "--temperature", "1.0", "--seed", "3",
+                   "--acceptance-rule", "rejection")
     assert obj["identical"] is None and "speedup" in obj
+    obj = run_json(capsys, dirs, "--compare", "--temperature", "1.0", "--seed", "3")
+    assert obj["identical"] is True and obj["stats"]["num_draft_tokens"] > 0
     assert run_json(capsys, dirs, "--compare")["identical"] is True
 
 

@@ -243,6 +243,9 @@ def test_eos_at_every_position_of_a_block(kind, k):
         assert s.num_draft_tokens == k * len(blocks)
         assert s.num_accepted_tokens == sum(min(k, len(b)) for b in blocks)
         assert all(len(b) == k + 1 for b in blocks[:-1])
+        # an EOS on an accepted draft token ends its block without a bonus token: tokens per
+        # verify pass, not 1 + accepted / passes (which said 2.0 for 1 token in 1 pass)
+        assert s.mean_acceptance_length == pytest.approx((j + 1) / len(blocks)), j
 
 
 def test_several_eos_ids_and_unused_ids():
@@ -797,6 +800,8 @@ def test_rounds_with_nothing_proposed_count_no_drafts():
         assert s.num_verify_passes == len(blocks) == len(prop.proposed)
         assert s.acceptance_rate == 1.0
         assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / len(blocks))
+        # a round with nothing proposed has K 0 in the mean K, whatever the schedule asked for
+        assert s.speculation_lengths == prop.proposed
     # plain decoding: nothing proposed at all
     plain = reference(target(), prompt, GREEDY128)
     s = plain.stats

@@ -79,6 +79,8 @@ def test_no_match_proposes_nothing_and_counts_no_drafts():
         assert gen.token_ids == expected
         assert gen.stats.num_draft_tokens == 0 and gen.stats.num_drafts == 0
         assert gen.stats.by_proposer == {} and len(blocks) == 60
+        # nothing proposed: mean K 0 (it said 9.2 for prompt lookup on "Hello": the K asked for)
+        assert gen.stats.to_dict()["mean_speculation_length"] == 0
 
 
 @pytest.mark.parametrize("kind", ["lookup-recent", "suffix", "lookup-first"])

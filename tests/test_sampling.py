@@ -35,8 +35,8 @@ from lossless import (E_PROMPT, EV, N_RUNS, assert_lossless, chi2_critical, chi2
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.proposers import DraftModelProposer
-from specdecode.sampling import process_logits, to_probs
-from specdecode.verify import rejection_sample
+from specdecode.sampling import GumbelNoise, gumbel_sample, process_logits, to_probs
+from specdecode.verify import gumbel_verify, rejection_sample
 
 
 
@@ -291,6 +291,103 @@ def test_narrow_draft_vocab_is_lossless():
     assert_lossless(counts, joint)
 
 
+# ----------------------------------------------------------------------------------------
+# The gumbel rule (drafter-invariant): the same joint, drafts guessed with the target's noise
+# ----------------------------------------------------------------------------------------
+
+def sample_two_tokens_gumbel(params_t, params_d=None, k=2, seed=0, shared_noise=False):
+    """First two emitted tokens of B requests under the gumbel rule: Gumbel noise per request
+    and position (positions 0, 1, 2: [B,3,V]); the draft proposes argmax(its logits + the
+    noise of that position); one round of K drafts, then for rows that emitted one token a
+    round of one draft at position 1 with position 1's noise. ``shared_noise``: a broken
+    scheme that gives every position position 0's noise. Returns [V,V] counts."""
+    params_d = params_d or params_t
+    g = torch.Generator().manual_seed(seed)
+    noise = -torch.rand(B, 3, V, generator=g).clamp_min(1e-30).log().neg().log()
+    if shared_noise:
+        noise = noise[:, :1].expand(B, 3, V)
+    (t1, t2, t3), (d1, d2, d3) = TARGET, DRAFT
+    prefix = torch.tensor([PREFIX]).expand(B, -1)
+
+    def rows(tables, first, upto):  # logits of positions 0..upto-1 after token 0 = first
+        l1, l2, l3 = tables
+        out = [l1.expand(B, V), l2[first] if first is not None else None, l3.expand(B, V)]
+        return out[:upto]
+
+    # round 1: drafts at positions 0..k-1
+    ids, ctx = [], prefix
+    for i in range(k):
+        dl = (d1.expand(B, V) if i == 0 else d2[ids[0]] if i == 1 else d3.expand(B, V))
+        proc = process_logits(dl[:, None], params_d, ctx, None, 0, ())[:, 0]
+        ids.append(gumbel_sample(proc, noise[:, i]))
+        ctx = torch.cat([ctx, ids[-1][:, None]], 1)
+    drafts = torch.stack(ids, 1)
+    logits = torch.stack([t1.expand(B, V), t2[drafts[:, 0]]] + [t3.expand(B, V)] * (k - 1), 1)
+    proc = process_logits(logits, params_t, prefix, drafts, 0, ())
+    out, na = gumbel_verify(drafts, proc, noise[:, :k + 1])
+    first = out[:, 0]
+    # round 2 (rows with one token): a draft at position 1, then the target at 1 and 2
+    ctx1 = torch.cat([prefix, first[:, None]], 1)
+    y = gumbel_sample(process_logits(d2[first][:, None], params_d, ctx1, None, 0, ())[:, 0], noise[:, 1])
+    proc2 = process_logits(torch.stack([t2[first], t3.expand(B, V)], 1), params_t, ctx1, y[:, None], 0, ())
+    out2, _ = gumbel_verify(y[:, None], proc2, noise[:, 1:3])
+    second = torch.where(na >= 1, out[:, 1], out2[:, 0])
+    assert (first >= 0).all() and (second >= 0).all()
+    return torch.bincount(first * V + second, minlength=V * V).reshape(V, V)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_gumbel_rule_output_follows_target(name, k):
+    params = SETTINGS[name]
+    counts = sample_two_tokens_gumbel(params, k=k, seed=list(SETTINGS).index(name) * 10 + k + 500)
+    assert counts.sum() == B
+    assert_lossless(counts, target_joint(params))
+
+
+def test_gumbel_rule_with_a_draft_at_another_temperature_follows_target():
+    """The draft's own processing only moves its agreement, never the output."""
+    t2 = SETTINGS["T2"]
+    assert_lossless(sample_two_tokens_gumbel(t2, params_d=SETTINGS["T0.5"], seed=41), target_joint(t2))
+
+
+def test_power_gumbel_noise_shared_between_positions_is_detected():
+    """Noise keyed on something other than the position (here: position 0's for every
+    position) couples the tokens: the joint is no longer the target's."""
+    params = SETTINGS["T1"]
+    _far_above(sample_two_tokens_gumbel(params, shared_noise=True, seed=43), target_joint(params))
+
+
+def test_gumbel_verify_certain_outcomes_and_matching_prefix():
+    """±10 logits make each position's sample certain whatever the noise: drafts right on
+    the first b tokens keep exactly b, then the target's token; padded with -1."""
+    k = 4
+    drafts, probs, want = _certain_case(k=k)
+    logits = probs.log()
+    noise = -torch.rand(logits.shape, generator=torch.Generator().manual_seed(2)).log().neg().log()
+    out, na = gumbel_verify(drafts, logits, noise)
+    assert na.tolist() == list(range(k + 1))
+    for row in range(k + 1):
+        assert out[row, :row + 1].tolist() == want[row, :row + 1].tolist()
+        assert (out[row, row + 1:] == -1).all()
+    empty, na0 = gumbel_verify(torch.empty(1, 0, dtype=torch.long), logits[:1, :1], noise[:1, :1])
+    assert na0.tolist() == [0] and empty.tolist() == [[want[0, 0].item()]]
+    with pytest.raises(ValueError, match="must both be"):
+        gumbel_verify(drafts, logits[:, :k], noise)
+
+
+def test_gumbel_noise_is_keyed_on_seed_and_position_only():
+    a, b = GumbelNoise(7, 50), GumbelNoise(7, 50)
+    forward = a.rows(10, 6)
+    b.rows(13, 2)  # asked in another order, some twice, some forgotten in between
+    b.forget_before(14)
+    assert torch.equal(torch.cat([b.rows(10, 3), b.rows(13, 3)]), forward)
+    assert not torch.equal(GumbelNoise(8, 50).rows(10, 6), forward)
+    assert not torch.equal(forward[0], forward[1])
+    assert forward.dtype == torch.float32 and torch.isfinite(forward).all()
+    assert a.rows(3, 0).shape == (0, 50)
+
+
 def _far_above(counts, joint, factor=10.0):
     stat, df = chi2_stat(counts, joint)
     assert stat > factor * chi2_critical(df), f"bias not detected: chi2 = {stat:.1f} (df {df})"
@@ -334,11 +431,12 @@ def test_power_top_k_ignored_by_target_is_detected():
 # ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rule", ["rejection", "gumbel"])
 @pytest.mark.parametrize("params,draft_vocab", [
     (SamplingParams(max_new_tokens=3, temperature=2.0, top_k=5, repetition_penalty=1.3), EV),
     (SamplingParams(max_new_tokens=3, temperature=0.6, top_p=0.9), EV - 1),
 ], ids=["T2-top_k5-rep1.3", "T0.6-top_p0.9-draft-vocab-5"])
-def test_engine_output_follows_target(params, draft_vocab):
+def test_engine_output_follows_target(params, draft_vocab, rule):
     """20k seeded requests (3 tokens, K = 2; the first two are counted) through the engine with a different draft model: the
     joint of the two tokens is the target's (the verify pass must process the target's logits
     exactly as the request says and the draft must report the distribution it sampled from)."""
@@ -347,7 +445,8 @@ def test_engine_output_follows_target(params, draft_vocab):
     counts = torch.zeros(EV * EV, dtype=torch.long)
     proposed = 0
     for seed in range(N_RUNS):
-        gen = engine.generate(E_PROMPT, dataclasses.replace(params, seed=seed)).run()
+        gen = engine.generate(E_PROMPT, dataclasses.replace(params, seed=seed,
+                                                            acceptance_rule=rule)).run()
         a, b = gen.token_ids[:2]
         counts[a * EV + b] += 1
         proposed += gen.stats.num_draft_tokens
@@ -469,24 +568,100 @@ def _seed_models():
     return tiny_model(0, scale=1.0), tiny_model(1, scale=1.0)
 
 
-def _sampled(seed, n=48):
+def _sampled(seed, n=48, rule=None):
     target, draft = _seed_models()
     engine = Engine(target, DraftModelProposer(draft), 3, debug=True)
-    gen = engine.generate(list(range(10, 30)), SamplingParams(max_new_tokens=n, temperature=1.0,
-                                                              seed=seed)).run()
+    gen = engine.generate(list(range(10, 30)), SamplingParams(
+        max_new_tokens=n, temperature=1.0, seed=seed, acceptance_rule=rule)).run()
     assert len(gen.token_ids) == n and gen.stats.num_draft_tokens > 0
     return gen.token_ids
 
 
-def test_same_seed_same_output():
-    assert _sampled(123) == _sampled(123)
-    assert _sampled(7) == _sampled(7)
+@pytest.mark.parametrize("rule", ["gumbel", "rejection"])
+def test_same_seed_same_output(rule):
+    assert _sampled(123, rule=rule) == _sampled(123, rule=rule)
+    assert _sampled(7, rule=rule) == _sampled(7, rule=rule)
 
 
-def test_different_seeds_different_outputs():
-    outs = [tuple(_sampled(s)) for s in range(5)]
+@pytest.mark.parametrize("rule", ["gumbel", "rejection"])
+def test_different_seeds_different_outputs(rule):
+    outs = [tuple(_sampled(s, rule=rule)) for s in range(5)]
     assert len(set(outs)) == 5
 
 
-def test_unseeded_requests_differ():
-    assert _sampled(None) != _sampled(None)
+@pytest.mark.parametrize("rule", [None, "gumbel", "rejection"])
+def test_unseeded_requests_differ(rule):
+    assert _sampled(None, rule=rule) != _sampled(None, rule=rule)
+
+
+def test_default_rule_is_gumbel_with_a_seed_and_rejection_without():
+    assert SamplingParams(temperature=1.0, seed=1).rule == "gumbel"
+    assert SamplingParams(temperature=1.0).rule == "rejection"
+    assert SamplingParams(temperature=1.0, acceptance_rule="rejection", seed=1).rule == "rejection"
+    assert SamplingParams(temperature=1.0, acceptance_rule="gumbel").rule == "gumbel"
+    assert SamplingParams(seed=1, acceptance_rule="gumbel").rule == "greedy"
+
+
+# ----------------------------------------------------------------------------------------
+# Seeded output that no proposer can change (TESTPACK §11; issue 21 part 1)
+# ----------------------------------------------------------------------------------------
+
+INVARIANT_PROMPTS = {"twenty": list(range(10, 30)), "repetitive": [11, 23, 5, 42, 17] * 8}
+
+
+def _invariance_proposers(target, draft):
+    """(label, proposer, K or schedule): every proposer kind, fixed and changing K."""
+    from specdecode.proposers import HybridProposer, PromptLookupProposer, SuffixProposer
+    from specdecode.schedule import AutoK, HeuristicK
+
+    times = [0.01 * (1 + 0.1 * i) for i in range(17)]
+    return [
+        ("draft K=1", DraftModelProposer(draft.fork()), 1),
+        ("draft K=3", DraftModelProposer(draft.fork()), 3),
+        ("draft K=6 p_min", DraftModelProposer(draft.fork(), p_min=0.3), 6),
+        ("self-draft K=4", DraftModelProposer(target.fork()), 4),
+        ("draft heuristic", DraftModelProposer(draft.fork()), HeuristicK(2, 8)),
+        ("draft auto", DraftModelProposer(draft.fork()), AutoK(times, 16, draft_seconds_per_token=0.002)),
+        ("prompt-lookup", PromptLookupProposer(), 8),
+        ("suffix", SuffixProposer(), 8),
+        ("hybrid", HybridProposer(SuffixProposer(), DraftModelProposer(draft.fork()),
+                                  verify_cost=[1 + 0.05 * i for i in range(17)], draft_cost=0.3), 16),
+    ]
+
+
+@pytest.mark.parametrize("int8", [None, "kn"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("prompt", list(INVARIANT_PROMPTS))
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=40, temperature=1.0, seed=7),
+    SamplingParams(max_new_tokens=40, temperature=0.7, top_p=0.9, top_k=20, seed=123,
+                   repetition_penalty=1.2, acceptance_rule="gumbel"),
+], ids=["T1", "T0.7-top_p-top_k-rep"])
+def test_a_seeded_request_gives_the_same_tokens_whatever_speculates(int8, prompt, params):
+    """Same seed, prompt and target: the same token ids as plain sampling with that seed,
+    with every proposer (a different draft model, the target's own weights, lookups, the
+    hybrid) and every K schedule, on the real fp32 and int8 kernels."""
+    target = tiny_model(0, scale=1.0, int8=int8)
+    draft = tiny_model(1, scale=1.0, int8=int8)
+    ids = INVARIANT_PROMPTS[prompt]
+    plain = Engine(target).generate(ids, params).run().token_ids
+    assert len(plain) == 40
+    drafted = 0
+    for label, proposer, k in _invariance_proposers(target, draft):
+        gen = Engine(target, proposer, k, debug=True).generate(ids, params).run()
+        assert gen.token_ids == plain, label
+        drafted += gen.stats.num_draft_tokens
+        if label == "self-draft K=4":  # the same weights and noise: every draft accepted
+            assert gen.stats.acceptance_rate == 1.0 and gen.stats.num_draft_tokens > 0
+    assert drafted > 100
+    other = Engine(target).generate(ids, dataclasses.replace(params, seed=params.seed + 1)).run()
+    assert other.token_ids != plain
+
+
+def test_a_seeded_request_of_the_rejection_rule_moves_with_k():
+    """Why the gumbel rule is the default for seeded requests: under speculative sampling
+    the same seed gives other tokens at another K (each rule is lossless in distribution)."""
+    target, draft = _seed_models()
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, acceptance_rule="rejection")
+    outs = {tuple(Engine(target, DraftModelProposer(draft), k).generate(list(range(10, 30)), params)
+                  .run().token_ids) for k in (1, 3, 6)}
+    assert len(outs) > 1

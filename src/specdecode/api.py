@@ -58,7 +58,8 @@ def _as_model(m, dtype: str, role: str = "target") -> LoadedModel:
 
 
 def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, top_k, top_p,
-                     repetition_penalty, seed, stop, eos_token_id) -> SamplingParams:
+                     repetition_penalty, seed, stop, eos_token_id,
+                     acceptance_rule=None) -> SamplingParams:
     if do_sample is False:
         temperature = 0.0
     elif temperature is None:
@@ -69,8 +70,9 @@ def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, 
         max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
         top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty, seed=seed,
-        stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
-        eos_token_ids=None if eos_token_id is None else tuple(eos_token_id))
+        stop=() if stop is None else stop,  # SamplingParams names a bad value
+        eos_token_ids=None if eos_token_id is None else tuple(eos_token_id),
+        acceptance_rule=acceptance_rule)
 
 
 def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]:
@@ -96,13 +98,28 @@ def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
                 raise ValueError(f"chat message {m!r} must be a dict with string 'role' and 'content'")
+            _check_utf8(m["content"], f"the {m['role']!r} message")
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"target {target.name!r} has no chat template; drop --chat / pass plain text")
         return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False))
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    _check_utf8(prompt, "the prompt")
     return tok.encode(prompt)
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """ValueError when ``text`` cannot be UTF-8 (a lone surrogate: in Python, a byte that was
+    not UTF-8 where the text came from a file, argv or stdin), which tokenizers cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        origin = (f"the byte 0x{ord(bad) - 0xDC00:02X}, which is not UTF-8"
+                  if 0xDC80 <= ord(bad) <= 0xDCFF else "a lone surrogate")
+        raise ValueError(f"{what} is not valid UTF-8 text: character {e.start} is U+{ord(bad):04X} "
+                         f"({origin}); give UTF-8 text") from None
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
@@ -118,7 +135,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            method: str | Method | None = None, chat: bool = False, max_new_tokens: int = 128,
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
            top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
-           seed: int | None = None, stop: str | list[str] | None = None,
+           seed: int | None = None, acceptance_rule: str | None = None,
+           stop: str | list[str] | None = None,
            eos_token_id: int | list[int] | None = None,
            num_speculative_tokens: int | str | None = None, num_assistant_tokens: int | None = None,
            max_speculative_tokens: int = 16, draft_p_min: float | None = None,
@@ -147,7 +165,11 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     suffix_cache: "request", or "session" to also match the outputs of earlier requests of
     the same loaded target (the suffix and hybrid methods).
     temperature 0 / ``do_sample=False`` is greedy (the default); sampling is lossless for
-    temperature, top_k, top_p and repetition_penalty (Leviathan et al., arXiv:2211.17192).
+    temperature, top_k, top_p and repetition_penalty. acceptance_rule (sampling): "gumbel"
+    (the default with a seed: the output is a function of seed, prompt and target alone, the
+    same as plain sampling with that seed whatever the method and K) or "rejection"
+    (speculative sampling, arXiv:2211.17192; the default without a seed); see
+    :class:`~specdecode.config.SamplingParams`.
     Text is emitted only once it is valid UTF-8 and cannot be the start of a stop string, so
     the concatenated chunks equal the non-streamed text. Raises ValueError on bad arguments,
     IncompatibleDraftError when the draft's tokenizer differs.
@@ -174,7 +196,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         target, prompt, input_ids, draft, spec, chat,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-             seed=seed, stop=stop, eos_token_id=eos_token_id), dtype, debug)
+             seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule),
+        dtype, debug)
     tok = tgt.tokenizer
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
 

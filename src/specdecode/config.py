@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 MAX_K = 64  # the largest speculation length K accepted anywhere
+MIN_TEMPERATURE = 1e-20  # below it logits / temperature leave fp32's range (inf, then nan)
+ACCEPTANCE_RULES = ("gumbel", "rejection")
 
 
 def check_k(name: str, k) -> int:
@@ -30,6 +32,14 @@ class SamplingParams:
     ``stop``: strings that end generation (the text is cut before them, like OpenAI/vLLM).
     ``min_new_tokens``: EOS is masked until that many tokens were generated.
     ``seed``: per-request seed for sampling; None draws a fresh random seed.
+    ``acceptance_rule`` (sampled requests): "gumbel", the drafter-invariant rule (the token at
+    each position is the Gumbel-max sample of the target's distribution with noise keyed on
+    (seed, position); a draft token is accepted when it equals it), under which a seeded
+    request's output depends on the seed, prompt and target alone, whatever proposes and
+    whatever K; or "rejection", speculative sampling (Leviathan et al., arXiv:2211.17192),
+    whose acceptance is a little higher but whose text moves with the proposer and K. None
+    = "gumbel" for seeded requests, "rejection" for unseeded ones (see :attr:`rule`;
+    BENCHMARKS.md has the measured trade).
     """
 
     max_new_tokens: int = 128
@@ -41,6 +51,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None
+    acceptance_rule: str | None = None
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -53,9 +64,11 @@ class SamplingParams:
             bad("max_new_tokens", "an integer >= 1")
         if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and math.isfinite(self.temperature)
+                and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+            bad("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below it "
+                "the scaled logits overflow)")
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0 = off)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -77,10 +90,23 @@ class SamplingParams:
             if any(not is_int(i) or i < 0 for i in ids):
                 bad("eos_token_ids", "non-negative token ids")
             object.__setattr__(self, "eos_token_ids", ids)
+        if self.acceptance_rule not in (None, *ACCEPTANCE_RULES):
+            bad("acceptance_rule", f"{', '.join(map(repr, ACCEPTANCE_RULES))} or None (gumbel when "
+                "seeded, else rejection)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def rule(self) -> str:
+        """The acceptance rule this request runs: "greedy" (temperature 0), else
+        ``acceptance_rule``, by default "gumbel" when seeded and "rejection" when not."""
+        if self.greedy:
+            return "greedy"
+        if self.acceptance_rule is not None:
+            return self.acceptance_rule
+        return "gumbel" if self.seed is not None else "rejection"
 
 
 class KSchedule(str, Enum):

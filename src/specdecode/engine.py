@@ -1,8 +1,9 @@
 """The speculative decoding loop (DESIGN.md), as a generator of token ids.
 
 Each round: the proposer proposes k draft tokens; the target scores ``last + drafts`` in one
-verify pass; :func:`~specdecode.verify.rejection_sample` keeps an accepted prefix plus one
-recovered or bonus token; stop conditions are checked on every token of that block; both
+verify pass; the request's acceptance rule (:func:`~specdecode.verify.rejection_sample`, or
+:func:`~specdecode.verify.gumbel_verify` for ``SamplingParams.rule == "gumbel"``) keeps an
+accepted prefix plus one recovered or bonus token; stop conditions are checked on every token of that block; both
 caches roll back to the committed length. Plain autoregressive decoding is the same loop
 with no proposer (k = 0 every round), so both share every line of stop handling.
 """
@@ -17,11 +18,11 @@ import torch
 from .config import SamplingParams, check_k
 from .models.base import CausalLM, busy_lock
 from .proposers import Proposer, RequestState
-from .sampling import process_logits, to_probs
+from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
-from .verify import rejection_sample
+from .verify import gumbel_verify, rejection_sample
 
 
 class Generation:
@@ -149,9 +150,14 @@ class Engine:
             generator.seed()
         else:
             generator.manual_seed(params.seed)
+        noise = None
+        if params.rule == "gumbel":  # an unseeded request draws its noise's seed
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(0, 2**63 - 1, (1,), generator=generator))
+            noise = GumbelNoise(seed, self.target.vocab_size)
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
         state = RequestState(list(prompt), 0, params, tuple(sorted(eos)), generator,
-                             self.target.vocab_size)
+                             self.target.vocab_size, noise)
         stopper = StopStrings(params.stop, decode) if params.stop else None
         target, proposer = self.target, self.proposer
 
@@ -159,8 +165,9 @@ class Engine:
         if len(prompt) > 1:
             target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
         schedule = self.schedule
-        # a seeded sampled request must not let the clock choose K (its draws depend on K)
-        clocked = params.greedy or params.seed is None
+        # a seeded request of the rejection rule must not let the clock choose K (its draws
+        # depend on K); greedy and gumbel outputs do not
+        clocked = params.rule != "rejection" or params.seed is None
         if proposer is not None:
             proposer.reset(state, limit)
             schedule.reset()
@@ -175,19 +182,24 @@ class Engine:
                 if draft is not None and draft.free and drafts.shape[1]:
                     k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen
                     drafts = drafts[:, :k]
-                if proposer is not None:
-                    stats.speculation_lengths.append(k)
                 t2 = time.perf_counter()
                 k = drafts.shape[1]
+                if proposer is not None:
+                    stats.speculation_lengths.append(k)  # what was verified, not what was asked for
                 if k and bool(((drafts < 0) | (drafts >= target.vocab_size)).any()):
                     raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
                                      f"[0, {target.vocab_size}): {drafts[0].tolist()}")
                 logits = target.forward(torch.cat([torch.tensor([[state.tokens[-1]]]), drafts], 1))
                 context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
-                probs = to_probs(process_logits(logits, params, context, drafts, state.num_generated,
-                                                state.eos_token_ids), params)
-                out, num_accepted = rejection_sample(
-                    drafts, draft.probs if draft is not None else None, probs, generator)
+                processed = process_logits(logits, params, context, drafts, state.num_generated,
+                                           state.eos_token_ids)
+                if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
+                    out, num_accepted = gumbel_verify(
+                        drafts, processed, noise.rows(n, k + 1, processed.device)[None])
+                else:
+                    out, num_accepted = rejection_sample(
+                        drafts, draft.probs if draft is not None else None,
+                        to_probs(processed, params), generator)
                 accepted = int(num_accepted[0])
                 block = out[0, :accepted + 1].tolist()
                 t3 = time.perf_counter()
@@ -212,6 +224,8 @@ class Engine:
                 if gen.finish_reason is None and len(state.tokens) >= limit:
                     gen.finish_reason = "length"
                 target.rollback(len(state.tokens) - 1)
+                if noise is not None:
+                    noise.forget_before(len(state.tokens))
                 if proposer is not None:
                     proposer.on_accept(state)
                 if self.debug:

@@ -21,8 +21,10 @@ from .proposers import (DraftModelProposer, HybridProposer, PromptLookupProposer
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
-# draft_p_min (a draft model's p_min), ngram (prompt lookup's n-gram sizes), suffix_cache
+# draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
+# suffix_cache
 OPTIONS = {
+    "draft": "a draft model (draft=, assistant_model=, --draft and its --draft-* options) applies",
     "draft_p_min": "draft_p_min applies",
     "ngram": "n-gram sizes (min_ngram, max_ngram) apply",
     "suffix_cache": "suffix_cache applies",
@@ -83,7 +85,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("draft", "a draft model of the target's tokenizer drafts K tokens", DraftModelProposer,
                lambda spec, target, draft: DraftModelProposer(_own_draft(target, draft),
                                                               p_min=spec.draft_p_min),
-               needs_draft_model=True, options=frozenset({"draft_p_min"})),
+               needs_draft_model=True, options=frozenset({"draft", "draft_p_min"})),
     MethodSpec("prompt-lookup", "copy what followed the last n tokens earlier in prompt + output",
                PromptLookupProposer,
                lambda spec, target, draft: PromptLookupProposer(spec.max_ngram, spec.min_ngram),
@@ -93,7 +95,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                options=frozenset({"suffix_cache"})),
     MethodSpec("hybrid", "suffix matching or the draft model, whichever promises more tokens/s",
                HybridProposer, _hybrid, needs_draft_model=True,
-               options=frozenset({"draft_p_min", "suffix_cache"})),
+               options=frozenset({"draft", "draft_p_min", "suffix_cache"})),
 )}
 
 
@@ -190,10 +192,14 @@ def speculative_config(method: "str | Method | None", has_draft: bool,
                        max_speculative_tokens: int = 16, draft_p_min: float | None = None,
                        max_ngram: int | None = None, suffix_cache: str = "request") -> SpeculativeConfig:
     """The :class:`SpeculativeConfig` of the API's / CLI's arguments: method None means
-    "draft" when a draft model is given, else "ar"; K is an integer, "heuristic" or "auto";
+    "draft" when a draft model is given (``has_draft``), else "ar"; a draft model given to a
+    method without one is an error, like every option a method does not honour; K is an integer, "heuristic" or "auto";
     ``max_ngram`` alone sets the shortest n-gram to min(2, max_ngram). Raises ValueError
     naming a bad or inapplicable value."""
     method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
+    if has_draft and "draft" not in method.spec.options:
+        raise ValueError(f"{_inapplicable('draft', method.value)}: drop the draft model, or choose "
+                         "one of those methods")
     schedule, k = KSchedule.FIXED, num_speculative_tokens
     if isinstance(k, str):
         if k not in (KSchedule.HEURISTIC.value, KSchedule.AUTO.value):

@@ -9,6 +9,8 @@ rejected draft token can never leave a trace in sampler state.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .config import SamplingParams
@@ -78,3 +80,52 @@ def to_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row from probs [B,V]; returns [B] int64."""
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class GumbelNoise:
+    """Gumbel noise of one seeded request, keyed on (seed, position): the noise of the token
+    at sequence position p is the same whoever asks for it and whenever, so that
+    ``argmax(processed_logits + noise)`` is one fixed sample of the target's distribution at
+    p (the Gumbel-max trick) — drawn by plain decoding, by a verify pass, or guessed by a
+    draft model using the same noise (drafter-invariant speculative decoding: Daliri, Musco
+    and Suresh, "Coupling without Communication and Drafter-Invariant Speculative
+    Decoding", arXiv:2408.07978).
+
+    seed: any integer; vocab_size: V, the width of the noise rows. Rows are drawn on the CPU
+    (mt19937 seeded with blake2b(seed, position)), so the noise is the same on every device,
+    in fp32: G = -log(-log(u)), u uniform in [2^-126, 1) at fp32's 2^-24 resolution (a token's
+    probability moves by less than 1e-7 from it). Rows of positions before
+    :meth:`forget_before` are dropped; others are kept until then (a rejected draft's
+    positions are asked for again next round).
+    """
+
+    def __init__(self, seed: int, vocab_size: int):
+        self.seed, self.vocab_size = int(seed), int(vocab_size)
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def _row(self, position: int) -> torch.Tensor:
+        row = self._rows.get(position)
+        if row is None:
+            key = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+            u = torch.rand(self.vocab_size, generator=g).clamp_min_(torch.finfo(torch.float32).tiny)
+            row = self._rows[position] = u.log_().neg_().log_().neg_()
+        return row
+
+    def rows(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Noise of positions start .. start+count-1: [count, V] fp32 on ``device``."""
+        if count == 0:
+            return torch.empty(0, self.vocab_size, device=device)
+        return torch.stack([self._row(p) for p in range(start, start + count)]).to(device)
+
+    def forget_before(self, position: int) -> None:
+        """Drop the rows of positions < ``position`` (committed tokens: never asked again)."""
+        for p in [p for p in self._rows if p < position]:
+            del self._rows[p]
+
+
+def gumbel_sample(processed: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max sample of each row: processed logits [..., V'] (V' <= V, -inf for
+    excluded tokens) and noise [..., V] -> token ids [...] int64, distributed as
+    softmax(processed)."""
+    return (processed + noise[..., :processed.shape[-1]]).argmax(-1)

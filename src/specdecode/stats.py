@@ -16,9 +16,10 @@ class SpecDecodingStats:
     num_verify_passes: target forward passes after prefill (each emits >= 1 token).
     by_proposer: per proposer that supplied drafts (a hybrid has several):
         {name: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}}.
-    speculation_lengths: K of every round of a speculative request (0: the schedule or the
-        room left chose not to speculate; for a lookup whose proposal the schedule trimmed,
-        the K it kept), to see a K schedule at work.
+    speculation_lengths: the draft tokens verified in every round of a speculative request
+        (0: the schedule or the room left chose not to speculate, or the proposer had nothing
+        to propose; for a lookup whose proposal the schedule trimmed, the K it kept), to see
+        a K schedule at work.
     Times in seconds: prefill_s (target + draft prefill), draft_s, verify_s (target forward +
     acceptance rule), total_s (wall time of the whole request).
     """
@@ -43,8 +44,10 @@ class SpecDecodingStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verify pass: 1 + accepted / verify passes (1.0 = plain decoding)."""
-        return 1.0 + self.num_accepted_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
+        """Tokens emitted per verify pass (1.0 = plain decoding): 1 + accepted / verify passes,
+        except where a stop (EOS, stop string) falls on an accepted draft token, whose block
+        then has no recovered or bonus token: counted from the tokens emitted, it stays exact."""
+        return self.num_generated_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
 
     @property
     def tokens_per_second(self) -> float:

@@ -1,12 +1,13 @@
-"""The acceptance rule of speculative decoding, a pure function of tensors: which draft
-tokens the target keeps, and the one recovered or bonus token after them. A tree verifier
-joins it here."""
+"""The acceptance rules of speculative decoding, pure functions of tensors: which draft
+tokens the target keeps, and the one recovered or bonus token after them — speculative
+sampling (:func:`rejection_sample`, greedy included as its T -> 0 case) and the
+drafter-invariant Gumbel rule (:func:`gumbel_verify`). A tree verifier joins them here."""
 
 from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from .sampling import gumbel_sample, sample
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -60,3 +61,32 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     out[:, :k] = torch.where(keep[:, :k], draft_token_ids, out[:, :k])
     out[rows, num_accepted] = last
     return out, num_accepted
+
+
+def gumbel_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+                  noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter-invariant verification (Daliri, Musco and Suresh, arXiv:2408.07978): the
+    target's token at each position is its Gumbel-max sample ``argmax(logits + noise)``;
+    draft tokens are kept while they equal it, and the sample at the first mismatch (or
+    after all K) is the recovered or bonus token. With the noise keyed on (seed, position)
+    (:class:`~specdecode.sampling.GumbelNoise`) the output is exactly plain Gumbel-max
+    sampling of the target, token for token, whatever proposed the drafts and however many:
+    so distributed as the target's sampling, and the same text for one seed with every
+    proposer and K. A draft model that samples with the same noise agrees with the target
+    with probability at least (1 - TV) / (1 + TV) (TV: total variation distance between
+    the two distributions), against 1 - TV for :func:`rejection_sample`.
+
+    draft_token_ids: [B,K] int64 (K may be 0); no draft distribution is needed.
+    target_logits: [B,K+1,V] processed logits (temperature, top-k/p applied; -inf excluded).
+    noise: [B,K+1,V'] (V' >= V) the Gumbel noise of those positions.
+    Returns (output_ids [B,K+1] int64 padded with -1 after the emitted tokens,
+    num_accepted [B] int64 in 0..K), as :func:`rejection_sample`.
+    """
+    b, k = draft_token_ids.shape
+    if target_logits.shape[:2] != (b, k + 1) or noise.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} and noise {tuple(noise.shape)} "
+                         f"must both be [{b},{k + 1},V]")
+    samples = gumbel_sample(target_logits, noise)  # [B,K+1]
+    num_accepted = (draft_token_ids == samples[:, :k]).long().cumprod(1).sum(1)
+    keep = torch.arange(k + 1, device=samples.device)[None] <= num_accepted[:, None]
+    return torch.where(keep, samples, torch.full_like(samples, -1)), num_accepted

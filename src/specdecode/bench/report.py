@@ -41,7 +41,8 @@ def summarize(records: list) -> dict:
             proposed = sum(r.num_draft_tokens or 0 for r in rs)
             accepted = sum(r.num_accepted_tokens or 0 for r in rs)
             seconds = sum(r.seconds for r in rs)
-            row["mean_acceptance_length"] = 1 + accepted / passes if passes else None
+            # tokens per verify pass (a stop on an accepted draft token leaves its block without a bonus)
+            row["mean_acceptance_length"] = sum(r.new_tokens for r in rs) / passes if passes else None
             row["acceptance_rate"] = accepted / proposed if proposed else None
             row["draft_share"] = (sum(r.draft_s or 0 for r in rs) / seconds
                                   if rs[0].draft_s is not None and seconds else None)

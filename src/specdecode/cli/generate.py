@@ -7,7 +7,8 @@ import json
 import sys
 import time
 
-from ..api import _sampling_params, stream
+from ..api import _check_utf8, _sampling_params, stream
+from ..config import ACCEPTANCE_RULES
 from ..methods import METHODS, Method, speculative_config
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, load_pair
@@ -34,7 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help=f"target model: a name from `specdecode models list`, a model directory, a "
                         f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
-    p.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+    p.add_argument("--draft", default=None,
                    help=f"draft model for --method draft or hybrid, same forms as --target "
                         f"(default: {registry.DEFAULT_DRAFT})")
     p.add_argument("--method", default=Method.DRAFT.value, choices=list(METHODS),
@@ -57,7 +58,17 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (transformers' meaning)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for sampling (default: random). With a seed the output is a "
+                        "function of seed, prompt and target alone: the same text with every "
+                        "method and K, and the same as --method ar (the gumbel rule)")
+    p.add_argument("--acceptance-rule", default=None, choices=ACCEPTANCE_RULES,
+                   help="how sampled draft tokens are accepted. gumbel (default with --seed): "
+                        "each position's token is the target's Gumbel-max sample with noise keyed "
+                        "on (seed, position), a draft token is kept when it equals it; "
+                        "rejection (default without --seed): speculative sampling "
+                        "(arXiv:2211.17192), a little higher acceptance, but the text moves with "
+                        "the method and K. Both sample exactly the target's distribution")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
     p.add_argument("--min-new-tokens", type=int, default=0, help="no EOS before this many new tokens")
     p.add_argument("--stop", nargs="+", default=None, metavar="STR",
@@ -71,7 +82,7 @@ def add_parser(sub) -> None:
                         "verify passes equal one-token passes bit for bit; quantized once and "
                         "cached. The output is this target's own plain decoding; float32 is "
                         "the reference, several times slower on CPU")
-    p.add_argument("--draft-dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
+    p.add_argument("--draft-dtype", default=None, choices=DTYPE_NAMES,
                    help="draft weights; never changes the output, only speed and acceptance "
                         "(default auto: int4, every linear in 4-bit Q4_K blocks quantized here, on "
                         "an AVX512-VNNI CPU; else int8)")
@@ -82,7 +93,7 @@ def add_parser(sub) -> None:
                         "`make llamacpp`). llama.cpp's batched passes round differently from "
                         "its one-token passes, so its speculative output equals its plain "
                         "decoding only up to that rounding")
-    p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
+    p.add_argument("--draft-backend", default=None, choices=BACKENDS,
                    help="the same for the draft model; never changes the output (llama.cpp's "
                         "one-token steps are the fastest on a CPU for a Q4/Q5 GGUF draft)")
     add_threads_argument(p)
@@ -111,31 +122,43 @@ def _print_stats(label: str, stats: dict, finish: str, out) -> None:
     print(line, file=out)
 
 
+def _read_stdin() -> str:
+    """Standard input as text, a byte that is not UTF-8 kept as a lone surrogate (as Python
+    does for argv), so that the prompt check names it instead of a decode traceback."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "surrogateescape") if raw is not None else sys.stdin.read()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
+    _check_utf8(prompt, "standard input" if args.prompt == "-" else "--prompt")
     method = Method(args.method)
     threads = apply_threads(args)
     # check every value before spending seconds on loading models
-    _sampling_params(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+    params = _sampling_params(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                      temperature=args.temperature, do_sample=None, top_k=args.top_k,
                      top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                     seed=args.seed, stop=args.stop, eos_token_id=None)
+                     seed=args.seed, stop=args.stop, eos_token_id=None,
+                     acceptance_rule=args.acceptance_rule)
     if args.max_k is not None and not isinstance(args.k, str):
         raise ValueError("--max-k caps K for --k heuristic or --k auto; with a fixed K use --k N")
     spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k or 16,
                      draft_p_min=args.draft_p_min, max_matching_ngram_size=args.max_ngram)
-    speculative_config(method, True, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
+    draft_given = any(v is not None for v in (args.draft, args.draft_dtype, args.draft_backend))
+    speculative_config(method, draft_given, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     t0 = time.perf_counter()
-    target, draft = load_pair(args.target, args.draft if method.needs_draft_model else None,
-                             args.dtype, args.draft_dtype, args.backend, args.draft_backend)
+    target, draft = load_pair(args.target,
+                              (args.draft or registry.DEFAULT_DRAFT) if method.needs_draft_model else None,
+                              args.dtype, args.draft_dtype or DEFAULT_DTYPE, args.backend,
+                              args.draft_backend or "auto")
     load_s = time.perf_counter() - t0
     common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
-                  seed=args.seed, stop=args.stop)
+                  seed=args.seed, stop=args.stop, acceptance_rule=args.acceptance_rule)
     chunks = stream(target, prompt, draft=draft, method=method, **spec_args, **common)
     info = sys.stderr if args.json else sys.stdout
     if not args.json:
@@ -159,11 +182,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for chunk in stream(target, prompt, method=Method.AR, **common):
             ar = chunk.result or ar
         speedup = result.stats.tokens_per_second / ar.stats.tokens_per_second
-        # sampled outputs are equal in distribution, not token for token: nothing to compare
-        identical = ar.token_ids == result.token_ids if args.temperature == 0 else None
+        # speculative sampling equals plain sampling in distribution, not token for token;
+        # the gumbel rule with a seed gives plain sampling's very tokens
+        same_tokens = params.greedy or (params.rule == "gumbel" and params.seed is not None)
+        identical = ar.token_ids == result.token_ids if same_tokens else None
         _print_stats("ar", ar.stats.to_dict(), ar.finish_reason, info)
         verdict = {True: "identical to plain decoding", False: "DIFFERENT from plain decoding",
-                   None: "(sampled: not compared)"}[identical]
+                   None: "(speculative sampling: equal in distribution, not compared)"}[identical]
         if identical is False and target.lm.weight_format.startswith("llama.cpp"):
             verdict += (" (the llama.cpp backend: its passes over several tokens round "
                         "differently from one-token passes; --backend native is exact)")

@@ -4,7 +4,6 @@ the one check that a draft can serve a target.
 
 from __future__ import annotations
 
-import json
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ from safetensors import SafetensorError
 from . import llamacpp, registry
 from .base import CausalLM
 from .hf import HFCausalLM
-from .native import SUPPORTED_MODEL_TYPES, Transformer
+from .native import SUPPORTED_MODEL_TYPES, Transformer, read_json
 from .quant import best_layout, has_q4k, quantize_linears, require_vnni
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,7 +128,7 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         return _load_llamacpp(name_or_path, dtype, tokenizer)
     layout = best_layout(role)
     path = resolve_model_path(name_or_path)
-    config = json.loads((path / "config.json").read_text())
+    config = read_json(path / "config.json")
     native_ok = config.get("model_type") in SUPPORTED_MODEL_TYPES and any(path.glob("*.safetensors"))
     if backend == "native" and not native_ok:
         raise ValueError(f"{name_or_path}: model_type {config.get('model_type')!r} with these weights "
@@ -231,7 +230,7 @@ def _default_eos(path: Path, tok) -> tuple[int, ...]:
     ids: list[int] = []
     gen = path / "generation_config.json"
     if gen.exists():
-        e = json.loads(gen.read_text()).get("eos_token_id")
+        e = read_json(gen).get("eos_token_id")
         ids += e if isinstance(e, list) else ([e] if e is not None else [])
     if tok is not None and tok.eos_token_id is not None:
         ids.append(tok.eos_token_id)

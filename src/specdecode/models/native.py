@@ -36,6 +36,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SDPA_MIN_TOKENS = 65
 
 
+def read_json(path: Path) -> dict:
+    """A model directory's JSON file (config.json, generation_config.json) as a dict.
+    Raises ValueError naming the file when it is not a JSON object."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or re-download the model "
+                         "directory") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object "
+                         "({...}); fix or re-download the model directory")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """Architecture of a Llama-family decoder; built from a Hugging Face ``config.json``.
@@ -740,7 +754,7 @@ class Transformer(nn.Module):
         match it, FileNotFoundError when files lack.
         """
         path = Path(path)
-        config = json.loads((path / "config.json").read_text())
+        config = read_json(path / "config.json")
         args = ModelArgs.from_hf_config(config)
         files = sorted(path.glob("*.safetensors"))
         if not files:

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..config import SamplingParams
+from ..sampling import GumbelNoise
 from ..models.base import CausalLM
 
 
@@ -51,6 +52,10 @@ class RequestState:
 
     tokens: committed token ids (prompt + generated), a Python list.
     num_generated: how many of them were generated.
+    generator: the request's random stream (the rejection rule's draws, a sampled draft's).
+    noise: the request's Gumbel noise under the gumbel acceptance rule, else None: a draft
+        model proposes ``argmax(its processed logits + noise of that position)`` to agree
+        with the target's sample there as often as it can.
     """
 
     tokens: list[int]
@@ -59,6 +64,7 @@ class RequestState:
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator | None
     target_vocab_size: int
+    noise: GumbelNoise | None = None
 
 
 @dataclass(frozen=True)

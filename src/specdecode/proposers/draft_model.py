@@ -5,16 +5,18 @@ from __future__ import annotations
 import torch
 
 from ..models.base import CausalLM
-from ..sampling import process_logits, sample, to_probs
+from ..sampling import gumbel_sample, process_logits, sample, to_probs
 from .base import DraftOutput, Proposer, RequestState
 
 
 class DraftModelProposer(Proposer):
     """A smaller model of the same tokenizer proposes K tokens autoregressively.
 
-    Greedy requests: the draft's argmax (a point-mass proposal). Sampled requests: drafts are
-    drawn from the draft's distribution after the same processing (temperature, top-k/p,
-    repetition penalty) and that exact distribution is returned for the acceptance rule.
+    Greedy requests: the draft's argmax (a point-mass proposal). Sampled requests, rejection
+    rule: drafts are drawn from the draft's distribution after the same processing
+    (temperature, top-k/p, repetition penalty) and that exact distribution is returned for
+    the acceptance rule. Gumbel rule: the Gumbel-max sample of that distribution with the
+    target's noise of the same position (a point mass: the verifier needs no distribution).
 
     The draft's cache always holds a prefix of the committed tokens: each round first feeds
     the committed tokens it has not seen (the whole prompt on the first round, or the last
@@ -133,10 +135,12 @@ class DraftModelProposer(Proposer):
             logits = self.draft.forward(feed, num_logits=1)[..., :v]
             logits = process_logits(logits, params, context, None, state.num_generated + i,
                                     state.eos_token_ids)[:, 0]
-            probs = None if params.greedy else to_probs(logits, params)
+            probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
             if self._unsure(logits, probs):
                 break
-            if probs is None:
+            if state.noise is not None and not params.greedy:  # the target's noise at n + i
+                tok = gumbel_sample(logits, state.noise.rows(n + i, 1, logits.device))
+            elif probs is None:
                 tok = logits.argmax(-1)
             else:
                 tok = sample(probs, state.generator)
