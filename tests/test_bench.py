@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import MockLM, hashed_logits
+import specdecode
 from specdecode import cli
 from specdecode.bench import report, run, runners, workloads
 from specdecode.bench.run import Record
@@ -436,3 +437,35 @@ def test_each_methods_peak_memory_is_its_own_process_not_the_benchs(tmp_path_fac
                                   "draft_share": None, "verify_share": None, "mismatches": None,
                                   "peak_memory_bytes": 3 * 2**29}}}
     assert "| 1.50 GiB |" in report.markdown_table(summary, {})
+
+
+def test_bench_sampled_run_checks_gumbel_methods_against_plain_sampling(tmp_path_factory, tmp_path,
+                                                                        capsys, monkeypatch):
+    """--temperature T: our methods only, each prompt seeded alike; gumbel methods (the
+    default) give plain sampling's tokens and are checked, rejection ones are not."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    dirs = tiny_dirs_in(tmp_path_factory)
+    base = ["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+            "--workloads", "humaneval", "--limit", "2", "--max-new-tokens", "12"]
+    methods = "ar,ar:rule=rejection,draft:k=3,draft:k=3:rule=rejection,prompt-lookup,hybrid:k=auto"
+    assert cli.main(base + ["--temperature", "0.8", "--methods", methods, "--out", str(tmp_path / "o")]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["mismatches"] == 0
+    records = run.read_records(tmp_path / "o" / "records.jsonl")
+    checked = {r.method for r in records if r.identical is not None}
+    assert checked == {"draft:k=3", "prompt-lookup", "hybrid:k=auto"}
+    assert all(r.identical for r in records if r.identical is not None)
+    by = {(r.method, r.prompt_id): r.token_ids for r in records}
+    greedy = specdecode.load(dirs["target"])
+    ids = workloads.prompt_ids(greedy.tokenizer, workloads.load_humaneval(2)[0], 0, [])
+    plain = specdecode.generate(greedy, input_ids=ids, method="ar", max_new_tokens=12,
+                                temperature=0.8, seed=runners.prompt_seed(ids))
+    assert by[("ar", workloads.load_humaneval(2)[0].prompt_id)] == plain.token_ids
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["temperature"] == "0.8"
+    for bad, words in ((["--temperature", "0.8", "--methods", "ar,hf-ar"], ["hf-ar", "greedy"]),
+                       (["--methods", "ar,draft:rule=gumbel"], ["rule=gumbel", "--temperature"]),
+                       (["--temperature", "1", "--methods", "ar,draft:rule=coupled"], ["coupled"]),
+                       (["--temperature", "-1", "--methods", "ar"], ["temperature=-1"])):
+        assert cli.main(base + bad) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), err

@@ -106,3 +106,29 @@ def test_default_target_keeps_the_gguf_q4k_blocks(qwen_pair):
     with safe_open(str(qwen_pair[0].path / "model.safetensors"), "pt") as f:
         for name in [n for n in q4 if n.startswith(("model.layers.0.", "model.layers.27."))]:
             assert torch.equal(q4[name].weight(), f.get_tensor(name + ".weight")), name
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_smollm2_seeded_sampling_is_the_same_whatever_speculates(smollm2, temperature):
+    """Issue 21 / TESTPACK §11 on a real model: a seeded sampled request gives plain
+    sampling's token ids with every method, K schedule and session state; the draft is the
+    same model quantized to int4 (other logits: it agrees often, not always)."""
+    draft = specdecode.load("smollm2-135m-instruct", dtype="int4", role="draft")
+    prompt = "List five fruits and say one thing about each."
+    common = dict(chat=True, max_new_tokens=64, temperature=temperature, seed=11)
+    plain = specdecode.generate(smollm2, prompt, method="ar", **common)
+    runs = {
+        "draft K=4": dict(draft=draft, num_speculative_tokens=4),
+        "draft auto": dict(draft=draft, num_speculative_tokens="auto"),
+        "prompt-lookup": dict(method="prompt-lookup"),
+        "suffix session": dict(method="suffix", suffix_cache="session"),
+        "hybrid": dict(method="hybrid", draft=draft),
+    }
+    accepted = {}
+    for label, kw in runs.items():
+        r = specdecode.generate(smollm2, prompt, **common, **kw)
+        assert r.token_ids == plain.token_ids and r.text == plain.text, label
+        accepted[label] = r.stats.num_accepted_tokens
+    again = specdecode.generate(smollm2, prompt, **common, **runs["suffix session"])  # a fuller cache
+    assert again.token_ids == plain.token_ids
+    assert accepted["draft K=4"] > 10

@@ -20,13 +20,14 @@ from .runners import BenchModels, build_runners, parse_methods
 
 
 def method_peak(label: str, target: str, draft: str, dtype: str, backend: str,
-                prompt_ids: list[int], max_new_tokens: int) -> tuple[int | None, str]:
+                prompt_ids: list[int], max_new_tokens: int,
+                temperature: float = 0.0) -> tuple[int | None, str]:
     """Peak resident memory in bytes of a process that runs method ``label`` alone (its
     models loaded, one generation of ``prompt_ids``, this process's thread count), and an
     error line when it could not be measured (None, then)."""
     spec = {"label": label, "target": target, "draft": draft, "dtype": dtype, "backend": backend,
             "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
-            "threads": torch.get_num_threads()}
+            "temperature": temperature, "threads": torch.get_num_threads()}
     try:
         r = subprocess.run([sys.executable, "-m", "specdecode.bench.memory", json.dumps(spec)],
                            capture_output=True, text=True, timeout=3600)
@@ -40,7 +41,8 @@ def method_peak(label: str, target: str, draft: str, dtype: str, backend: str,
 def _child(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     models = BenchModels(spec["target"], spec["draft"], spec["dtype"], spec["backend"])
-    runner, _ = build_runners(models, parse_methods(spec["label"]))[spec["label"]]
+    runner, _ = build_runners(models, parse_methods(spec["label"]),
+                              spec["temperature"])[spec["label"]]
     runner(spec["prompt_ids"], spec["max_new_tokens"])
     print(json.dumps({"peak_rss_bytes": own_peak_bytes()}))
 

@@ -94,14 +94,15 @@ def weight_bytes(model: LoadedModel) -> int:
 
 
 RECORDS_LOG = "records.jsonl"
-RUN_SETTINGS = ("target", "draft", "dtype", "backend", "max_new_tokens", "seed", "dataset", "limit")
+RUN_SETTINGS = ("target", "draft", "dtype", "backend", "max_new_tokens", "seed", "dataset", "limit",
+                "temperature")
 
 
 def check_run_settings(args) -> None:
     """--out DIR keeps the settings that make records comparable in DIR/run.json; --resume
     with other settings is refused (its records would not be comparable; another --limit
-    chooses other prompts). A run.json written before ``limit`` (``backend``) was kept is not
-    checked for it."""
+    chooses other prompts). A run.json written before ``limit`` (``backend``, ``temperature``)
+    was kept is not checked for it."""
     path = Path(args.out) / "run.json"
     mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
     if Path(args.dataset).is_file():  # the questions themselves, wherever the file lies
@@ -113,6 +114,7 @@ def check_run_settings(args) -> None:
             theirs = {}
         theirs.setdefault("limit", mine["limit"])
         theirs.setdefault("backend", "auto")
+        theirs.setdefault("temperature", "0.0")
         diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "
@@ -150,7 +152,8 @@ def read_records(path: Path) -> list[Record]:
     return out
 
 
-def add_peak_memory(summary: dict, models: BenchModels, runners, tasks, tok, max_new_tokens) -> None:
+def add_peak_memory(summary: dict, models: BenchModels, runners, tasks, tok, max_new_tokens,
+                    temperature: float = 0.0) -> None:
     """Each method's peak resident memory (``peak_memory_bytes`` of its overall row), measured
     in a process of its own on the run's longest prompt (:mod:`specdecode.bench.memory`),
     one method after the other, after the timed run (so it cannot disturb the timings)."""
@@ -159,7 +162,7 @@ def add_peak_memory(summary: dict, models: BenchModels, runners, tasks, tok, max
     ids = max((prompt_ids(tok, t, 0, []) for t in tasks), key=len)
     for label in tqdm(list(runners), desc="peak memory, a process per method", unit="method"):
         peak, err = method_peak(label, models.target_name, models.draft_name, models.dtype,
-                                models.backend, ids, max_new_tokens)
+                                models.backend, ids, max_new_tokens, temperature)
         if err:
             print(f"note: peak memory of {label} not measured: {err}", file=sys.stderr)
         if "overall" in summary.get(label, {}):
@@ -287,7 +290,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
                         previous=previous, on_task_done=on_task_done)
     summary = summarize(records)
     if records and args is not None and getattr(args, "memory", False):
-        add_peak_memory(summary, models, runners, tasks, tok, max_new_tokens)
+        add_peak_memory(summary, models, runners, tasks, tok, max_new_tokens,
+                        getattr(args, "temperature", 0.0))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     limit = {"context_tokens": context, "forward_seconds": times, "weight_bytes": wbytes,
              "bandwidth_gb_per_s": wbytes / times[0] / 1e9,

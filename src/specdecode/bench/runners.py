@@ -6,12 +6,13 @@ generation, and llama.cpp's plain and prompt-lookup decoding of the target's GGU
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..config import KSchedule, SamplingParams
+from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
 from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule
 from ..models import llamacpp
@@ -131,11 +132,34 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
     return SpeculativeConfig(name, k, schedule, **kwargs)
 
 
-def ours(models: BenchModels, name: str, opts: dict) -> Runner:
+def sampled_rule(opts: dict, temperature: float) -> str | None:
+    """The acceptance rule of one of our methods in a sampled run (option ``rule=``,
+    consumed; default gumbel, the rule of seeded requests), None in a greedy run. Raises
+    ValueError for another value, or ``rule=`` in a greedy run (it would change nothing)."""
+    rule = opts.pop("rule", None)
+    if temperature == 0:
+        if rule is not None:
+            raise ValueError(f"option rule={rule} applies to sampled runs: add --temperature T")
+        return None
+    if rule not in (None, *ACCEPTANCE_RULES):
+        raise ValueError(f"option rule={rule!r} is invalid; allowed: {', '.join(ACCEPTANCE_RULES)}")
+    return rule or "gumbel"
+
+
+def prompt_seed(prompt_ids: list[int]) -> int:
+    """The sampling seed of one prompt in a sampled run: the same for every method (so that
+    the gumbel rule's outputs can be compared with plain sampling's token for token)."""
+    return zlib.crc32(bytes(str(prompt_ids), "ascii"))
+
+
+def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -> Runner:
     """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
     ``dtype=`` and ``backend=`` the draft's, default auto: see
-    :func:`specdecode.models.loading.load`)."""
+    :func:`specdecode.models.loading.load`; ``rule=`` the acceptance rule when
+    ``temperature`` > 0, see :func:`sampled_rule`). Sampled runs seed each prompt with
+    :func:`prompt_seed`."""
     target = models.target()
+    rule = sampled_rule(opts, temperature)
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
     draft = None
     if spec.method.needs_draft_model:
@@ -144,9 +168,10 @@ def ours(models: BenchModels, name: str, opts: dict) -> Runner:
     engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
 
     def run(prompt_ids, max_new_tokens):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=prompt_seed(prompt_ids) if rule else None, acceptance_rule=rule)
         t0 = time.perf_counter()
-        gen = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens),
-                              target.eos_token_ids).run()
+        gen = engine.generate(prompt_ids, params, target.eos_token_ids).run()
         return Output(gen.token_ids, time.perf_counter() - t0, gen.stats.to_dict())
     return run
 
@@ -238,15 +263,27 @@ def parse_methods(spec: str) -> list[tuple[str, str, dict]]:
     return out
 
 
-def build_runners(models: BenchModels, methods) -> dict[str, tuple[Runner, str | None]]:
+def build_runners(models: BenchModels, methods,
+                  temperature: float = 0.0) -> dict[str, tuple[Runner, str | None]]:
     """label -> (runner, label of its reference: ``ar`` for ours, ``hf-ar`` for the peers,
-    None when the reference is not in the run). Raises ValueError on unknown options."""
+    None when the reference is not in the run or its tokens need not be equal: in a sampled
+    run (``temperature`` > 0, ours only) a method of the rejection rule is equal to plain
+    sampling in distribution only; gumbel methods are checked against ``ar`` when it is
+    gumbel too). Raises ValueError on unknown options, or peers in a sampled run."""
     runners = {}
     labels = [label for label, _, _ in methods]
+    if temperature > 0:
+        peers = [label for label, name, _ in methods if not is_ours(name)]
+        if peers:
+            raise ValueError(f"--temperature {temperature:g}: the peers {peers} run greedy here; "
+                             "a sampled run takes our methods only")
+        rules = {label: sampled_rule(dict(options), temperature) for label, _, options in methods}
     for label, name, options in methods:
         opts = dict(options)
         if is_ours(name):
-            runner, ref = ours(models, name, opts), "ar"
+            runner, ref = ours(models, name, opts, temperature), "ar"
+            if temperature > 0 and not (rules[label] == "gumbel" and rules.get("ar") == "gumbel"):
+                ref = None
         else:
             runner, ref = PEERS[name].make(models, opts), PEERS[name].reference
         if opts:
@@ -262,7 +299,7 @@ def fixed_k(label: str) -> int | None:
     if not is_ours(name) or METHODS[name].proposer is None:
         return None
     opts = dict(options)
-    opts.pop("dtype", None)
-    opts.pop("backend", None)
+    for key in ("dtype", "backend", "rule"):
+        opts.pop(key, None)
     spec = speculative_config(name, opts)
     return spec.num_speculative_tokens if spec.schedule is KSchedule.FIXED else None

@@ -12,6 +12,7 @@ from ..bench.runners import (DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels
                              parse_methods)
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
+from ..config import SamplingParams
 from ..methods import METHODS
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
@@ -25,14 +26,16 @@ def _help() -> str:
         for m in METHODS.values())
     peers = "\n".join(f"  {name:<16}{p.summary}" for name, p in PEERS.items())
     return f"""\
-Benchmark decoding methods side by side on Spec-Bench and HumanEval, greedy, batch size 1,
-interleaved per prompt, against our plain decoding (ar), transformers (hf-*) and llama.cpp
+Benchmark decoding methods side by side on Spec-Bench and HumanEval, greedy (or sampled:
+--temperature), batch size 1, interleaved per prompt, against our plain decoding (ar),
+transformers (hf-*) and llama.cpp
 (llamacpp-*, on the target's GGUF file), with the machine's ceiling for a perfect, free
 proposer.
 
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
-  (each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
+  (every one takes rule=gumbel|rejection, its acceptance rule, in a sampled run
+  (--temperature); each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
   model dtype={"|".join(DTYPE_NAMES)}, the draft's dtype, default auto (int4 on an AVX512-VNNI
   CPU, else int8),
   and backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
@@ -67,6 +70,12 @@ def add_parser(sub) -> None:
                    help="HumanEval (and code-edit) problems (default: --limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, as Spec-Bench. T > 0: a sampled run of our methods "
+                        "only, each prompt seeded alike for every method; the option rule=gumbel "
+                        "(default) or rule=rejection chooses a method's acceptance rule, e.g. "
+                        "--methods ar,draft,draft:rule=rejection; gumbel methods are checked "
+                        "token for token against ar")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="our target's dtype for every method of ours (default auto: q4 for "
                         "a GGUF target on an AVX512-VNNI CPU, else int8); the "
@@ -107,6 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown workload(s) {bad}; available: {', '.join(WORKLOADS)}")
     if args.limit < 1 or args.max_new_tokens < 1:
         raise ValueError("--limit and --max-new-tokens must be >= 1")
+    SamplingParams(temperature=args.temperature)  # names a bad value
     tasks = []
     if "spec-bench" in workloads:
         tasks += load_spec_bench(args.dataset, args.limit, args.seed)
@@ -125,7 +135,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         check_run_settings(args)
     models = BenchModels(args.target, args.draft, args.dtype, args.backend)
-    runners = build_runners(models, methods)
+    runners = build_runners(models, methods, args.temperature)
     report = run_and_report(models, runners, tasks, args.max_new_tokens, args)
     print(json.dumps(report["overall_json"]))
     return 0
