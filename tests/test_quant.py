@@ -44,6 +44,45 @@ def test_the_vnni_kernel_is_built_on_a_cpu_that_has_vnni():
         assert lib is None and why
 
 
+def _cpu_flags() -> list[str]:
+    return next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
+                 if ln.startswith("flags")), [])
+
+
+def test_amx_is_used_exactly_where_the_cpu_has_it():
+    """On a CPU with AMX-INT8 (and the kernel built) passes of 2+ rows run on the tile unit
+    unless turned off; elsewhere set_amx(True) reports that it is not in use."""
+    has = quant.vnni_kernel()[0] is not None and "amx_int8" in _cpu_flags()
+    try:
+        assert quant.set_amx(True) is has and quant.amx_in_use() is has
+        assert quant.set_amx(False) is False and quant.amx_in_use() is False
+    finally:
+        quant.set_amx(True)
+
+
+@pytest.mark.parametrize("k, n", [(1536, 48), (128, 4864), (8960, 32)])
+def test_amx_and_vnni_give_the_same_bits(k, n):
+    """The tile unit's passes (2+ rows, K a multiple of 64) against the AVX512 ones: the same
+    int32 sums and float steps, so the same bits, for every row count around its 16-row
+    tiles and for an odd number of 16-channel blocks. (Where the CPU has no AMX both runs
+    take the AVX512 path and the test checks row independence alone.)"""
+    torch.manual_seed(1)
+    w, b = torch.randn(n, k), torch.randn(n)
+    lin = quant.Int8Linear.from_float(w, b, "vnni")
+    assert lin.layout == "vnni"
+    x = torch.randn(33, k) * torch.logspace(-1, 1, 33)[:, None]
+    out = {}
+    try:
+        for on in (True, False):
+            quant.set_amx(on)
+            out[on] = {rows: lin(x[:rows]) for rows in (1, 2, 5, 8, 15, 16, 17, 33)}
+    finally:
+        quant.set_amx(True)
+    for rows, y in out[True].items():
+        assert torch.equal(y, out[False][rows]), rows
+        assert torch.equal(y, out[True][33][:rows]), rows  # each row its own
+
+
 @pytest.mark.parametrize("shape", [(48, 40), (1536, 256), (200, 1001), (64, 48), (896, 4864)])
 def test_int8_linear_rows_are_independent_and_layouts_agree(shape):
     """Every layout, both kernels: the same bits, and each row's output its own."""

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .models import registry
+from .models import quant, registry
 from .models.base import busy_lock
 from .models.loading import LoadedModel
-from .models.quant import KERNEL_SOURCE
 
 
 def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 5,
@@ -52,7 +51,7 @@ PROFILE_CONTEXT = 256
 @functools.cache
 def _kernel_source() -> str:
     """A digest of our C++ kernels' source: a changed kernel is measured again."""
-    return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(quant.KERNEL_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profiles are measured again
@@ -74,7 +73,8 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     if cached is not None and len(cached) >= n:
         return cached[:n]
     key = json.dumps([PROFILE_VERSION, str(model.path or model.name), type(model.lm).__name__,
-                      model.lm.weight_format, _kernel_source(), torch.get_num_threads(),
+                      model.lm.weight_format, _kernel_source(), quant.amx_in_use(),
+                      torch.get_num_threads(),
                       torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
     path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
         hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")

@@ -14,16 +14,36 @@
 // 8 rows of x reuses it from registers: one pass over the weights serves a verify pass of
 // up to 8 tokens (NB = 2 such blocks share each load of x). The weights stream from memory
 // once per 8 rows.
+//
+// On CPUs with AMX-INT8 (Sapphire Rapids and later), passes of 2 or more rows run on the tile
+// unit instead (sd_set_amx): TDPBSUD multiplies signed bytes of x by the same unsigned packed
+// weights, whose 64-byte rows are exactly its B-tile rows (16 channels x 4 bytes), so it
+// computes the same exact int32 sums as vpdpbusd, and every float step after them is shared
+// (store_row): a row's output is the same bit for bit on either unit, alone or in a batch.
+// One pass over the weights then serves up to 16 rows at a tile unit's multiply rate.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <vector>
 
 namespace {
 
 constexpr int NB = 2;  // blocks of 16 output channels per step: the x loads serve both
+
+// 16 outputs of one row from its int32 sums of x * (w + 128): the one float path of both
+// units. y = ((acc - 128 * rowsum(x)) * xs) * ws (+ bias).
+inline void store_row(__m512i acc, int32_t xsum, float xs, __m512 wsv, const float* bias,
+                      float* y) {
+    const __m512i exact = _mm512_sub_epi32(acc, _mm512_set1_epi32(xsum * 128));
+    __m512 v = _mm512_cvtepi32_ps(exact);
+    v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs)), wsv);
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(y, v);
+}
 
 // acc[i][m] += sum over 4 bytes of wu (weights + 128, unsigned) * x (signed), then
 // y = ((acc - 128 * rowsum(x)) * xs) * ws (+ bias) for NB blocks of 16 channels at n0.
@@ -49,13 +69,8 @@ inline void block(const int8_t* xq, const int32_t* xsum, int64_t K, const uint8_
     for (int i = 0; i < nb; i++) {
         const int64_t n = n0 + 16 * i;
         const __m512 wsv = _mm512_loadu_ps(ws + n);
-        for (int m = 0; m < MB; m++) {
-            const __m512i exact = _mm512_sub_epi32(acc[i][m], _mm512_set1_epi32(xsum[m] * 128));
-            __m512 v = _mm512_cvtepi32_ps(exact);
-            v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[m])), wsv);
-            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-            _mm512_storeu_ps(y + m * N + n, v);
-        }
+        for (int m = 0; m < MB; m++)
+            store_row(acc[i][m], xsum[m], xs[m], wsv, bias ? bias + n : nullptr, y + m * N + n);
     }
 }
 
@@ -65,6 +80,73 @@ typedef void (*block_fn)(const int8_t*, const int32_t*, int64_t, const uint8_t*,
 constexpr int MAXMB = 8;
 const block_fn BLOCKS[MAXMB + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>,
                                     block<5>, block<6>, block<7>, block<8>};
+
+#ifdef __AMX_INT8__
+bool use_amx = false;
+
+// Tiles: 0, 1 the int32 sums of two blocks of 16 channels (mb rows x 16); 2 x (mb rows x 64
+// bytes); 3, 4 the two blocks' weights (16 rows of 4 bytes x 16 channels).
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+void configure(int mb) {
+    TileConfig c;
+    for (int t = 0; t < 5; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = t < 3 ? mb : 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+// sd_int8_linear on the tile unit (K % 64 == 0): per step, blocks of 16 rows of x.
+void amx_int8_linear(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t M,
+                     int64_t K, const uint8_t* wp, const float* ws, const float* bias, int64_t N,
+                     float* y) {
+    const int64_t steps = (N + 16 * NB - 1) / (16 * NB);
+#pragma omp parallel
+    {
+        int configured = 0;
+        alignas(64) int32_t sums[NB][16][16];
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < steps; s++) {
+            const uint8_t* w0 = wp + s * NB * 16 * K;
+            const uint8_t* w1 = w0 + 16 * K;
+            const int nb = N - s * NB * 16 < NB * 16 ? 1 : NB;
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int mb = M - m0 < 16 ? (int)(M - m0) : 16;
+                if (mb != configured) {
+                    configure(mb);
+                    configured = mb;
+                }
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t k = 0; k < K; k += 64) {  // B row k4 = k / 4 + r at 64 * k4 bytes
+                    _tile_loadd(2, xq + m0 * K + k, K);
+                    _tile_loadd(3, w0 + k * 16, 64);
+                    _tile_dpbsud(0, 2, 3);
+                    if (nb > 1) {
+                        _tile_loadd(4, w1 + k * 16, 64);
+                        _tile_dpbsud(1, 2, 4);
+                    }
+                }
+                _tile_stored(0, sums[0], 64);
+                if (nb > 1) _tile_stored(1, sums[1], 64);
+                for (int i = 0; i < nb; i++) {
+                    const int64_t n = s * NB * 16 + 16 * i;
+                    const __m512 wsv = _mm512_loadu_ps(ws + n);
+                    for (int m = 0; m < mb; m++)
+                        store_row(_mm512_load_si512((const void*)sums[i][m]), xsum[m0 + m],
+                                  xs[m0 + m], wsv, bias ? bias + n : nullptr, y + (m0 + m) * N + n);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+#endif
 
 }  // namespace
 
@@ -106,6 +188,12 @@ void sd_quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
 void sd_int8_linear(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t M,
                     int64_t K, const uint8_t* wp, const float* ws, const float* bias, int64_t N,
                     float* y) {
+#ifdef __AMX_INT8__
+    if (use_amx && M >= 2 && K % 64 == 0) {
+        amx_int8_linear(xq, xs, xsum, M, K, wp, ws, bias, N, y);
+        return;
+    }
+#endif
     const int64_t steps = (N + 16 * NB - 1) / (16 * NB);
 #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < steps; s++) {
@@ -117,6 +205,35 @@ void sd_int8_linear(const int8_t* xq, const float* xs, const int32_t* xsum, int6
                        s * NB * 16, nb);
         }
     }
+}
+
+// Use the tile unit for passes of 2+ rows (on = 1) or not (0); returns whether it is in use:
+// 0 where the CPU lacks AMX-INT8, Linux does not grant this process the tile state, or the
+// kernel was built without AMX. The output is the same bits either way.
+int sd_set_amx(int on) {
+#ifdef __AMX_INT8__
+    static int available = -1;
+    if (available < 0) {
+        unsigned a, b, c, d;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        const bool cpu = (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
+        // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process
+        available = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    use_amx = on && available;
+    return use_amx;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+int sd_amx_in_use() {
+#ifdef __AMX_INT8__
+    return use_amx;
+#else
+    return 0;
+#endif
 }
 
 }  // extern "C"

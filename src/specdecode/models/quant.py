@@ -11,8 +11,11 @@ scale per output channel, as in LLM.int8()/SmoothQuant's W8A8 (arXiv 2208.07339,
 
 Two kernels compute the same bits. On x86 CPUs with AVX512-VNNI, ``int8_vnni.cpp`` (built
 with the system C++ compiler at first use and cached, loaded with ctypes) streams weights
-packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass; elsewhere
-``torch._int_mm``. Set ``SPECDECODE_INT8_KERNEL=torch`` to use the latter anyway.
+packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass, and on CPUs
+with AMX-INT8 runs passes of 2+ rows of int8 weights on the tile unit (the same integer sums,
+the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
+AVX512); elsewhere ``torch._int_mm``. Set ``SPECDECODE_INT8_KERNEL=torch`` to use the latter
+anyway.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ FORMAT_VERSION = 2  # of the cached int8 weights; bump when quantize_state chang
 KERNEL_SOURCE = Path(__file__).with_name("int8_vnni.cpp")
 KERNEL_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp",
                 "-ffp-contract=off", "-shared", "-fPIC")
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")  # only the tile code uses them; dropped if g++ lacks them
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 
@@ -75,7 +79,8 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
-        key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + repr((KERNEL_FLAGS, version)).encode())
+        key = hashlib.sha256(KERNEL_SOURCE.read_bytes()
+                             + repr((KERNEL_FLAGS, AMX_FLAGS, version)).encode())
         out = registry.cache_dir() / "kernels" / f"int8_vnni-{key.hexdigest()[:16]}.so"
         failed = None if out.is_file() else _build(cxx, out)
         if failed:
@@ -95,7 +100,27 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_int8_linear_x.restype = None
     lib.sd_q4k_linear_x.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
     lib.sd_q4k_linear_x.restype = None
+    lib.sd_set_amx.argtypes = [ctypes.c_int]
+    lib.sd_set_amx.restype = ctypes.c_int
+    lib.sd_amx_in_use.argtypes = []
+    lib.sd_amx_in_use.restype = ctypes.c_int
+    lib.sd_set_amx(int(os.environ.get("SPECDECODE_AMX", "1") != "0"))
     return lib, ""
+
+
+def set_amx(on: bool) -> bool:
+    """Run the int8 linears' passes of 2+ rows on the AMX tile unit (on) or on AVX512-VNNI;
+    returns whether the tile unit is in use (False where the CPU, Linux or the compiler
+    lacks AMX-INT8, or without the kernel). Either gives the same bits; the choice changes
+    only speed, so forward-time profiles are keyed on it (:func:`amx_in_use`)."""
+    lib = vnni_kernel()[0]
+    return bool(lib is not None and lib.sd_set_amx(int(on)))
+
+
+def amx_in_use() -> bool:
+    """Whether int8 passes of 2+ rows run on the AMX tile unit now (see :func:`set_amx`)."""
+    lib = vnni_kernel()[0]
+    return bool(lib is not None and lib.sd_amx_in_use())
 
 
 def _build(cxx: str, out: Path) -> str | None:
@@ -104,8 +129,11 @@ def _build(cxx: str, out: Path) -> str | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        proc = subprocess.run([cxx, *KERNEL_FLAGS, "-o", str(built), str(KERNEL_SOURCE)],
-                              capture_output=True, text=True, timeout=600)
+        for flags in (KERNEL_FLAGS + AMX_FLAGS, KERNEL_FLAGS):  # without AMX: an older g++
+            proc = subprocess.run([cxx, *flags, "-o", str(built), str(KERNEL_SOURCE)],
+                                  capture_output=True, text=True, timeout=600)
+            if proc.returncode == 0:
+                break
         if proc.returncode != 0:
             return f"{cxx} failed: {proc.stderr.strip()[-300:]}"
         os.replace(built, out)
