@@ -328,6 +328,25 @@ def test_q4k_linear_equals_its_reference_and_rows_are_independent(shape):
     assert ((y - (x @ w.t() + lin.bias)).norm() / (x @ w.t()).norm()) < 0.02
 
 
+@pytest.mark.parametrize("n, k", [(48, 256), (32, 1536), (16, 8960)])
+def test_q4k_amx_and_vnni_give_the_same_bits(n, k):
+    """The Q4_K kernel's passes of 2+ rows on the tile unit (two groups of 32 per step, 16
+    rows per tile) against the AVX512 ones, and each row its own. (Where the CPU has no AMX
+    both runs take the AVX512 path.)"""
+    lin = _q4k_linear(n, k, seed=2)
+    x = torch.randn(33, k) * torch.logspace(-1, 1, 33)[:, None]
+    out = {}
+    try:
+        for on in (True, False):
+            quant.set_amx(on)
+            out[on] = {rows: lin(x[:rows]) for rows in (1, 2, 3, 7, 16, 17, 33)}
+    finally:
+        quant.set_amx(True)
+    for rows, y in out[True].items():
+        assert torch.equal(y, out[False][rows]), rows
+        assert torch.equal(y, out[True][33][:rows]), rows
+
+
 @pytest.fixture(scope="module")
 def q4_gguf(tmp_path_factory):
     root = tmp_path_factory.mktemp("q4")

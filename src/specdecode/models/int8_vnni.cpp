@@ -15,12 +15,13 @@
 // up to 8 tokens (NB = 2 such blocks share each load of x). The weights stream from memory
 // once per 8 rows.
 //
-// On CPUs with AMX-INT8 (Sapphire Rapids and later), passes of 2 or more rows run on the tile
-// unit instead (sd_set_amx): TDPBSUD multiplies signed bytes of x by the same unsigned packed
-// weights, whose 64-byte rows are exactly its B-tile rows (16 channels x 4 bytes), so it
-// computes the same exact int32 sums as vpdpbusd, and every float step after them is shared
-// (store_row): a row's output is the same bit for bit on either unit, alone or in a batch.
-// One pass over the weights then serves up to 16 rows at a tile unit's multiply rate.
+// On CPUs with AMX-INT8 (Sapphire Rapids and later), passes of a few rows or more run on the
+// tile unit instead (sd_set_amx): TDPBSUD multiplies signed bytes of x by the same unsigned
+// packed weights, whose 64-byte rows are exactly its B-tile rows (16 channels x 4 bytes; Q4_K
+// nibbles unpacked to bytes first, a group of 32 per tile), so it computes the same exact
+// int32 sums as vpdpbusd, and every float step after them is shared (store_row, add_group):
+// a row's output is the same bit for bit on either unit, alone or in a batch. One pass over
+// the weights then serves up to 16 rows at the tile unit's multiply rate.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -83,6 +84,9 @@ const block_fn BLOCKS[MAXMB + 1] = {nullptr, block<1>, block<2>, block<3>, block
 
 #ifdef __AMX_INT8__
 bool use_amx = false;
+// The fewest rows a pass takes to the tile unit (measured on the 1.5B target, 2 cores:
+// int8 2 rows 0.99x the AVX512 time, 8 rows 0.88x; Q4_K 2 rows 1.04x, 4 rows 0.94x, 8 0.86x).
+constexpr int64_t AMX_INT8_MIN_ROWS = 2, AMX_Q4K_MIN_ROWS = 3;
 
 // Tiles: 0, 1 the int32 sums of two blocks of 16 channels (mb rows x 16); 2 x (mb rows x 64
 // bytes); 3, 4 the two blocks' weights (16 rows of 4 bytes x 16 channels).
@@ -189,7 +193,7 @@ void sd_int8_linear(const int8_t* xq, const float* xs, const int32_t* xsum, int6
                     int64_t K, const uint8_t* wp, const float* ws, const float* bias, int64_t N,
                     float* y) {
 #ifdef __AMX_INT8__
-    if (use_amx && M >= 2 && K % 64 == 0) {
+    if (use_amx && M >= AMX_INT8_MIN_ROWS && K % 64 == 0) {
         amx_int8_linear(xq, xs, xsum, M, K, wp, ws, bias, N, y);
         return;
     }
@@ -246,6 +250,29 @@ namespace {
 // k = 32 g + 8 v + b (low nibble) and k + 4 (high nibble) of channel j; d, dmin [K/256][16]
 // fp16; sc, mn [K/32][16] uint8. Per group and row: the exact int32 sum of q * xq, then
 // f = (f + A * sum) - B * gsum with A = d * sc, B = dmin * m as gguf-py dequantizes them.
+// The float steps both units share (so that they give the same bits): a group's scales
+// A = d * sc and B = dmin * m for 16 channels; f = (f + A * sum) - B * gsum; the row's output.
+inline void group_scales(const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
+                         const uint8_t* mn, int64_t g, __m512& a, __m512& bm) {
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + (g / 8) * 16)));
+    const __m512 dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dmin + (g / 8) * 16)));
+    a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i*)(sc + g * 16)))));
+    bm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i*)(mn + g * 16)))));
+}
+
+inline __m512 add_group(__m512 f, __m512 a, __m512 bm, __m512i sum, int32_t gsum) {
+    const __m512 t = _mm512_add_ps(f, _mm512_mul_ps(a, _mm512_cvtepi32_ps(sum)));
+    return _mm512_sub_ps(t, _mm512_mul_ps(bm, _mm512_set1_ps((float)gsum)));
+}
+
+inline void store_q4k_row(__m512 f, float xs, const float* bias, float* y) {
+    __m512 v = _mm512_mul_ps(f, _mm512_set1_ps(xs));
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(y, v);
+}
+
 template <int MB>
 inline void q4k_block(const int8_t* xq, const int32_t* gsum, int64_t K, const uint8_t* wq,
                       const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
@@ -256,12 +283,8 @@ inline void q4k_block(const int8_t* xq, const int32_t* gsum, int64_t K, const ui
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t groups = K / 32;
     for (int64_t g = 0; g < groups; g++) {
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + (g / 8) * 16)));
-        const __m512 dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dmin + (g / 8) * 16)));
-        const __m512 a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128((const __m128i*)(sc + g * 16)))));
-        const __m512 bm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128((const __m128i*)(mn + g * 16)))));
+        __m512 a, bm;
+        group_scales(d, dmin, sc, mn, g, a, bm);
         __m512i acc[MB];
         for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
@@ -274,16 +297,9 @@ inline void q4k_block(const int8_t* xq, const int32_t* gsum, int64_t K, const ui
                 acc[m] = _mm512_dpbusd_epi32(acc[m], hi, _mm512_set1_epi32(*(const int32_t*)(r + 4)));
             }
         }
-        for (int m = 0; m < MB; m++) {
-            const __m512 t = _mm512_add_ps(f[m], _mm512_mul_ps(a, _mm512_cvtepi32_ps(acc[m])));
-            f[m] = _mm512_sub_ps(t, _mm512_mul_ps(bm, _mm512_set1_ps((float)gsum[m * groups + g])));
-        }
+        for (int m = 0; m < MB; m++) f[m] = add_group(f[m], a, bm, acc[m], gsum[m * groups + g]);
     }
-    for (int m = 0; m < MB; m++) {
-        __m512 v = _mm512_mul_ps(f[m], _mm512_set1_ps(xs[m]));
-        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
-        _mm512_storeu_ps(y + m * N + n0, v);
-    }
+    for (int m = 0; m < MB; m++) store_q4k_row(f[m], xs[m], bias ? bias + n0 : nullptr, y + m * N + n0);
 }
 
 typedef void (*q4k_fn)(const int8_t*, const int32_t*, int64_t, const uint8_t*, const uint16_t*,
@@ -292,6 +308,87 @@ typedef void (*q4k_fn)(const int8_t*, const int32_t*, int64_t, const uint8_t*, c
 const q4k_fn Q4K_BLOCKS[MAXMB + 1] = {nullptr, q4k_block<1>, q4k_block<2>, q4k_block<3>,
                                       q4k_block<4>, q4k_block<5>, q4k_block<6>, q4k_block<7>,
                                       q4k_block<8>};
+
+#ifdef __AMX_INT8__
+// Tiles: 0, 1 the int32 sums of two groups of 32 (mb rows x 16 channels); 2, 3 their x (mb
+// rows x 32 bytes); 4, 5 their weights unpacked to bytes (8 rows of 4 bytes x 16 channels).
+void configure_q4k(int mb) {
+    TileConfig c;
+    for (int t = 0; t < 6; t++) {
+        c.rows[t] = t < 4 ? mb : 8;
+        c.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+// The 8 B-tile rows of group g: its 4 packed vectors' low nibbles (k-quad 2v) and high
+// nibbles (k-quad 2v + 1), as q4k_block reads them.
+inline void unpack_group(const uint8_t* wq, int64_t g, uint8_t* b) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; v++) {
+        const __m512i w = _mm512_loadu_si512((const void*)(wq + (g * 4 + v) * 64));
+        _mm512_store_si512((void*)(b + 128 * v), _mm512_and_si512(w, low));
+        _mm512_store_si512((void*)(b + 128 * v + 64), _mm512_and_si512(_mm512_srli_epi16(w, 4), low));
+    }
+}
+
+// sd_q4k_linear on the tile unit: per block of 16 channels and 16 rows, two groups in flight.
+void amx_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int64_t M, int64_t K,
+                    const uint8_t* wq, const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
+                    const uint8_t* mn, const float* bias, int64_t N, float* y) {
+    const int64_t nblocks = N / 16, groups = K / 32;
+#pragma omp parallel
+    {
+        int configured = 0;
+        alignas(64) uint8_t b[2][512];
+        alignas(64) int32_t sums[2][16][16];
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const uint8_t* w = wq + nb * 16 * K / 2;
+            const uint16_t* dn = d + nb * 16 * (K / 256);
+            const uint16_t* dmn = dmin + nb * 16 * (K / 256);
+            const uint8_t* scn = sc + nb * 16 * (K / 32);
+            const uint8_t* mnn = mn + nb * 16 * (K / 32);
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int mb = M - m0 < 16 ? (int)(M - m0) : 16;
+                if (mb != configured) {
+                    configure_q4k(mb);
+                    configured = mb;
+                }
+                __m512 f[16];
+                for (int m = 0; m < mb; m++) f[m] = _mm512_setzero_ps();
+                const int8_t* x = xq + m0 * K;
+                const int32_t* gs = gsum + m0 * groups;
+                for (int64_t g = 0; g < groups; g += 2) {  // groups is a multiple of 8
+                    unpack_group(w, g, b[0]);
+                    unpack_group(w, g + 1, b[1]);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_loadd(2, x + 32 * g, K);
+                    _tile_loadd(3, x + 32 * (g + 1), K);
+                    _tile_loadd(4, b[0], 64);
+                    _tile_loadd(5, b[1], 64);
+                    _tile_dpbsud(0, 2, 4);
+                    _tile_dpbsud(1, 3, 5);
+                    _tile_stored(0, sums[0], 64);
+                    _tile_stored(1, sums[1], 64);
+                    for (int i = 0; i < 2; i++) {
+                        __m512 a, bm;
+                        group_scales(dn, dmn, scn, mnn, g + i, a, bm);
+                        for (int m = 0; m < mb; m++)
+                            f[m] = add_group(f[m], a, bm, _mm512_load_si512((const void*)sums[i][m]),
+                                             gs[m * groups + g + i]);
+                    }
+                }
+                for (int m = 0; m < mb; m++)
+                    store_q4k_row(f[m], xs[m0 + m], bias ? bias + nb * 16 : nullptr,
+                                  y + (m0 + m) * N + nb * 16);
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+#endif
 
 }  // namespace
 
@@ -302,6 +399,12 @@ extern "C" {
 void sd_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int64_t M, int64_t K,
                    const uint8_t* wq, const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
                    const uint8_t* mn, const float* bias, int64_t N, float* y) {
+#ifdef __AMX_INT8__
+    if (use_amx && M >= AMX_Q4K_MIN_ROWS) {
+        amx_q4k_linear(xq, xs, gsum, M, K, wq, d, dmin, sc, mn, bias, N, y);
+        return;
+    }
+#endif
     const int64_t nblocks = N / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {

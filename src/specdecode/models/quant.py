@@ -12,8 +12,8 @@ scale per output channel, as in LLM.int8()/SmoothQuant's W8A8 (arXiv 2208.07339,
 Two kernels compute the same bits. On x86 CPUs with AVX512-VNNI, ``int8_vnni.cpp`` (built
 with the system C++ compiler at first use and cached, loaded with ctypes) streams weights
 packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass, and on CPUs
-with AMX-INT8 runs passes of 2+ rows of int8 weights on the tile unit (the same integer sums,
-the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
+with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 3+) on the tile unit (the same integer
+sums, the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
 AVX512); elsewhere ``torch._int_mm``. Set ``SPECDECODE_INT8_KERNEL=torch`` to use the latter
 anyway.
 """
@@ -109,7 +109,8 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
 
 
 def set_amx(on: bool) -> bool:
-    """Run the int8 linears' passes of 2+ rows on the AMX tile unit (on) or on AVX512-VNNI;
+    """Run the int8 and Q4_K linears' passes of a few rows or more on the AMX tile unit (on)
+    or on AVX512-VNNI;
     returns whether the tile unit is in use (False where the CPU, Linux or the compiler
     lacks AMX-INT8, or without the kernel). Either gives the same bits; the choice changes
     only speed, so forward-time profiles are keyed on it (:func:`amx_in_use`)."""
@@ -118,7 +119,7 @@ def set_amx(on: bool) -> bool:
 
 
 def amx_in_use() -> bool:
-    """Whether int8 passes of 2+ rows run on the AMX tile unit now (see :func:`set_amx`)."""
+    """Whether passes of a few rows run on the AMX tile unit now (see :func:`set_amx`)."""
     lib = vnni_kernel()[0]
     return bool(lib is not None and lib.sd_amx_in_use())
 
