@@ -33,8 +33,16 @@ test-fast: install
 
 # optional: llama.cpp (llama-cpp-python, compiled for this CPU once, 10-20 minutes): a bench
 # peer and a backend (--backend / --draft-backend llama.cpp)
+# On a CPU with AMX it is built with the CPU's other x86 features and without AMX: llama.cpp's
+# AMX matmul crashes on Q4_K_M files (segfault in ggml_backend_amx_mul_mat on the first decode
+# here; ggml-org/llama.cpp#20824). --no-cache-dir: a wheel built with other flags is not reused.
+LLAMA_CMAKE_ARGS := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+  -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 llamacpp: install
-	$(PY) -m pip install --disable-pip-version-check -e '.[test,llamacpp]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --disable-pip-version-check --no-cache-dir \
+	  -e '.[test,llamacpp]'
 
 # the tests on llama.cpp itself (`make test` runs them too once the extra is installed)
 test-llamacpp: llamacpp models
