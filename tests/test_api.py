@@ -693,6 +693,8 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     # a positive temperature too small to divide by (issue 21, fault 6: nan in multinomial)
     (dict(temperature=1e-40), ["temperature=1e-40", "1e-20"]),
     (dict(temperature=True), ["temperature=True"]),
+    (dict(temperature=1e39, top_k=3), ["temperature=1e+39", "1e+30"]),  # top_k was ignored
+    (dict(stop=["\udcff"]), ["stop", "UTF-8"]),  # could never match
     (dict(stop=5), ["stop=5"]),  # fault 7: was a bare TypeError
     (dict(stop=["ok", 5]), ["stop", "strings"]),
     (dict(acceptance_rule="coupled", temperature=1.0), ["acceptance_rule", "'coupled'", "gumbel"]),
@@ -737,6 +739,8 @@ def test_text_that_is_not_utf8_is_refused_naming_the_character(target, tok):
         assert all(w in str(err.value) for w in words), err.value
         with pytest.raises(ValueError, match="'user' message is not valid UTF-8"):
             specdecode.generate(target, [{"role": "user", "content": prompt}], max_new_tokens=3)
+        with pytest.raises(ValueError, match="role is not valid UTF-8"):
+            specdecode.generate(target, [{"role": "us" + prompt, "content": "x"}], max_new_tokens=3)
 
 
 @pytest.mark.parametrize("method", ["ar", "prompt-lookup", "suffix"])

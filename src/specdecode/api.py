@@ -98,6 +98,7 @@ def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
                 raise ValueError(f"chat message {m!r} must be a dict with string 'role' and 'content'")
+            _check_utf8(m["role"], "a chat message's role")
             _check_utf8(m["content"], f"the {m['role']!r} message")
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"target {target.name!r} has no chat template; drop --chat / pass plain text")

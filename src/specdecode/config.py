@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 MAX_K = 64  # the largest speculation length K accepted anywhere
-MIN_TEMPERATURE = 1e-20  # below it logits / temperature leave fp32's range (inf, then nan)
+# outside them logits / temperature leave fp32's range (inf, then nan; or all 0, which the
+# top-k / top-p filters then cannot tell apart)
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-20, 1e30
 ACCEPTANCE_RULES = ("gumbel", "rejection")
 
 
@@ -66,9 +68,9 @@ class SamplingParams:
             bad("min_new_tokens", f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
         if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                 and math.isfinite(self.temperature)
-                and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
-            bad("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below it "
-                "the scaled logits overflow)")
+                and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)):
+            bad("temperature", f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to "
+                f"{MAX_TEMPERATURE:g} (beyond them the scaled logits leave fp32's range)")
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0 = off)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -85,6 +87,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "non-empty strings")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate: it could never match decoded text
+                bad("stop", "valid UTF-8 text (a lone surrogate, e.g. a byte that was not UTF-8, "
+                    "can never be generated)")
         if self.eos_token_ids is not None:
             ids = (self.eos_token_ids,) if isinstance(self.eos_token_ids, int) else tuple(self.eos_token_ids)
             if any(not is_int(i) or i < 0 for i in ids):
