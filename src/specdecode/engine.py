@@ -3,8 +3,8 @@
 Each round: the proposer proposes k draft tokens; the target scores ``last + drafts`` in one
 verify pass; the request's acceptance rule (:func:`~specdecode.verify.rejection_sample`, or
 :func:`~specdecode.verify.gumbel_verify` for ``SamplingParams.rule == "gumbel"``) keeps an
-accepted prefix plus one recovered or bonus token; stop conditions are checked on every token of that block; both
-caches roll back to the committed length. Plain autoregressive decoding is the same loop
+accepted prefix plus one recovered or bonus token; stop conditions are checked on every
+token of that block; both caches roll back to the committed length. Plain autoregressive decoding is the same loop
 with no proposer (k = 0 every round), so both share every line of stop handling.
 """
 

@@ -135,10 +135,11 @@ class DraftModelProposer(Proposer):
             logits = self.draft.forward(feed, num_logits=1)[..., :v]
             logits = process_logits(logits, params, context, None, state.num_generated + i,
                                     state.eos_token_ids)[:, 0]
+            # noise exists for sampled requests of the gumbel rule only (never greedy)
             probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
             if self._unsure(logits, probs):
                 break
-            if state.noise is not None and not params.greedy:  # the target's noise at n + i
+            if state.noise is not None:  # the target's noise at position n + i
                 tok = gumbel_sample(logits, state.noise.rows(n + i, 1, logits.device))
             elif probs is None:
                 tok = logits.argmax(-1)
