@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 import specdecode
 from specdecode.config import SamplingParams
 from specdecode.models import load, quant
-from specdecode.models.native import Transformer, attend_prefixes
+from specdecode.models.native import KVCache, ModelArgs, Prefixes, Transformer, attend_prefixes, \
+    attend_rows, attention_kernel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
 from helpers import PROMPTS, run, tiny_model
@@ -120,6 +121,83 @@ def test_attend_prefixes_equals_masked_attention():
         alone = attend_prefixes(q[:, :, i:i + 1], k[:, :, :start + i + 1], v[:, :, :start + i + 1],
                                 start + i)
         assert torch.equal(got[:, :, i:i + 1], alone)
+
+
+def _attention_args(h, kv, d):
+    return ModelArgs(vocab_size=8, dim=h * d, n_layers=1, n_heads=h, n_kv_heads=kv,
+                     head_dim=d, intermediate_size=8)
+
+
+@pytest.mark.parametrize("h,kv,d", [(12, 2, 128), (4, 4, 64), (24, 2, 80), (2, 1, 256), (3, 1, 16)])
+def test_attention_kernel_equals_attention_and_rows_are_independent(h, kv, d):
+    """The C++ attention of decode/verify rows (sd_attend) against PyTorch's, for group sizes
+    1-12 (12: several passes over the values), head dims 16-256 (256: two value chunks) and
+    prefixes of 1 to 83 slots (16-key blocks with and without a tail); then every row alone,
+    and rows of their own lengths in one call, give the same bits as the rows in one pass."""
+    lib = attention_kernel(torch.device("cpu"), torch.float32, _attention_args(h, kv, d))
+    if lib is None:  # no kernel on this CPU (the kernel test above says why): the torch path
+        assert quant.vnni_kernel()[0] is None
+        return
+    torch.manual_seed(0)
+    b, length, start, t = 2, 96, 66, 17
+    cache = KVCache(b, kv, length, d, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    q = torch.randn(b, h, t, d) * 2
+    lens = torch.arange(start + 1, start + t + 1).expand(b, t).contiguous()
+    got = attend_rows(Prefixes(lib, lens), q, cache)
+    assert got.shape == (b, t, h, d)
+    ref = attend_prefixes(q, cache.k[:, :, :start + t], cache.v[:, :, :start + t], start)
+    torch.testing.assert_close(got, ref.transpose(1, 2), rtol=2e-6, atol=2e-6)
+    for i in range(t):
+        alone = attend_rows(Prefixes(lib, lens[:1, i:i + 1].contiguous()),
+                            q[:1, :, i:i + 1].contiguous(), cache)
+        assert torch.equal(alone[0, 0], got[0, i]), i
+    short = torch.tensor([[1, 2, 3], [15, 16, 17]])  # rows of their own lengths, one call
+    mixed = attend_rows(Prefixes(lib, short), q[:, :, :3].contiguous(), cache)
+    for row in range(b):
+        for i in range(3):
+            n = int(short[row, i])
+            one = attend_rows(Prefixes(lib, torch.tensor([[n]])), q[row:row + 1, :, i:i + 1].contiguous(),
+                              cache if row == 0 else _row_cache(cache, row))
+            assert torch.equal(one[0, 0], mixed[row, i]), (row, i)
+            ref = attend_prefixes(q[row:row + 1, :, i:i + 1], cache.k[row:row + 1, :, :n],
+                                  cache.v[row:row + 1, :, :n], n - 1)
+            torch.testing.assert_close(mixed[row, i], ref[0, :, 0], rtol=2e-6, atol=2e-6)
+
+
+def _row_cache(cache: KVCache, row: int) -> KVCache:
+    one = KVCache(1, cache.k.shape[1], cache.k.shape[2], cache.k.shape[3], torch.float32, "cpu")
+    one.k.copy_(cache.k[row:row + 1])
+    one.v.copy_(cache.v[row:row + 1])
+    return one
+
+
+def test_int8_rows_of_their_own_lengths_equal_each_row_alone_bit_for_bit():
+    """Rows of different cached lengths in one pass (the batched engine's pass) give each row
+    the logits of that row run alone, bit for bit: the int8 kernels and the attention kernel
+    keep rows apart (elsewhere the masked PyTorch path is close, not equal)."""
+    model = tiny_model(4, int8="kn", dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+    exact = attention_kernel(torch.device("cpu"), torch.float32, model.args) is not None
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 30, 4)]
+    steps = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(50 + n)) for n in (3, 1, 5)]
+    batch = model.fork()
+    batch.allocate(3, 64)
+    for rows in (prompts, steps):
+        x = torch.zeros(3, max(map(len, rows)), dtype=torch.long)
+        for b, r in enumerate(rows):
+            x[b, :len(r)] = r
+        out = batch.forward_rows(x, [len(r) for r in rows]).logits
+    for b in range(3):
+        alone = model.fork()
+        alone.allocate(1, 64)
+        alone(prompts[b][None])
+        want = alone(steps[b][None])[0]
+        got = out[b, :len(steps[b])]
+        if exact:
+            assert torch.equal(got, want), b
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", quant.LAYOUTS)

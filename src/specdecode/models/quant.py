@@ -9,7 +9,7 @@ comes out bit for bit the same alone or in a batch. The weight is int8 with one 
 scale per output channel, as in LLM.int8()/SmoothQuant's W8A8 (arXiv 2208.07339,
 2211.10438) without their outlier handling.
 
-Two kernels compute the same bits. On x86 CPUs with AVX512-VNNI, ``int8_vnni.cpp`` (built
+Two kernels compute the same bits. On x86 CPUs with AVX512-VNNI, ``cpu_kernels.cpp`` (built
 with the system C++ compiler at first use and cached, loaded with ctypes) streams weights
 packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass, and on CPUs
 with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 3+) on the tile unit (the same integer
@@ -45,7 +45,7 @@ from . import registry
 
 QMAX = 127  # symmetric int8: -127..127 (no -128, so negation stays in range)
 FORMAT_VERSION = 2  # of the cached int8 weights; bump when quantize_state changes
-KERNEL_SOURCE = Path(__file__).with_name("int8_vnni.cpp")
+KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 KERNEL_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp",
                 "-ffp-contract=off", "-shared", "-fPIC")
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")  # only the tile code uses them; dropped if g++ lacks them
@@ -54,7 +54,7 @@ _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 @functools.cache
 def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled ``int8_vnni.cpp`` and "", or None and why it is not used.
+    """The compiled ``cpu_kernels.cpp`` and "", or None and why it is not used.
 
     Built once per source and compiler into ``<specdecode cache>/kernels/`` (about a second
     with g++), then loaded from there. Never raises: a CPU without AVX512-VNNI, no C++
@@ -81,7 +81,7 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
                                  timeout=60).stdout
         key = hashlib.sha256(KERNEL_SOURCE.read_bytes()
                              + repr((KERNEL_FLAGS, AMX_FLAGS, version)).encode())
-        out = registry.cache_dir() / "kernels" / f"int8_vnni-{key.hexdigest()[:16]}.so"
+        out = registry.cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         failed = None if out.is_file() else _build(cxx, out)
         if failed:
             return _unavailable(failed)
@@ -100,6 +100,8 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_int8_linear_x.restype = None
     lib.sd_q4k_linear_x.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
     lib.sd_q4k_linear_x.restype = None
+    lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
+    lib.sd_attend.restype = None
     lib.sd_set_amx.argtypes = [ctypes.c_int]
     lib.sd_set_amx.restype = ctypes.c_int
     lib.sd_amx_in_use.argtypes = []
@@ -258,7 +260,7 @@ class Int8Linear(nn.Module):
             lib.sd_int8_linear_x(x2.data_ptr(), x2.shape[0], self.in_features, *_pointers(
                 self, ("qweight", "wscale", "bias")), n, y.data_ptr())
             return y.to(x.dtype).view(*shape[:-1], n)
-        xq, xs = quantize_rows(x2)  # the kernel's steps (int8_vnni.cpp, sd_quantize_rows)
+        xq, xs = quantize_rows(x2)  # the kernel's steps (cpu_kernels.cpp, sd_quantize_rows)
         y = torch._int_mm(xq, self.weight_kn()).float() * xs[:, None] * self.wscale
         if self.bias is not None:
             y = y + self.bias
@@ -314,7 +316,7 @@ class Int8Embedding(nn.Module):
 
 class Q4KLinear(nn.Module):
     """A linear whose weight is a GGUF file's Q4_K blocks, as they are, with per-row int8
-    activations (the VNNI kernel only; see ``int8_vnni.cpp``, ``sd_q4k_linear``).
+    activations (the VNNI kernel only; see ``cpu_kernels.cpp``, ``sd_q4k_linear``).
 
     w[n, k] = d * sc * q - dmin * m (q 4-bit, sc and m 6-bit per 32 inputs, d and dmin fp16
     per 256: llama.cpp's ``block_q4_K``), so the weights equal gguf-py's dequantization (and

@@ -469,3 +469,154 @@ void sd_q4k_linear_x(const float* x, int64_t M, int64_t Kin, int64_t K, const ui
 }
 
 }  // extern "C"
+
+// Causal attention of decode and verify rows (native.py, attend_rows). Query row (b, t) of
+// head h attends to cache slots 0..lens[b * T + t] - 1 of its KV head, computed by one thread
+// in one fixed order that depends only on that row's own query, keys and values: a row comes
+// out the same bit for bit alone or among any other rows (the property speculative decoding
+// needs), at any thread count. fp32 throughout; head_dim % 16 == 0.
+namespace {
+
+// exp(x) to ~1 ulp for x <= 0 (Cephes' expf: Cody-Waite reduction by ln 2, degree-5
+// polynomial, 2^n applied by vscalefps; below -87 it returns ~1e-38, not 0: harmless here).
+inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// out[h][0..16 NV) = sum_j p[h][j] * v[j] / sum[h] for hc <= 24 / NV heads (p stride n,
+// out stride D): each pass over the values serves several heads, in registers.
+template <int NV>
+void weigh_values(const float* p, int64_t n, int hc, const float* v, int64_t sl,
+                  const float* sum, float* out, int64_t D) {
+    constexpr int HG = 24 / NV;
+    __m512 acc[HG][NV];
+    for (int h = 0; h < HG; h++)
+        for (int c = 0; c < NV; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const float* vj = v + j * sl;
+        __m512 vv[NV];
+        for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int h = 0; h < HG; h++) {
+            if (h >= hc) break;
+            const __m512 ph = _mm512_set1_ps(p[h * n + j]);
+            for (int c = 0; c < NV; c++) acc[h][c] = _mm512_fmadd_ps(ph, vv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < hc; h++) {
+        const __m512 sh = _mm512_set1_ps(sum[h]);
+        for (int c = 0; c < NV; c++)
+            _mm512_storeu_ps(out + h * D + 16 * c, _mm512_div_ps(acc[h][c], sh));
+    }
+}
+
+using WeighFn = void (*)(const float*, int64_t, int, const float*, int64_t, const float*, float*, int64_t);
+constexpr WeighFn WEIGH[9] = {nullptr, weigh_values<1>, weigh_values<2>, weigh_values<3>,
+                              weigh_values<4>, weigh_values<5>, weigh_values<6>,
+                              weigh_values<7>, weigh_values<8>};
+constexpr int HEADS_PER_PASS[9] = {0, 24, 12, 8, 6, 4, 4, 3, 3};
+
+// Lane k of the result = the sum of the 16 lanes of a[k]: a transpose-and-add tree that
+// sums every input's lanes in the same order (l + 8, then + 4, + 2, + 1), so a key's score
+// does not depend on its place among the 16.
+inline __m512 sum16(const __m512* a) {
+    __m512 c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++)
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 8], 0x44),
+                             _mm512_shuffle_f32x4(a[j], a[j + 8], 0xEE));
+    for (int j = 0; j < 4; j++)
+        d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[j], c[j + 4], 0x88),
+                             _mm512_shuffle_f32x4(c[j], c[j + 4], 0xDD));
+    for (int j = 0; j < 2; j++)
+        e[j] = _mm512_add_ps(_mm512_shuffle_ps(d[j], d[j + 2], 0x44),
+                             _mm512_shuffle_ps(d[j], d[j + 2], 0xEE));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                                   _mm512_shuffle_ps(e[0], e[1], 0xDD));
+    // f's lane p holds key PERM[p]; PERM is its own inverse
+    const __m512i perm = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return _mm512_permutexvar_ps(perm, f);
+}
+
+// g query heads (q, stride qh) of one row against n slots of one KV head: scores of 16 keys
+// at a time (keys past n get 0 and are never read), then per head softmax and the values.
+void attend_group(const float* q, int64_t qh, int g, int64_t D, const float* k, const float* v,
+                  int64_t sl, int64_t n, float scale, float* out, float* s) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t cnt = n - j0 < 16 ? n - j0 : 16;
+        for (int i = 0; i < g; i++) {
+            const float* qi = q + i * qh;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 qd = _mm512_loadu_ps(qi + d);
+                for (int j = 0; j < cnt; j++)
+                    acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (j0 + j) * sl + d), acc[j]);
+            }
+            _mm512_mask_storeu_ps(s + i * n + j0, tail_mask(cnt), _mm512_mul_ps(sum16(acc), sv));
+        }
+    }
+    float sums[256];  // g <= 256 (checked by the caller)
+    for (int i = 0; i < g; i++) {
+        float* si = s + i * n;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16)
+            vmax = _mm512_mask_max_ps(vmax, tail_mask(n - j), vmax, _mm512_loadu_ps(si + j));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 t = tail_mask(n - j);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, si + j), m));
+            vsum = _mm512_mask_add_ps(vsum, t, vsum, e);
+            _mm512_mask_storeu_ps(si + j, t, e);
+        }
+        sums[i] = _mm512_reduce_add_ps(vsum);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 128) {
+        const int nv = (int)((D - d0 < 128 ? D - d0 : 128) / 16);
+        for (int h0 = 0; h0 < g; h0 += HEADS_PER_PASS[nv]) {
+            const int hc = g - h0 < HEADS_PER_PASS[nv] ? g - h0 : HEADS_PER_PASS[nv];
+            WEIGH[nv](s + h0 * n, n, hc, v + d0, sl, sums + h0, out + h0 * D + d0, D);
+        }
+    }
+}
+
+thread_local std::vector<float> scores;
+
+}  // namespace
+
+extern "C" {
+
+// out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
+// caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
+// (1 <= lens <= L); H % Hkv == 0, D % 16 == 0; scores scaled by `scale`.
+void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
+               int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
+               const int64_t* lens, float scale, float* out) {
+    const int g = (int)(H / Hkv);
+    const int64_t items = B * T * Hkv;
+#pragma omp parallel for schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / (T * Hkv), t = it / Hkv % T, kv = it % Hkv;
+        const int64_t n = lens[b * T + t];
+        if ((int64_t)scores.size() < g * n) scores.resize(g * n);
+        const int64_t cache = (b * Hkv + kv) * L * D;
+        attend_group(q + b * qb + t * qt + kv * g * qh, qh, g, D, k + cache, v + cache, D, n,
+                     scale, out + ((b * T + t) * H + kv * g) * D, scores.data());
+    }
+}
+
+}  // extern "C"
