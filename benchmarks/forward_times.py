@@ -1,4 +1,4 @@
-"""T(1..17) of the default target in one weight format, its load time and peak RSS, in a process of its own:
+"""T(1..17) of the default target in one weight format (medians of 7, the sizes interleaved), its load time and peak RSS, in a process of its own:
 `python benchmarks/forward_times.py q4|int8|float32|bfloat16|llamacpp|llamacpp-all-logits [MODEL [ROLE]]` (BENCHMARKS.md section 0)."""
 
 import json, resource, sys, time, torch
@@ -27,10 +27,13 @@ else:
     def fwd(n):
         lm.rollback(256)
         t0 = time.perf_counter(); lm.forward(ids[:, 256:256 + n]); return time.perf_counter() - t0
-res = {}
-for n in (1, 2, 4, 8, 16, 17):
+sizes = (1, 2, 4, 8, 16, 17)
+for n in sizes:
     fwd(n)
-    ts = sorted(fwd(n) for _ in range(5))
-    res[n] = ts[2]
+times = {n: [] for n in sizes}
+for _ in range(7):  # the sizes interleaved: a machine that slows mid-run moves every T alike
+    for n in sizes:
+        times[n].append(fwd(n))
+res = {n: sorted(ts)[3] for n, ts in times.items()}
 print(json.dumps({"kind": kind, "load_s": round(load_s, 1), "T_ms": {n: round(v * 1e3, 1) for n, v in res.items()},
                   "T8/T1": round(res[8] / res[1], 2), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))

@@ -1,5 +1,7 @@
-// Row-independent W8A8 linear for x86 CPUs with AVX512-VNNI (see quant.py, Int8Linear:
-// layout "vnni"); built by quant.py at first use, loaded with ctypes.
+// The CPU kernels of the native runtime, for x86 CPUs with AVX512-VNNI: the row-independent
+// W8A8 and Q4_K linears (see quant.py, Int8Linear layout "vnni", Q4KLinear), the attention of
+// decode and verify rows and the MLP's activation (native.py, attend_rows, MLP); built by
+// quant.py at first use, loaded with ctypes.
 //
 // y[m, n] = ((float)(sum_k q[m, k] * w[n, k]) * xs[m]) * ws[n] (+ bias[n]), where row m of x
 // is quantized alone: xs[m] = max|x[m]| / 127, q = round-half-even(x / xs[m]). The integer
@@ -15,13 +17,13 @@
 // up to 8 tokens (NB = 2 such blocks share each load of x). The weights stream from memory
 // once per 8 rows.
 //
-// On CPUs with AMX-INT8 (Sapphire Rapids and later), passes of a few rows or more run on the
-// tile unit instead (sd_set_amx): TDPBSUD multiplies signed bytes of x by the same unsigned
-// packed weights, whose 64-byte rows are exactly its B-tile rows (16 channels x 4 bytes; Q4_K
-// nibbles unpacked to bytes first, a group of 32 per tile), so it computes the same exact
-// int32 sums as vpdpbusd, and every float step after them is shared (store_row, add_group):
-// a row's output is the same bit for bit on either unit, alone or in a batch. One pass over
-// the weights then serves up to 16 rows at the tile unit's multiply rate.
+// On CPUs with AMX-INT8 (Sapphire Rapids and later), int8 passes of 2+ rows and Q4_K passes
+// of 9+ rows run on the tile unit instead (sd_set_amx): TDPBSUD multiplies signed bytes of x
+// by the same unsigned packed weights, whose 64-byte rows are exactly its B-tile rows (16
+// channels x 4 bytes; Q4_K nibbles unpacked to bytes first, a group of 32 per tile), so it
+// computes the same exact int32 sums as vpdpbusd, and every float step after them is shared
+// (store_row, add_group): a row's output is the same bit for bit on either unit, alone or in
+// a batch. One pass over the weights then serves up to 16 rows at the tile unit's rate.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +36,10 @@
 namespace {
 
 constexpr int NB = 2;  // blocks of 16 output channels per step: the x loads serve both
+// Weights are prefetched this far ahead of the loads: a pass of several rows computes long
+// enough per byte that the hardware prefetcher alone left the loops waiting on memory
+// (paired, q4 target: an 8-row pass 84 -> 78 ms; one row 65 -> 61 ms).
+constexpr int64_t PREFETCH_BYTES = 8192;
 
 // 16 outputs of one row from its int32 sums of x * (w + 128): the one float path of both
 // units. y = ((acc - 128 * rowsum(x)) * xs) * ws (+ bias).
@@ -58,6 +64,8 @@ inline void block(const int8_t* xq, const int32_t* xsum, int64_t K, const uint8_
     const int64_t k4n = K / 4;
     const uint8_t* w1 = wp + (nb > 1 ? 16 * K : 0);
     for (int64_t k4 = 0; k4 < k4n; k4++) {
+        _mm_prefetch((const char*)(wp + k4 * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w1 + k4 * 64 + PREFETCH_BYTES), _MM_HINT_T0);
         const __m512i wa = _mm512_loadu_si512((const void*)(wp + k4 * 64));
         const __m512i wb = _mm512_loadu_si512((const void*)(w1 + k4 * 64));
         for (int m = 0; m < MB; m++) {
@@ -85,8 +93,11 @@ const block_fn BLOCKS[MAXMB + 1] = {nullptr, block<1>, block<2>, block<3>, block
 #ifdef __AMX_INT8__
 bool use_amx = false;
 // The fewest rows a pass takes to the tile unit (measured on the 1.5B target, 2 cores:
-// int8 2 rows 0.99x the AVX512 time, 8 rows 0.88x; Q4_K 2 rows 1.04x, 4 rows 0.94x, 8 0.86x).
-constexpr int64_t AMX_INT8_MIN_ROWS = 2, AMX_Q4K_MIN_ROWS = 3;
+// int8 2 rows 0.99x the AVX512 time, 8 rows 0.88x. Q4_K: with the weights prefetched
+// (PREFETCH_BYTES) the AVX512 loop is faster up to 8 rows, where the tile loop's two tile
+// products per 2 groups of 32 (K = 32 each: Q4_K's group) leave it bound by tile loads and
+// stores; docs/EXPERIMENTS.md).
+constexpr int64_t AMX_INT8_MIN_ROWS = 2, AMX_Q4K_MIN_ROWS = 9;
 
 // Tiles: 0, 1 the int32 sums of two blocks of 16 channels (mb rows x 16); 2 x (mb rows x 64
 // bytes); 3, 4 the two blocks' weights (16 rows of 4 bytes x 16 channels).
@@ -283,6 +294,8 @@ inline void q4k_block(const int8_t* xq, const int32_t* gsum, int64_t K, const ui
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t groups = K / 32;
     for (int64_t g = 0; g < groups; g++) {
+        for (int c = 0; c < 4; c++)
+            _mm_prefetch((const char*)(wq + g * 256 + PREFETCH_BYTES + 64 * c), _MM_HINT_T0);
         __m512 a, bm;
         group_scales(d, dmin, sc, mn, g, a, bm);
         __m512i acc[MB];
@@ -360,6 +373,8 @@ void amx_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int6
                 const int8_t* x = xq + m0 * K;
                 const int32_t* gs = gsum + m0 * groups;
                 for (int64_t g = 0; g < groups; g += 2) {  // groups is a multiple of 8
+                    for (int c = 0; c < 8; c++)
+                        _mm_prefetch((const char*)(w + g * 256 + PREFETCH_BYTES + 64 * c), _MM_HINT_T0);
                     unpack_group(w, g, b[0]);
                     unpack_group(w, g + 1, b[1]);
                     _tile_zero(0);
@@ -477,8 +492,9 @@ void sd_q4k_linear_x(const float* x, int64_t M, int64_t Kin, int64_t K, const ui
 // needs), at any thread count. fp32 throughout; head_dim % 16 == 0.
 namespace {
 
-// exp(x) to ~1 ulp for x <= 0 (Cephes' expf: Cody-Waite reduction by ln 2, degree-5
-// polynomial, 2^n applied by vscalefps; below -87 it returns ~1e-38, not 0: harmless here).
+// exp(x) to ~1 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-5 polynomial, 2^n
+// applied by vscalefps); below -87 it returns ~1e-38, not 0 (harmless in a softmax), above
+// ~88.7 it overflows to inf (silu's 1 / (1 + inf) = 0, as in PyTorch).
 inline __m512 exp_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -616,6 +632,25 @@ void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64
         const int64_t cache = (b * Hkv + kv) * L * D;
         attend_group(q + b * qb + t * qt + kv * g * qh, qh, g, D, k + cache, v + cache, D, n,
                      scale, out + ((b * T + t) * H + kv * g) * D, scores.data());
+    }
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for n floats: the
+// MLP's activation in one pass (element-wise, so rows stay independent).
+void sd_silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+    const int64_t chunks = (n + 15) / 16;
+#pragma omp parallel for schedule(static) if (n >= 16384)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t i = 16 * c;
+        const __mmask16 t = tail_mask(n - i);
+        const __m512 g = _mm512_maskz_loadu_ps(t, gate + i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(out + i, t, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(t, up + i)));
     }
 }
 

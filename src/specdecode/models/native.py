@@ -272,14 +272,21 @@ class Prefixes(NamedTuple):
     lens: torch.Tensor
 
 
-def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
-    """The C++ attention kernel for a cache of this device and dtype, or None (another
-    device or dtype, head_dim not a multiple of 16, over 256 query heads per KV head, or no
-    kernel on this CPU: then the PyTorch paths, :func:`attend_prefixes`)."""
-    if device.type != "cpu" or dtype != torch.float32 or args.head_dim % 16 \
-            or args.n_heads // args.n_kv_heads > 256:
+def cpu_kernels(device: torch.device, dtype: torch.dtype):
+    """The loaded ``cpu_kernels.cpp`` for fp32 tensors on the CPU, or None (another device or
+    dtype, or no kernel on this CPU: then PyTorch's operators)."""
+    if device.type != "cpu" or dtype != torch.float32:
         return None
     return quant.vnni_kernel()[0]
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
+    """The C++ attention kernel for a cache of this device and dtype, or None (see
+    :func:`cpu_kernels`; also head_dim not a multiple of 16 or over 256 query heads per KV
+    head: then the PyTorch paths, :func:`attend_prefixes`)."""
+    if args.head_dim % 16 or args.n_heads // args.n_kv_heads > 256:
+        return None
+    return cpu_kernels(device, dtype)
 
 
 def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -350,7 +357,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        lib = cpu_kernels(gate.device, gate.dtype)
+        if lib is None or not (gate.is_contiguous() and up.is_contiguous()):
+            return self.down_proj(F.silu(gate) * up)
+        h = torch.empty_like(gate)  # silu(gate) * up in one pass (sd_silu_mul)
+        lib.sd_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), h.data_ptr())
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

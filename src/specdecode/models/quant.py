@@ -12,7 +12,7 @@ scale per output channel, as in LLM.int8()/SmoothQuant's W8A8 (arXiv 2208.07339,
 Two kernels compute the same bits. On x86 CPUs with AVX512-VNNI, ``cpu_kernels.cpp`` (built
 with the system C++ compiler at first use and cached, loaded with ctypes) streams weights
 packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass, and on CPUs
-with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 3+) on the tile unit (the same integer
+with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 9+) on the tile unit (the same integer
 sums, the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
 AVX512); elsewhere ``torch._int_mm``. Set ``SPECDECODE_INT8_KERNEL=torch`` to use the latter
 anyway.
@@ -102,6 +102,8 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_q4k_linear_x.restype = None
     lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
     lib.sd_attend.restype = None
+    lib.sd_silu_mul.argtypes = [P, P, I, P]
+    lib.sd_silu_mul.restype = None
     lib.sd_set_amx.argtypes = [ctypes.c_int]
     lib.sd_set_amx.restype = ctypes.c_int
     lib.sd_amx_in_use.argtypes = []
