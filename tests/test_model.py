@@ -122,6 +122,33 @@ def test_hf_adapter_matches_native(tmp_path):
     assert adapter.seq_len == 30
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize("name", ["qwen2-bias-tied", "llama-mha-head-dim"])
+def test_hf_adapter_int8_verify_rows_equal_one_token_passes_bit_for_bit(tmp_path, monkeypatch, name, kernel):
+    """The transformers backend with int8 linears: its attention function (rows_attention)
+    gives each row of a verify pass the bits of the one-token pass there, so speculation
+    reproduces that backend's plain decoding (transformers' SDPA did not: logits moved)."""
+    from specdecode.models import native
+
+    if not kernel:
+        monkeypatch.setattr(native, "cpu_kernels", lambda *a: None)
+    hf_model_dir(tmp_path, name)
+    lm = load(tmp_path, backend="transformers", dtype="int8", tokenizer=False).lm
+    assert isinstance(lm, HFCausalLM) and lm.row_exact_attention and lm.weight_format.startswith("int8")
+    ids = torch.randint(0, TINY["vocab_size"], (1, 70), generator=torch.Generator().manual_seed(3))
+    lm.allocate(1, 96)
+    lm.forward(ids[:, :20], num_logits=0)
+    singles = torch.cat([lm.forward(ids[:, i:i + 1])[0] for i in range(20, 70)])
+    for k in (1, 4, 8):
+        lm.rollback(20)
+        for i in range(20, 70):  # refilled as the singles filled it
+            lm.forward(ids[:, i:i + 1], num_logits=0)
+        for pos in reversed(range(20, 70 - k - 1, 9)):  # the cache always holds pos
+            lm.rollback(pos)
+            block = lm.forward(ids[:, pos:pos + k + 1])[0]
+            assert torch.equal(block, singles[pos - 20:pos - 20 + k + 1]), (k, pos)
+
+
 def test_model_args_errors(tmp_path):
     with pytest.raises(ValueError, match="not one of the natively supported"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})

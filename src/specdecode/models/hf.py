@@ -2,18 +2,78 @@
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
+
+from . import native
+
+ROWS_ATTENTION = "specdecode_rows"
+
+
+def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                   is_causal: bool | None = None, **kwargs):
+    """A ``transformers`` attention function (``AttentionInterface``) whose rows are the
+    one-token passes': each of the T new queries attends to its own prefix of the cache,
+    computed as the native decoder does (:func:`native.attend_rows` on the CPU in fp32, else
+    :func:`native.attend_prefixes`), so a verify pass gives every row the bits a one-token
+    pass gives it. transformers' own SDPA runs all T rows in one masked product, whose
+    reduction order changes with T: with int8 linears those last-bit differences became other
+    activation roundings and moved logits by up to 4.4 (SmolLM2-135M, 8 cached tokens).
+
+    query: [B, H, T, D], key/value: [B, H_kv, S, D] (S = cached + T, the new tokens last;
+    rows of one length, as this adapter runs them). Returns ([B, T, H, D], None). Prefill
+    (T > native.SDPA_MIN_TOKENS), dropout, a sliding window shorter than S, soft-capping and
+    position biases go to transformers' SDPA function unchanged (row-exactness is a decode
+    property; those models' verify rows may then differ from one-token passes in the last
+    bits).
+    """
+    t, s = query.shape[2], key.shape[2]
+    window = kwargs.get("sliding_window")
+    if (t > native.SDPA_MIN_TOKENS or dropout or (window and window < s)
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    b, h, _, d = query.shape
+    lib = native.cpu_kernels(query.device, query.dtype)
+    if lib is not None and d % 16 == 0 and h // key.shape[1] <= 256:
+        lens = torch.arange(s - t + 1, s + 1).expand(b, t).contiguous()
+        cache = SimpleNamespace(k=key.contiguous(), v=value.contiguous())
+        return native.attend_rows(native.Prefixes(lib, lens), query, cache, scaling), None
+    y = native.attend_prefixes(query, key, value, s - t, scaling)
+    return y.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface  # here: importing specdecode stays light
+
+    AttentionInterface.register(ROWS_ATTENTION, rows_attention)
 
 
 class HFCausalLM:
     """Adapter over a ``transformers`` causal LM; rollback uses ``DynamicCache.crop``.
 
     Serves every architecture the native decoder does not cover (slower, and no draft-tree
-    masks or layer skipping, which later methods need).
+    masks or layer skipping, which later methods need). Models that take an attention
+    function (``AttentionInterface``, most current architectures) get :func:`rows_attention`,
+    so that with row-independent linears (int8) a verify pass's rows equal one-token passes
+    bit for bit; ``row_exact_attention`` says whether this model took it.
     """
 
     def __init__(self, hf_model, weight_format: str | None = None):
         self.hf = hf_model.eval()
+        _register()
+        if self.hf.config._attn_implementation != ROWS_ATTENTION:
+            try:
+                self.hf.set_attn_implementation(ROWS_ATTENTION)
+            except (ValueError, ImportError, AttributeError):
+                pass  # an architecture without attention functions: its own attention
+        self.row_exact_attention = self.hf.config._attn_implementation == ROWS_ATTENTION
         cfg = hf_model.config
         self.vocab_size = hf_model.get_output_embeddings().out_features  # also when int8-quantized
         self.weight_format = weight_format or str(hf_model.dtype).removeprefix("torch.")
@@ -33,7 +93,7 @@ class HFCausalLM:
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
         t = input_ids.shape[1]
         n = t if num_logits is None else num_logits
-        out = self.hf(input_ids=input_ids, past_key_values=self._cache, use_cache=True,
+        out = self.hf(input_ids=input_ids, cache=self._cache, use_cache=True,
                       logits_to_keep=max(n, 1))
         self.seq_len += t
         return out.logits[:, out.logits.shape[1] - n:].float()

@@ -289,11 +289,14 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
     return cpu_kernels(device, dtype)
 
 
-def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache,
+                scale: float | None = None) -> torch.Tensor:
     """Attention of each query over its own prefix of the cache, on the CPU (``sd_attend``).
 
-    q: fp32 [B, H, T, D] (RoPE applied, D contiguous); cache: the layer's, the new tokens
-    written. Returns fp32 [B, T, H, D] (``o_proj``'s input order: no transpose copy).
+    q: fp32 [B, H, T, D] (RoPE applied, D contiguous); cache: the layer's (or any object
+    with contiguous fp32 ``k``, ``v`` [B, H_kv, L, D]), the new tokens written; scale: of
+    the scores, default D ** -0.5. Returns fp32 [B, T, H, D] (``o_proj``'s input order: no
+    transpose copy).
     Each (row, KV head) is computed by one thread, in an order that depends only on its own
     query, keys and values (fp32 dot products, softmax with its own max, the value sum in
     slot order), so a row is the same bit for bit alone or among any others, at any thread
@@ -308,7 +311,7 @@ def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache) -> torch.Te
     kc, lens = cache.k, prefixes.lens
     prefixes.lib.sd_attend(q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1),
                            kc.data_ptr(), cache.v.data_ptr(), kc.shape[1], kc.shape[2],
-                           lens.data_ptr(), d ** -0.5, out.data_ptr())
+                           lens.data_ptr(), d ** -0.5 if scale is None else scale, out.data_ptr())
     return out
 
 
@@ -317,12 +320,13 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.float().softmax(-1) if scores.shape[-1] > 1 else torch.ones_like(scores)
 
 
-def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                    scale: float | None = None) -> torch.Tensor:
     """Causal attention of T new tokens at positions start..start+T-1, each row computed as
     the one-token pass at its position computes it.
 
     q: [B, H, T, D] (RoPE applied); k, v: [B, H_kv, start+T, D] (the cache, new tokens
-    included). Returns [B, H, T, D]. Query i attends to slots 0..start+i through products
+    included); scale: of the scores, default D ** -0.5. Returns [B, H, T, D]. Query i attends to slots 0..start+i through products
     of exactly the shapes a one-token pass there uses ([g, D] x [D, start+i+1] per group of
     g = H / H_kv heads), so its floating-point result is the same bit for bit. One product
     over all T rows and start+T keys (with the future masked) is faster, but the order of its
@@ -334,10 +338,11 @@ def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.view(b, kv, h // kv, t, d)
+    scale = d ** -0.5 if scale is None else scale
     rows = []
     for i in range(t):
         n = start + i + 1
-        scores = (qg[:, :, :, i] @ k[:, :, :n].transpose(-1, -2)) * (d ** -0.5)
+        scores = (qg[:, :, :, i] @ k[:, :, :n].transpose(-1, -2)) * scale
         rows.append(_softmax(scores).to(q.dtype) @ v[:, :, :n])  # [B, kv, g, D]
     return torch.stack(rows, 3).view(b, h, t, d)
 
