@@ -1,4 +1,4 @@
-"""The command line: ``specdecode generate`` (the main job), ``bench`` and ``models``.
+"""The command line: ``specdecode generate`` (the main job), ``serve``, ``bench`` and ``models``.
 
 Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
 """
@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, generate, models
+from . import bench, generate, models, serve
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
+    serve.add_parser(sub)
     bench.add_parser(sub)
     models.add_parser(sub)
     return parser

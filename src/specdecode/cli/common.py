@@ -13,7 +13,10 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
+from ..methods import METHODS, Method
+from ..models import registry
 from ..models.llamacpp import MissingExtraError
+from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, load_pair
 from ..models.registry import ModelFetchError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -104,3 +107,46 @@ def apply_threads(args: argparse.Namespace) -> int:
         threads = max(1, int(idle_cores() + 0.3))  # a core 70 % idle still counts
     torch.set_num_threads(threads)
     return threads
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT) -> None:
+    """--target, --draft, --method and the weights and backends of both (generate, serve)."""
+    p.add_argument("--target", default=registry.DEFAULT_TARGET,
+                   help=f"target model: a name from `specdecode models list`, a model directory, a "
+                        f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None,
+                   help=f"draft model for --method draft or hybrid, same forms as --target "
+                        f"(default: {registry.DEFAULT_DRAFT})")
+    p.add_argument("--method", default=default_method.value, choices=list(METHODS),
+                   help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
+                        + f". Default: {default_method.value}")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
+                   help="target weights. auto (default): q4 for a known model or a .gguf file on "
+                        "an AVX512-VNNI CPU, else int8. q4: the GGUF file's own Q4_K blocks, the "
+                        "rest int8; int8: int8 weights; int4: 4-bit blocks quantized here (not the "
+                        "GGUF's model). All take int8 activations per token, so "
+                        "verify passes equal one-token passes bit for bit; quantized once and "
+                        "cached. The output is this target's own plain decoding; float32 is "
+                        "the reference, several times slower on CPU")
+    p.add_argument("--draft-dtype", default=None, choices=DTYPE_NAMES,
+                   help="draft weights; never changes the output, only speed and acceptance "
+                        "(default auto: int4, every linear in 4-bit Q4_K blocks quantized here, on "
+                        "an AVX512-VNNI CPU; else int8)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="whose forward passes run the target: auto (default: native, our "
+                        "runtime, where the architecture allows; else transformers), native, "
+                        "transformers, or llama.cpp (the GGUF file's own quantization; needs "
+                        "`make llamacpp`). llama.cpp's batched passes round differently from "
+                        "its one-token passes, so its speculative output equals its plain "
+                        "decoding only up to that rounding")
+    p.add_argument("--draft-backend", default=None, choices=BACKENDS,
+                   help="the same for the draft model; never changes the output (llama.cpp's "
+                        "one-token steps are the fastest on a CPU for a Q4/Q5 GGUF draft)")
+
+
+def load_models(args: argparse.Namespace, method: Method) -> tuple[LoadedModel, LoadedModel | None]:
+    """The target and, when ``method`` needs one or --draft names one, the draft, from the
+    options of :func:`add_model_arguments` (see :func:`load_pair` for the errors)."""
+    draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
+    return load_pair(args.target, draft, args.dtype, args.draft_dtype or DEFAULT_DTYPE,
+                     args.backend, args.draft_backend or "auto")

@@ -10,10 +10,8 @@ import time
 from ..api import _check_utf8, _sampling_params, stream
 from ..config import ACCEPTANCE_RULES
 from ..methods import METHODS, Method, speculative_config
-from ..models import registry
-from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, load_pair
-from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, k_argument, max_k_argument,
-                     run_command)
+from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
+                     k_argument, load_models, max_k_argument, run_command)
 
 GENERATE_HELP = """\
 Generate a completion with speculative decoding, streaming it as it is produced, then print
@@ -32,15 +30,7 @@ def add_parser(sub) -> None:
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    p.add_argument("--target", default=registry.DEFAULT_TARGET,
-                   help=f"target model: a name from `specdecode models list`, a model directory, a "
-                        f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
-    p.add_argument("--draft", default=None,
-                   help=f"draft model for --method draft or hybrid, same forms as --target "
-                        f"(default: {registry.DEFAULT_DRAFT})")
-    p.add_argument("--method", default=Method.DRAFT.value, choices=list(METHODS),
-                   help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
-                        + ". Default: draft")
+    add_model_arguments(p)
     defaults = ", ".join(f"{m.default_k} for {m.name}" for m in METHODS.values() if m.default_k)
     p.add_argument("--k", type=k_argument, default=None,
                    help=f"speculation length K: draft tokens per verify pass, 1..64 (default: {defaults}); "
@@ -74,28 +64,6 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", nargs="+", default=None, metavar="STR",
                    help="stop when any of these strings is generated (cut from the text); taken "
                         "literally: use $'\\n' in bash for a newline")
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
-                   help="target weights. auto (default): q4 for a known model or a .gguf file on "
-                        "an AVX512-VNNI CPU, else int8. q4: the GGUF file's own Q4_K blocks, the "
-                        "rest int8; int8: int8 weights; int4: 4-bit blocks quantized here (not the "
-                        "GGUF's model). All take int8 activations per token, so "
-                        "verify passes equal one-token passes bit for bit; quantized once and "
-                        "cached. The output is this target's own plain decoding; float32 is "
-                        "the reference, several times slower on CPU")
-    p.add_argument("--draft-dtype", default=None, choices=DTYPE_NAMES,
-                   help="draft weights; never changes the output, only speed and acceptance "
-                        "(default auto: int4, every linear in 4-bit Q4_K blocks quantized here, on "
-                        "an AVX512-VNNI CPU; else int8)")
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="whose forward passes run the target: auto (default: native, our "
-                        "runtime, where the architecture allows; else transformers), native, "
-                        "transformers, or llama.cpp (the GGUF file's own quantization; needs "
-                        "`make llamacpp`). llama.cpp's batched passes round differently from "
-                        "its one-token passes, so its speculative output equals its plain "
-                        "decoding only up to that rounding")
-    p.add_argument("--draft-backend", default=None, choices=BACKENDS,
-                   help="the same for the draft model; never changes the output (llama.cpp's "
-                        "one-token steps are the fastest on a CPU for a Q4/Q5 GGUF draft)")
     add_threads_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding of the target and report the speedup "
@@ -150,10 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     t0 = time.perf_counter()
-    target, draft = load_pair(args.target,
-                              (args.draft or registry.DEFAULT_DRAFT) if method.needs_draft_model else None,
-                              args.dtype, args.draft_dtype or DEFAULT_DTYPE, args.backend,
-                              args.draft_backend or "auto")
+    target, draft = load_models(args, method)
     load_s = time.perf_counter() - t0
     common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,

@@ -1,0 +1,72 @@
+"""``specdecode serve``: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..methods import Method
+from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
+                     load_models, run_command)
+
+SERVE_HELP = """\
+Serve the target over an OpenAI-compatible HTTP API with speculative decoding:
+POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models, GET /health
+(503 until the models are loaded), GET /metrics (Prometheus, vLLM's speculation counter
+names). Output is the target's own: greedy requests get its greedy decoding token for token,
+seeded sampled requests its seeded plain sampling (the gumbel rule).
+
+Defaults are OpenAI's (temperature 1, top_p 1; max_tokens 16 for completions, the rest of
+the context for chat). Extra request fields (the openai client's extra_body): method,
+num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. Requests run
+one at a time for now (a bounded queue holds the others).
+
+examples:
+  specdecode serve
+  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "qwen2.5-coder-1.5b-instruct", "messages": [{"role": "user", "content": "hi"}]}'
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server", description=SERVE_HELP,
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p, default_method=Method.HYBRID)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 serves "
+                        "every network this machine is on: set --api-key then)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$SPECDECODE_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests that may wait; beyond them 429 with Retry-After (default 32)")
+    add_threads_argument(p)
+    p.set_defaults(func=lambda args: run_command(cmd_serve, args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Raises ValueError for bad options (the models load after the server is up)."""
+    import uvicorn
+
+    from ..server import Metrics, Worker, create_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    method = Method(args.method)
+    threads = apply_threads(args)
+    name = os.path.basename(os.path.normpath(str(args.target)))
+    worker = Worker(lambda: load_models(args, method), Metrics(name), args.max_queue)
+    worker.start()
+    app = create_app(worker, name, method.value, args.api_key)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"note: serving on {args.host}, beyond this machine"
+              + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)
+    print(f"# serving {name} ({method.value}) on http://{args.host}:{args.port}; {threads} "
+          "thread(s); /health turns 200 once the models are loaded", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    worker.stop()
+    return 0

@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP server (FastAPI): ``POST /v1/completions``,
+``POST /v1/chat/completions`` (streamed as server-sent events or not), ``GET /v1/models``,
+``GET /health`` (503 until the models are loaded) and ``GET /metrics`` (Prometheus).
+
+The HTTP layer is thin: :mod:`.protocol` checks requests and shapes bodies, a
+:class:`~.worker.Worker` generates. Every error is OpenAI's body with the status a client
+expects (400 bad input, never FastAPI's 422; 401, 404, 429 and 503 with Retry-After, 501 for
+a field not implemented; a 500 carries ``x-should-retry: false``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import queue
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import api
+from ..methods import Method, speculative_config
+from . import protocol
+from .protocol import OpenAIError, bad
+from .worker import Ticket, Worker
+
+
+class _Context:
+    """What :func:`protocol.check_request` needs from the loaded models."""
+
+    def __init__(self, worker: Worker, model_name: str, default_method: str):
+        tgt = worker.target
+        self.model_name, self.default_method = model_name, default_method
+        self.methods = [m.value for m in Method
+                        if not m.needs_draft_model or worker.draft is not None]
+        self.max_context, self.vocab_size = tgt.lm.max_context, tgt.lm.vocab_size
+        self._target = tgt
+
+    def _ids(self, prompt, chat: bool) -> list[int]:
+        try:
+            return api._prompt_ids(self._target, prompt, None, chat)
+        except ValueError as e:
+            raise bad(str(e), "messages" if chat else "prompt") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._ids(text, False)
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        return self._ids(messages, True)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(worker: Worker, model_name: str, default_method: str,
+               api_key: str | None = None) -> FastAPI:
+    """The app over a worker (started by the caller). ``model_name``: the id clients send
+    as ``model``; ``default_method``: the method of requests that name none; ``api_key``:
+    required as ``Authorization: Bearer KEY`` on /v1/* when set."""
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
+    contexts: list[_Context] = []
+
+    def context() -> _Context:
+        if not worker.ready.is_set():
+            why = f"the models failed to load: {worker.error}" if worker.error else \
+                "the models are still loading"
+            raise OpenAIError(503, why, type="server_error", code="not_ready",
+                              headers={} if worker.error else {"Retry-After": "5"})
+        if not contexts:
+            contexts.append(_Context(worker, model_name, default_method))
+        return contexts[0]
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise OpenAIError(401, "Incorrect API key provided: send 'Authorization: Bearer "
+                                   "KEY' with the server's --api-key", code="invalid_api_key")
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(bad(f"invalid request: {e.errors()[:1]}").body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        err = OpenAIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                          code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        err = OpenAIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+        return JSONResponse(err.body(), status_code=500, headers={"x-should-retry": "false"})
+
+    @app.get("/health")
+    async def health():
+        if worker.ready.is_set():
+            return {"status": "ok"}
+        return JSONResponse(OpenAIError(503, worker.error or "the models are still loading",
+                                        type="server_error").body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(worker.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": int(time.time()), "owned_by": "specdecode"}]}
+
+    async def generate(request: Request, kind: str):
+        check_key(request)
+        ctx = context()
+        body = protocol.parse_body(await request.body(), kind)
+        job = protocol.check_request(body, kind, ctx)
+        method = Method(job.method)
+        try:  # the library's own checks, before anything is queued
+            api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
+            speculative_config(method, method.needs_draft_model, job.num_speculative_tokens)
+        except ValueError as e:
+            raise bad(str(e)) from None
+        ticket = Ticket(job, asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            worker.submit(ticket)
+        except queue.Full:
+            raise OpenAIError(429, f"the queue is full ({worker.waiting} requests waiting); "
+                                   "retry later", type="rate_limit_error",
+                              code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+        if job.stream:
+            return StreamingResponse(_events(ticket), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        total = len(job.prompts) * job.n
+        texts, finishes, results = [""] * total, [None] * total, [None] * total
+        try:
+            done = 0
+            while done < total:
+                piece = await ticket.pieces.get()
+                if piece.kind == "error":
+                    raise OpenAIError(500, piece.message, type="server_error",
+                                      headers={"x-should-retry": "false"})
+                if piece.kind == "text":
+                    texts[piece.index] += piece.text
+                else:
+                    finishes[piece.index] = piece.finish
+                    results[piece.index] = (piece.completion_tokens, piece.stats)
+                    done += 1
+        finally:
+            ticket.cancelled.set()  # a no-op once done; frees the worker if the client left
+        return protocol.response(job, texts, finishes, protocol.usage(job, results))
+
+    async def _events(ticket: Ticket):
+        job = ticket.job
+        total = len(job.prompts) * job.n
+        results = [None] * total
+        try:
+            if job.kind == "chat":  # the first chunk of each choice carries only the role
+                for i in range(total):
+                    yield _sse(protocol.chunk(job, [protocol.stream_choice(job, i, None, None, True)]))
+            done = 0
+            while done < total:
+                piece = await ticket.pieces.get()
+                if piece.kind == "error":  # after streaming began: an error event, then [DONE]
+                    yield _sse(OpenAIError(500, piece.message, type="server_error").body())
+                    break
+                if piece.kind == "text":
+                    yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, piece.text, None)]))
+                    continue
+                results[piece.index] = (piece.completion_tokens, piece.stats)
+                done += 1
+                yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, None, piece.finish)]))
+            else:
+                if job.include_usage:
+                    yield _sse(protocol.chunk(job, [], protocol.usage(job, results)))
+            yield "data: [DONE]\n\n"
+        finally:
+            ticket.cancelled.set()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "chat")
+
+    return app

@@ -1,0 +1,276 @@
+"""The OpenAI wire format: request bodies checked into :class:`Job` settings, errors in
+OpenAI's shape, and the response and stream-chunk bodies (the conventions of vLLM, SGLang and
+llama.cpp's server, ../shared/docs/SERVER.md).
+
+Defaults are OpenAI's API defaults, not the model's generation_config: temperature 1,
+top_p 1, max_tokens 16 for completions and the rest of the context for chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+MAX_N = 8  # choices per request
+# OpenAI fields this server does not implement: refused with 501, naming the field, rather
+# than silently ignored (a client would get something other than what it asked for)
+NOT_IMPLEMENTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools",
+                   "tool_choice", "functions", "function_call", "response_format", "prediction",
+                   "parallel_tool_calls", "audio", "modalities", "reasoning_effort")
+COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "temperature",
+                 "top_p", "seed", "n", "user", "presence_penalty", "frequency_penalty",
+                 # through the official client's extra_body
+                 "top_k", "repetition_penalty", "min_tokens", "acceptance_rule", "method",
+                 "num_speculative_tokens")
+FIELDS = {"completions": COMMON_FIELDS + ("prompt",),
+          "chat": COMMON_FIELDS + ("messages", "max_completion_tokens")}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+
+    status: HTTP status (400 bad input, 401 key, 404 model, 429 queue full, 501 not
+    implemented, 503 not ready); headers: extra response headers (Retry-After)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+@dataclass
+class Job:
+    """One request, checked: what the worker runs and the responses need.
+
+    prompts: one entry per prompt (token ids); choices run n per prompt. sampling: the
+    keyword arguments of :func:`specdecode.api.stream` (max_new_tokens, temperature, ...);
+    seed: choice i of a prompt samples with seed + i.
+    """
+
+    kind: str  # "completions" or "chat"
+    model: str
+    prompts: list[list[int]]
+    n: int
+    stream: bool
+    include_usage: bool
+    sampling: dict
+    method: str
+    num_speculative_tokens: int | None
+    seed: int | None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_body(raw: bytes, kind: str) -> dict:
+    """The JSON object of a request body; OpenAIError 400 for anything else."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name in body:
+        if name in NOT_IMPLEMENTED:
+            if body[name] in (None, False, 0, 1) and name in ("logprobs", "echo", "best_of"):
+                continue  # the default value: nothing asked
+            raise OpenAIError(501, f"'{name}' is not supported by this server", param=name,
+                              code="unsupported_parameter")
+        if name not in FIELDS[kind]:
+            raise bad(f"unrecognized request argument: '{name}'", param=name)
+    return body
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' is {value!r}; allowed: {lo}..{hi}", name)
+    return value
+
+
+def _text_of(content, i: int) -> str:
+    """A chat message's content: a string, or text parts [{"type": "text", "text": ...}]."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        for p in content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise OpenAIError(501, f"messages[{i}].content: only text parts are supported, got "
+                                       f"type {p.get('type')!r}", param="messages")
+        return "".join(p["text"] for p in content)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def check_request(body: dict, kind: str, ctx) -> Job:
+    """A :class:`Job` from a parsed body, or OpenAIError naming the bad value.
+
+    ctx: what the checks need from the server (``model_name``, ``methods`` it can run,
+    ``default_method``, ``max_context``, ``encode(text)``, ``apply_chat(messages)``).
+    """
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("'model' is required: a string (GET /v1/models lists them)", "model")
+    if model != ctx.model_name:
+        raise OpenAIError(404, f"the model '{model}' does not exist; this server serves "
+                               f"'{ctx.model_name}'", param="model", code="model_not_found")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad(f"'stream' must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad(f"'stream_options' must be {{\"include_usage\": bool}}, got {options!r}",
+                      "stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad("'stream_options.include_usage' must be true or false", "stream_options")
+
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("'messages' is required: a non-empty list of {role, content}", "messages")
+        chat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise bad(f"messages[{i}] must be an object with a string 'role' and a 'content'",
+                          "messages")
+            chat.append({"role": m["role"], "content": _text_of(m["content"], i)})
+        prompts = [ctx.apply_chat(chat)]
+    else:
+        prompts = _prompts(body.get("prompt", None), ctx)
+
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0:
+            raise OpenAIError(501, f"'{name}' is not supported by this server (use "
+                                   "'repetition_penalty' in extra_body)", param=name,
+                              code="unsupported_parameter")
+    room = ctx.max_context - max(len(p) for p in prompts)
+    cap_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    default_cap = 16 if kind == "completions" else max(room, 1)
+    cap = _number(body, cap_name, default_cap, 1, 1 << 31, integer=True)
+    if cap > room:
+        raise bad(f"the prompt ({ctx.max_context - room} tokens) plus {cap_name}={cap} is more "
+                  f"than the model's context of {ctx.max_context} tokens", cap_name)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
+        raise bad(f"'temperature' is {temperature!r}; allowed: 0 or {MIN_TEMPERATURE}..2", "temperature")
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("'stop' must be a non-empty string or a list of them", "stop")
+    method = body.get("method", ctx.default_method)
+    if method not in ctx.methods:
+        raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}", "method")
+    k = body.get("num_speculative_tokens")
+    if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64):
+        raise bad(f"'num_speculative_tokens' must be an integer 1..64, got {k!r}", "num_speculative_tokens")
+    rule = body.get("acceptance_rule")
+    if rule not in (None, "gumbel", "rejection"):
+        raise bad(f"'acceptance_rule' is {rule!r}; allowed: gumbel, rejection", "acceptance_rule")
+    sampling = dict(
+        max_new_tokens=cap,
+        min_new_tokens=_number(body, "min_tokens", 0, 0, cap, integer=True),
+        temperature=temperature,
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_number(body, "top_k", 0, 0, 1 << 31, integer=True),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 1e9),
+        stop=stop, acceptance_rule=rule)
+    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed)
+
+
+def _prompts(prompt, ctx) -> list[list[int]]:
+    """'prompt': a string, a list of strings, token ids, or a list of token-id lists."""
+    if prompt is None:
+        raise bad("'prompt' is required: a string, a list of strings or token ids", "prompt")
+    is_ids = lambda p: isinstance(p, list) and p and all(  # noqa: E731
+        isinstance(t, int) and not isinstance(t, bool) for t in p)
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise bad("'prompt' must be a string, a list of strings, token ids or a list of "
+                  f"token-id lists, got {json.dumps(prompt)[:80]}", "prompt")
+    if len(items) > MAX_N:
+        raise bad(f"'prompt' holds {len(items)} prompts; at most {MAX_N}", "prompt")
+    out = []
+    for p in items:
+        ids = ctx.encode(p) if isinstance(p, str) else p
+        if not ids:
+            raise bad("a prompt is empty", "prompt")
+        bad_ids = [t for t in ids if not 0 <= t < ctx.vocab_size]
+        if bad_ids:
+            raise bad(f"token id {bad_ids[0]} is out of range (the vocabulary has "
+                      f"{ctx.vocab_size} ids)", "prompt")
+        out.append(ids)
+    return out
+
+
+def usage(job: Job, results: list) -> dict:
+    """OpenAI's usage, speculation in its Predicted Outputs fields (as SGLang reports it):
+    accepted_prediction_tokens = draft tokens the target accepted, rejected = the others.
+    results: one (completion_tokens, stats) per choice."""
+    prompt_tokens = sum(len(p) for p in job.prompts)  # once per prompt, whatever n
+    completion = sum(r[0] for r in results)
+    accepted = sum(r[1].num_accepted_tokens for r in results)
+    drafted = sum(r[1].num_draft_tokens for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
+
+
+def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> dict:
+    """One stream event's body (every chunk of a response has the job's id)."""
+    obj = "text_completion" if job.kind == "completions" else "chat.completion.chunk"
+    prefix = "cmpl-" if job.kind == "completions" else "chatcmpl-"
+    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
+            "choices": choices, "usage": usage_}
+
+
+def stream_choice(job: Job, index: int, text: str | None, finish: str | None,
+                  role: bool = False) -> dict:
+    if job.kind == "completions":
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def response(job: Job, texts: list[str], finishes: list[str], usage_: dict) -> dict:
+    """The non-streamed body."""
+    if job.kind == "completions":
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                   for i, (t, f) in enumerate(zip(texts, finishes))]
+        return {"id": "cmpl-" + job.id, "object": "text_completion", "created": job.created,
+                "model": job.model, "choices": choices, "usage": usage_}
+    choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+    return {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": job.created,
+            "model": job.model, "choices": choices, "usage": usage_}

@@ -1,0 +1,366 @@
+"""The OpenAI-compatible server, started on 127.0.0.1 in the test and spoken to with the
+official ``openai`` client (max_retries=0) and raw HTTP: the items of
+../shared/docs/SERVER.md's checklist that apply to a server that runs one request at a time
+(tiny models of the test tokenizer; outputs compared with the same request run in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+
+import specdecode
+from specdecode.methods import Method
+from specdecode.server import Metrics, Worker, create_app
+
+from tiny_dirs import tiny_dirs_in
+
+MODEL = "tiny"
+PROMPT = "def add(a, b):\n    return"
+
+
+class Server:
+    """A real server in a thread of this process (uvicorn on an ephemeral port)."""
+
+    def __init__(self, load, api_key=None, max_queue=32, method="hybrid"):
+        self.worker = Worker(load, Metrics(MODEL), max_queue)
+        self.app = create_app(self.worker, MODEL, method, api_key)
+        self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
+                                                log_level="error", lifespan="off"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+
+    def start(self, wait_ready=True):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uv.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.01)
+        self.port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.worker.start()
+        if wait_ready:
+            assert self.worker.ready.wait(60), self.worker.error
+        return self
+
+    def stop(self):
+        self.worker.stop()
+        self.uv.should_exit = True
+        self.thread.join(10)
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def post(self, path, body, headers=None):
+        """(status, headers, parsed body or raw text)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        return _fetch(req)
+
+    def get(self, path):
+        return _fetch(urllib.request.Request(self.url + path))
+
+
+def _fetch(req):
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw, status, headers = r.read().decode(), r.status, {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        raw, status, headers = e.read().decode(), e.code, {k.lower(): v for k, v in e.headers.items()}
+    try:
+        return status, headers, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, headers, raw
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    dirs = tiny_dirs_in(tmp_path_factory)
+    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    s = Server(lambda: models).start()
+    yield s
+    s.stop()
+
+
+def solo(models, prompt, method="hybrid", chat=False, **kw):
+    """The same request run in-process: what every server answer must equal."""
+    target, draft = models
+    m = Method(method)
+    return specdecode.generate(target, prompt, draft=draft if m.needs_draft_model else None,
+                               method=m, chat=chat, **kw)
+
+
+def test_health_is_503_until_the_models_are_loaded_then_200(models):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(30)
+        return models
+
+    s = Server(slow_load).start(wait_ready=False)
+    try:
+        status, headers, body = s.get("/health")
+        assert status == 503 and body["error"]["message"] == "the models are still loading"
+        status, headers, body = s.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status == 503 and headers.get("retry-after") == "5"
+        gate.set()
+        assert s.worker.ready.wait(30)
+        assert s.get("/health")[0] == 200
+    finally:
+        gate.set()
+        s.stop()
+
+
+def test_models_list_parses_with_the_official_client(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup", "suffix", "hybrid"])
+def test_greedy_completion_equals_the_solo_run(server, models, method):
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"method": method})
+    want = solo(models, PROMPT, method, max_new_tokens=24)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+    n = len(want.token_ids) - (want.finish_reason == "stop" and want.token_ids[-1] in models[0].eos_token_ids)
+    assert r.usage.completion_tokens == n <= 24
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    details = r.usage.completion_tokens_details
+    if method in ("suffix", "hybrid"):  # the server's suffix cache spans requests: other counts
+        assert 0 <= details.accepted_prediction_tokens <= r.usage.completion_tokens
+        assert details.rejected_prediction_tokens >= 0
+    else:
+        assert details.accepted_prediction_tokens == want.stats.num_accepted_tokens
+        assert details.rejected_prediction_tokens == want.stats.num_draft_tokens - want.stats.num_accepted_tokens
+    if method != "ar":
+        assert want.stats.num_draft_tokens > 0
+
+
+def test_chat_completion_streamed_equals_non_streamed_and_the_solo_run(server, models):
+    client = server.client()
+    messages = [{"role": "user", "content": "Write add(a, b) in Python."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    want = solo(models, messages, max_new_tokens=30)
+    assert full.choices[0].message.content == want.text and full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[0].choices[0].delta.content
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [want.finish_reason]
+    totals = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)  # noqa: E731
+    # (the speculation details may differ: the hybrid's suffix cache learns across requests)
+    assert chunks[-1].choices == [] and totals(chunks[-1].usage) == totals(full.usage)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_ends_with_done_and_never_streams_part_of_a_stop_string(server, models):
+    want = solo(models, PROMPT, max_new_tokens=40)
+    stop = want.text[5:8]  # a string the output reaches: cut there, never streamed in part
+    status, _, raw = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 40,
+                                                     "temperature": 0, "stop": [stop], "stream": True})
+    assert status == 200 and raw.endswith("data: [DONE]\n\n")
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    deltas = [e["choices"][0]["text"] for e in events]
+    assert "".join(deltas) == want.text[:want.text.index(stop)]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert sum(e["choices"][0]["finish_reason"] is not None for e in events) == 1
+
+
+def test_length_and_several_prompts_and_choices(server, models):
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello there"], max_tokens=5,
+                                  temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c, p in zip(r.choices, [PROMPT, PROMPT, "Hello there", "Hello there"]):
+        want = solo(models, p, max_new_tokens=5)
+        assert c.text == want.text and c.finish_reason == "length" == want.finish_reason
+    prompt_tokens = sum(len(models[0].tokenizer.encode(p)) for p in (PROMPT, "Hello there"))
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 20
+
+
+def test_token_id_prompts_and_seeded_sampling_repeat(server, models):
+    ids = models[0].tokenizer.encode(PROMPT)
+    client = server.client()
+    kw = dict(model=MODEL, prompt=ids, max_tokens=20, temperature=0.9, seed=7)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    want = solo(models, None, input_ids=ids, max_new_tokens=20, temperature=0.9, seed=7)
+    assert a == b == want.text
+    ar = solo(models, None, "ar", input_ids=ids, max_new_tokens=20, temperature=0.9, seed=7)
+    assert want.text == ar.text  # the gumbel rule: the method does not change a seeded text
+
+
+def test_unseeded_sampled_requests_with_the_same_prompt_differ(server):
+    client = server.client()
+    texts = {client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                       extra_body={"method": "ar"}).choices[0].text for _ in range(3)}
+    assert len(texts) > 1
+
+
+def test_concurrent_streams_each_equal_their_solo_run(server, models):
+    """8 concurrent streaming requests mixing methods, prompts and seeded sampling."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    cases = [(m, p, t) for m, p, t in zip(
+        ["ar", "draft", "prompt-lookup", "suffix", "hybrid", "hybrid", "draft", "ar"],
+        [PROMPT, "Hello there", PROMPT * 2, "def f(x):", PROMPT, "Hello there", "x = [1, 2", PROMPT],
+        [0, 0, 0, 0, 0, 0.8, 0.8, 0])]
+
+    async def one(method, prompt, temperature):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                                 temperature=temperature, seed=3, stream=True,
+                                                 extra_body={"method": method})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        return await asyncio.gather(*(one(*c) for c in cases))
+
+    got = asyncio.run(main())
+    for (method, prompt, temperature), text in zip(cases, got):
+        assert text == solo(models, prompt, method, max_new_tokens=20, temperature=temperature,
+                            seed=3).text, method
+
+
+def test_bad_requests_get_openai_errors_with_the_right_status(server):
+    cases = [
+        (b"{not json", 400, None),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10 ** 6}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "n": 99}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"model": MODEL, "prompt": "x", "method": "medusa"}, 400, "method"),
+        ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 3}, 501, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 501, "presence_penalty"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"prompt": "x"}, 400, "model"),
+    ]
+    for body, status, param in cases:
+        got, _, err = server.post("/v1/completions", body)
+        assert got == status, (body, got, err)
+        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == param
+    got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert got == 400 and err["error"]["param"] == "messages"
+    got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]})
+    assert got == 400
+    assert server.get("/v1/nothing")[0] == 404
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="nope", prompt="x")
+
+
+def test_api_key(models):
+    s = Server(lambda: models, api_key="sesame").start()
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").models.list()
+        assert s.post("/v1/completions", {"model": MODEL, "prompt": "x"})[0] == 401
+        assert [m.id for m in s.client("sesame").models.list()] == [MODEL]
+        r = s.client("sesame").completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+        assert r.usage.completion_tokens <= 3
+    finally:
+        s.stop()
+
+
+def test_a_full_queue_answers_429_with_retry_after(models, monkeypatch):
+    """One request running (held at its start), one waiting (max_queue 1): the third is
+    refused; then both finish."""
+    import specdecode.server.worker as worker_module
+
+    gate, started = threading.Event(), threading.Event()
+    real = worker_module.api.stream
+
+    def held(*args, **kwargs):
+        started.set()
+        gate.wait(30)
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module.api, "stream", held)
+    s = Server(lambda: models, max_queue=1).start()
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+        results = []
+        first = threading.Thread(target=lambda: results.append(s.post("/v1/completions", body)))
+        first.start()
+        assert started.wait(30)
+        second = threading.Thread(target=lambda: results.append(s.post("/v1/completions", body)))
+        second.start()
+        deadline = time.time() + 30
+        while s.worker.waiting < 1:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        status, headers, err = s.post("/v1/completions", body)
+        assert status == 429 and headers.get("retry-after") == "1", err
+        assert err["error"]["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            s.client().completions.create(**body)
+        gate.set()
+        first.join(60)
+        second.join(60)
+        assert [r[0] for r in results] == [200, 200]
+    finally:
+        gate.set()
+        s.stop()
+
+
+def test_a_client_that_leaves_frees_the_worker(server):
+    """A stream closed after its first chunk: the worker stops that request at its next
+    verify pass and the next request runs."""
+    before = server.worker.metrics.cancelled._value.get()
+    req = urllib.request.Request(server.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 200,
+                                                  "temperature": 0, "method": "ar",
+                                                  "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.readline()
+    deadline = time.time() + 30
+    while server.worker.metrics.cancelled._value.get() == before:
+        assert time.time() < deadline, "the worker kept generating for a client that left"
+        time.sleep(0.05)
+    r = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_metrics_count_speculation_with_vllm_names(server):
+    client = server.client()
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                              extra_body={"method": "draft"})
+    status, _, text = server.get("/metrics")
+    assert status == 200
+
+    def value(name):
+        lines = [ln for ln in text.splitlines() if ln.startswith(name + "{") or ln.startswith(name + " ")]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+    drafts = value("specdecode:spec_decode_num_drafts_total")
+    draft_tokens = value("specdecode:spec_decode_num_draft_tokens_total")
+    accepted = value("specdecode:spec_decode_num_accepted_tokens_total")
+    per_pos = value("specdecode:spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts > 0 and 0 <= accepted <= draft_tokens and per_pos == accepted
+    assert value("specdecode:generation_tokens_total") > 0
+    assert value("specdecode:request_success_total") >= 1
+    assert "specdecode:time_to_first_token_seconds_bucket" in text
+    # later requests still speculate: the counters grow
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                              extra_body={"method": "draft"})
+    status, _, text = server.get("/metrics")
+    assert value("specdecode:spec_decode_num_draft_tokens_total") > draft_tokens
