@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..methods import Method
+from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
                      load_models, run_command)
 
@@ -48,9 +49,7 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Raises ValueError for bad options (the models load after the server is up)."""
-    import uvicorn
-
-    from ..server import Metrics, Worker, create_app
+    import uvicorn  # here: the other commands do not need it
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
