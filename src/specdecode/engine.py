@@ -97,47 +97,18 @@ class Engine:
         Raises ValueError for an empty or out-of-vocabulary prompt, a prompt that fills the
         target's context, or stop strings without ``decode``.
         """
-        if torch.is_tensor(input_ids) and input_ids.dim() > 1:
-            raise ValueError(f"input_ids must be one prompt (1-D), got shape {tuple(input_ids.shape)}")
-        prompt = [int(t) for t in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        v = self.target.vocab_size
-        if min(prompt) < 0 or max(prompt) >= v:
-            raise ValueError(f"prompt token ids must be in [0, {v}), got min {min(prompt)} max {max(prompt)}")
-        if len(prompt) >= self.target.max_context:
-            raise ValueError(f"the prompt has {len(prompt)} tokens but the target's context is "
-                             f"{self.target.max_context}; shorten it to leave room for new tokens")
-        bad_eos = [e for e in (params.eos_token_ids or ()) if e >= v]
-        if bad_eos:
-            raise ValueError(f"eos_token_ids {bad_eos} are outside the target's vocabulary [0, {v})")
-        if params.stop and decode is None:
-            raise ValueError("stop strings need a tokenizer (decode) to be checked")
-        eos = params.eos_token_ids if params.eos_token_ids is not None else tuple(eos_token_ids)
+        prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
         stats = SpecDecodingStats()
         gen = Generation(stats)
-        gen._steps = self._loop(prompt, params, frozenset(eos), decode, stats, gen)
+        gen._steps = self._loop(prompt, params, eos, decode, stats, gen)
         return gen
 
     def _loop(self, *args):
         """Hold each model's KV cache, and the proposer's per-request state, for the whole
         request: one request at a time per loaded model and per proposer (a second one would
         silently corrupt the first one's cache or lookup index)."""
-        held = []
+        held = hold([self.target], self.proposer)
         try:
-            model = ("model", "KV cache", "load a second copy of the model")
-            proposer = ("proposer", "per-request state", "give each engine its own proposer")
-            held_objects = [(self.target, model)]
-            if self.proposer is not None:
-                held_objects += [(m, model) for m in self.proposer.models()] + [(self.proposer, proposer)]
-            for obj, (what, state, remedy) in held_objects:
-                lock = busy_lock(obj)
-                if not lock.acquire(blocking=False):
-                    raise RuntimeError(
-                        f"this {what} is already generating another request (its {state} is in "
-                        f"use): finish or close() the other generation/stream first, or {remedy} "
-                        "for concurrent requests")
-                held.append(lock)
             yield from self._rounds(*args)
         finally:
             for lock in held:
@@ -145,91 +116,20 @@ class Engine:
 
     def _rounds(self, prompt, params: SamplingParams, eos: frozenset, decode, stats, gen):
         t0 = time.perf_counter()
-        generator = torch.Generator()
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
-        noise = None
-        if params.rule == "gumbel":  # an unseeded request draws its noise's seed
-            seed = params.seed if params.seed is not None else int(
-                torch.randint(0, 2**63 - 1, (1,), generator=generator))
-            noise = GumbelNoise(seed, self.target.vocab_size)
-        limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
-        state = RequestState(list(prompt), 0, params, tuple(sorted(eos)), generator,
-                             self.target.vocab_size, noise)
-        stopper = StopStrings(params.stop, decode) if params.stop else None
-        target, proposer = self.target, self.proposer
-
-        target.allocate(1, limit)
+        target = self.target
+        run = RequestRun(target, self.proposer, self.schedule, prompt, params, eos, decode,
+                         stats, gen, (lambda: target.seq_len) if self.debug else None)
+        target.allocate(1, run.limit)
         if len(prompt) > 1:
             target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
-        schedule = self.schedule
-        # a seeded request of the rejection rule must not let the clock choose K (its draws
-        # depend on K); greedy and gumbel outputs do not
-        clocked = params.rule != "rejection" or params.seed is None
-        if proposer is not None:
-            proposer.reset(state, limit)
-            schedule.reset()
-        stats.prefill_s = time.perf_counter() - t0
+        run.begin(t0)
         try:
             while True:
-                n = len(state.tokens)
-                k = min(schedule.next_k(), limit - n - 1) if proposer is not None else 0
-                t1 = time.perf_counter()
-                draft = proposer.propose(state, k) if k > 0 else None
-                drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
-                if draft is not None and draft.free and drafts.shape[1]:
-                    k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen
-                    drafts = drafts[:, :k]
-                t2 = time.perf_counter()
-                k = drafts.shape[1]
-                if proposer is not None:
-                    stats.speculation_lengths.append(k)  # what was verified, not what was asked for
-                if k and bool(((drafts < 0) | (drafts >= target.vocab_size)).any()):
-                    raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
-                                     f"[0, {target.vocab_size}): {drafts[0].tolist()}")
-                logits = target.forward(torch.cat([torch.tensor([[state.tokens[-1]]]), drafts], 1))
-                context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
-                processed = process_logits(logits, params, context, drafts, state.num_generated,
-                                           state.eos_token_ids)
-                if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
-                    out, num_accepted = gumbel_verify(
-                        drafts, processed, noise.rows(n, k + 1, processed.device)[None])
-                else:
-                    out, num_accepted = rejection_sample(
-                        drafts, draft.probs if draft is not None else None,
-                        to_probs(processed, params), generator)
-                accepted = int(num_accepted[0])
-                block = out[0, :accepted + 1].tolist()
-                t3 = time.perf_counter()
-                stats.draft_s += t2 - t1
-                stats.verify_s += t3 - t2
-                if proposer is not None:
-                    if clocked:
-                        schedule.update(k, accepted, t2 - t1, t3 - t2)
-                    else:
-                        schedule.update(k, accepted, None, None)
-
-                emitted = []
-                for tok in block:
-                    emitted.append(tok)
-                    state.tokens.append(tok)
-                    state.num_generated += 1
-                    if tok in eos or (stopper is not None and stopper.hit(tok)):
-                        gen.finish_reason = "stop"
-                        break
-                stats.record_round(k, min(accepted, len(emitted)), draft.source if k else "")
-                stats.num_generated_tokens += len(emitted)
-                if gen.finish_reason is None and len(state.tokens) >= limit:
-                    gen.finish_reason = "length"
-                target.rollback(len(state.tokens) - 1)
-                if noise is not None:
-                    noise.forget_before(len(state.tokens))
-                if proposer is not None:
-                    proposer.on_accept(state)
-                if self.debug:
-                    self._check_invariant(state)
+                drafts = run.propose()
+                logits = target.forward(torch.cat([torch.tensor([[run.state.tokens[-1]]]), drafts], 1))
+                emitted = run.finish(logits)
+                target.rollback(len(run.state.tokens) - 1)
+                run.after_rollback()
                 stats.total_s = time.perf_counter() - t0
                 yield emitted
                 if gen.finish_reason is not None:
@@ -237,8 +137,168 @@ class Engine:
         finally:
             stats.total_s = time.perf_counter() - t0
 
-    def _check_invariant(self, state: RequestState) -> None:
-        n = len(state.tokens)
-        assert self.target.seq_len == n - 1, (self.target.seq_len, n)
+
+def check_request(target: CausalLM, input_ids, params: SamplingParams,
+                  eos_token_ids: tuple[int, ...], decode) -> tuple[list[int], frozenset]:
+    """The prompt as a list of ints and the request's EOS ids, or ValueError (see
+    :meth:`Engine.generate`)."""
+    if torch.is_tensor(input_ids) and input_ids.dim() > 1:
+        raise ValueError(f"input_ids must be one prompt (1-D), got shape {tuple(input_ids.shape)}")
+    prompt = [int(t) for t in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    v = target.vocab_size
+    if min(prompt) < 0 or max(prompt) >= v:
+        raise ValueError(f"prompt token ids must be in [0, {v}), got min {min(prompt)} max {max(prompt)}")
+    if len(prompt) >= target.max_context:
+        raise ValueError(f"the prompt has {len(prompt)} tokens but the target's context is "
+                         f"{target.max_context}; shorten it to leave room for new tokens")
+    bad_eos = [e for e in (params.eos_token_ids or ()) if e >= v]
+    if bad_eos:
+        raise ValueError(f"eos_token_ids {bad_eos} are outside the target's vocabulary [0, {v})")
+    if params.stop and decode is None:
+        raise ValueError("stop strings need a tokenizer (decode) to be checked")
+    eos = params.eos_token_ids if params.eos_token_ids is not None else tuple(eos_token_ids)
+    return prompt, frozenset(eos)
+
+
+def hold(models: list, proposer: Proposer | None) -> list:
+    """Acquire (non-blocking) the busy locks of these models and of the proposer and its
+    models; returns the locks, or raises RuntimeError naming what is already generating."""
+    model = ("model", "KV cache", "load a second copy of the model")
+    prop = ("proposer", "per-request state", "give each engine its own proposer")
+    objects = [(m, model) for m in models]
+    if proposer is not None:
+        objects += [(m, model) for m in proposer.models()] + [(proposer, prop)]
+    held = []
+    try:
+        for obj, (what, state, remedy) in objects:
+            lock = busy_lock(obj)
+            if not lock.acquire(blocking=False):
+                raise RuntimeError(
+                    f"this {what} is already generating another request (its {state} is in "
+                    f"use): finish or close() the other generation/stream first, or {remedy} "
+                    "for concurrent requests")
+            held.append(lock)
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return held
+
+
+class RequestRun:
+    """One request's rounds apart from the target's forward passes, which the engine runs
+    (alone, :class:`Engine`, or with other requests' rows, :class:`~specdecode.batch.BatchEngine`):
+    :meth:`propose` the drafts, the engine scores ``last token + drafts`` ([1, k+1] logits),
+    :meth:`finish` applies the acceptance rule and the stop rules to the block, the engine
+    rolls the target's cache back to ``len(state.tokens) - 1``, :meth:`after_rollback`.
+
+    cache_len: () -> the target's cached positions for this request, checked against the
+    committed tokens after every round (debug), or None to skip the check.
+    """
+
+    def __init__(self, target: CausalLM, proposer: Proposer | None, schedule: Schedule | None,
+                 prompt: list[int], params: SamplingParams, eos: frozenset, decode, stats,
+                 gen: Generation, cache_len=None):
+        self.target, self.proposer, self.schedule = target, proposer, schedule
+        self.params, self.eos, self.stats, self.gen = params, eos, stats, gen
+        self.cache_len = cache_len
+        generator = torch.Generator()
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        self.noise = None
+        if params.rule == "gumbel":  # an unseeded request draws its noise's seed
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(0, 2**63 - 1, (1,), generator=generator))
+            self.noise = GumbelNoise(seed, target.vocab_size)
+        self.generator = generator
+        self.limit = min(target.max_context, len(prompt) + params.max_new_tokens)
+        self.state = RequestState(list(prompt), 0, params, tuple(sorted(eos)), generator,
+                                  target.vocab_size, self.noise)
+        self.stopper = StopStrings(params.stop, decode) if params.stop else None
+        # a seeded request of the rejection rule must not let the clock choose K (its draws
+        # depend on K); greedy and gumbel outputs do not
+        self.clocked = params.rule != "rejection" or params.seed is None
+        self._draft = None
+
+    def begin(self, t0: float) -> None:
+        """After the target's prefill of all but the prompt's last token (started at t0)."""
         if self.proposer is not None:
-            self.proposer.check_invariant(state)
+            self.proposer.reset(self.state, self.limit)
+            self.schedule.reset()
+        self.stats.prefill_s = time.perf_counter() - t0
+
+    def propose(self) -> torch.Tensor:
+        """This round's draft tokens [1, k] (k may be 0)."""
+        state, schedule, proposer = self.state, self.schedule, self.proposer
+        n = len(state.tokens)
+        k = min(schedule.next_k(), self.limit - n - 1) if proposer is not None else 0
+        t1 = time.perf_counter()
+        draft = proposer.propose(state, k) if k > 0 else None
+        drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
+        if draft is not None and draft.free and drafts.shape[1]:
+            k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen
+            drafts = drafts[:, :k]
+        self._t1, self._t2 = t1, time.perf_counter()
+        k = drafts.shape[1]
+        if proposer is not None:
+            self.stats.speculation_lengths.append(k)  # what was verified, not what was asked for
+        v = self.target.vocab_size
+        if k and bool(((drafts < 0) | (drafts >= v)).any()):
+            raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
+                             f"[0, {v}): {drafts[0].tolist()}")
+        self._draft, self._drafts = draft, drafts
+        return drafts
+
+    def finish(self, logits: torch.Tensor) -> list[int]:
+        """The block this round commits, from the verify pass's logits [1, k+1, V]; sets
+        ``gen.finish_reason`` when the request ends."""
+        state, params, stats, gen = self.state, self.params, self.stats, self.gen
+        draft, drafts, noise = self._draft, self._drafts, self.noise
+        n, k = len(state.tokens), drafts.shape[1]
+        context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
+        processed = process_logits(logits, params, context, drafts, state.num_generated,
+                                   state.eos_token_ids)
+        if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
+            out, num_accepted = gumbel_verify(drafts, processed, noise.rows(n, k + 1, processed.device)[None])
+        else:
+            out, num_accepted = rejection_sample(drafts, draft.probs if draft is not None else None,
+                                                 to_probs(processed, params), self.generator)
+        accepted = int(num_accepted[0])
+        block = out[0, :accepted + 1].tolist()
+        t1, t2, t3 = self._t1, self._t2, time.perf_counter()
+        stats.draft_s += t2 - t1
+        stats.verify_s += t3 - t2
+        if self.proposer is not None:
+            if self.clocked:
+                self.schedule.update(k, accepted, t2 - t1, t3 - t2)
+            else:
+                self.schedule.update(k, accepted, None, None)
+        emitted = []
+        for tok in block:
+            emitted.append(tok)
+            state.tokens.append(tok)
+            state.num_generated += 1
+            if tok in self.eos or (self.stopper is not None and self.stopper.hit(tok)):
+                gen.finish_reason = "stop"
+                break
+        stats.record_round(k, min(accepted, len(emitted)), draft.source if k else "")
+        stats.num_generated_tokens += len(emitted)
+        if gen.finish_reason is None and len(state.tokens) >= self.limit:
+            gen.finish_reason = "length"
+        return emitted
+
+    def after_rollback(self) -> None:
+        """Once the target's cache holds the committed tokens but the last."""
+        if self.noise is not None:
+            self.noise.forget_before(len(self.state.tokens))
+        if self.proposer is not None:
+            self.proposer.on_accept(self.state)
+        if self.cache_len is not None:
+            n, held = len(self.state.tokens), self.cache_len()
+            assert held == n - 1, (held, n)
+            if self.proposer is not None:
+                self.proposer.check_invariant(self.state)
