@@ -570,6 +570,32 @@ class Transformer(nn.Module):
                     held[row] = start + sum(1 for o in keep if o < held[row] - start)
         self._set_lengths(r[:row] + [start + n] + r[row + 1:])
 
+    def forward_row(self, row: int, input_ids: torch.Tensor,
+                    num_logits: int | None = None) -> torch.Tensor:
+        """Append ``input_ids`` [1, T] to one row as a one-row model would (the pass a request
+        run alone makes: the same code path and bits, prefill chunks included), the other rows
+        untouched; returns that pass's logits [1, num_logits, V]. For a batched engine's
+        prefill of a joining request. Raises ValueError for a row outside 0..B-1, after a
+        pass over a subset of layers that is not rolled back, or as :meth:`forward_rows`."""
+        if not (isinstance(row, int) and 0 <= row < len(self.row_lengths)):
+            raise ValueError(f"row {row!r} is not a cache row (allowed: 0..{len(self.row_lengths) - 1})")
+        if self._layer_lengths is not None:
+            raise ValueError("forward_row after a pass over a subset of layers: roll it back first")
+        caches, lengths = self.caches, self.row_lengths
+        views = []
+        for c in caches:  # the row's slices of the buffers (contiguous: the batch is outermost)
+            view = KVCache.__new__(KVCache)
+            view.k, view.v = c.k[row:row + 1], c.v[row:row + 1]
+            views.append(view)
+        self.caches, self.row_lengths = views, [lengths[row]]
+        try:
+            out = self.forward(input_ids, num_logits)
+            new = self.row_lengths[0]
+        finally:
+            self.caches, self.row_lengths, self._layer_lengths = caches, lengths, None
+        self.row_lengths = lengths[:row] + [new] + lengths[row + 1:]
+        return out
+
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
         """Append ``input_ids`` [B, T] to every row at seq_len..seq_len+T-1; return fp32
         logits [B, num_logits, V] of the last num_logits positions (all T when None)."""

@@ -1,0 +1,205 @@
+"""Batched speculative decoding: many requests share each target forward (continuous
+batching, issue 17's engine).
+
+Every step, each active row contributes its last token plus its own K draft tokens (K may
+differ per row, 0 included); one verify pass of rows of their own lengths
+(:meth:`~specdecode.models.native.Transformer.forward_rows`) scores them all; each row then
+runs exactly the per-request code of a request alone (:class:`~specdecode.engine.RequestRun`:
+its acceptance rule, stop rules, seed and sampling parameters), and its cache row rolls back
+to its own length. Requests join free rows between steps (their prefill is the one-row pass
+of a request alone, :meth:`~specdecode.models.native.Transformer.forward_row`) and leave when
+they end. With the native runtime's row-independent kernels (q4, int8, int4 on the CPU
+kernel: linears, attention) a row's logits are bit for bit those of its request run alone,
+so each output equals its solo run, greedy or seeded, whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+from .engine import Generation, RequestRun, check_request, hold
+from .proposers import Proposer
+from .schedule import FixedK, Schedule
+from .stats import SpecDecodingStats
+
+
+class _Status:
+    """What a row's :class:`RequestRun` writes its end into; copied to the request's
+    :class:`Generation` when the block that ended it is handed out."""
+
+    def __init__(self, stats: SpecDecodingStats):
+        self.stats, self.finish_reason = stats, None
+
+
+@dataclass
+class _Waiting:
+    gen: Generation
+    status: _Status
+    prompt: list[int]
+    params: SamplingParams
+    eos: frozenset
+    decode: object
+    proposer: Proposer | None
+    schedule: Schedule | None
+
+
+class BatchEngine:
+    """Runs many requests on one native target, ``max_batch`` rows at a time.
+
+    target: a :class:`~specdecode.models.native.Transformer` (the batched pass needs rows of
+    their own lengths; the transformers and llama.cpp adapters have none: ValueError).
+    max_len: positions per row (prompt + new tokens of any request). Holds the target's busy
+    lock until :meth:`close`. Each request brings its own proposer (one whose draft model has
+    a KV cache of its own, e.g. a fork) and K schedule. debug: check every row's cache
+    invariant after each step.
+    """
+
+    def __init__(self, target, max_batch: int, max_len: int, debug: bool = False):
+        if not hasattr(target, "forward_rows"):
+            raise ValueError(f"batched decoding needs the native runtime (rows of their own "
+                             f"lengths); this target is {type(target).__name__}")
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not (isinstance(max_len, int) and 2 <= max_len <= target.max_context):
+            raise ValueError(f"max_len must be 2..{target.max_context} (the target's context), got {max_len!r}")
+        self.target, self.max_len, self.debug = target, max_len, debug
+        self._held = hold([target], None)
+        target.allocate(max_batch, max_len)
+        self.rows: list[tuple[RequestRun, list, float] | None] = [None] * max_batch
+        self.waiting: deque[_Waiting] = deque()
+        self._blocks: dict[Generation, deque] = {}  # blocks made, not yet handed out
+        self._gens: list[Generation | None] = [None] * max_batch
+
+    def close(self) -> None:
+        """Cancel every request still in flight or waiting and free the target."""
+        for b, row in enumerate(self.rows):
+            if row is not None:
+                self._free(b)
+        self.waiting.clear()
+        for lock in self._held:
+            lock.release()
+        self._held = []
+
+    def add(self, input_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
+            decode=None, proposer: Proposer | None = None,
+            schedule: Schedule | None = None) -> Generation:
+        """Queue a request (it joins at the next :meth:`step` with a free row); returns its
+        :class:`~specdecode.engine.Generation`, whose ``token_ids``, ``finish_reason`` and
+        ``stats`` fill in as steps run. Raises ValueError as :meth:`Engine.generate`, and
+        when prompt + max_new_tokens exceeds max_len."""
+        prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
+        limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
+        if limit > self.max_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens "
+                             f"({params.max_new_tokens}) exceeds this batch's {self.max_len} "
+                             "positions per row")
+        if proposer is not None and schedule is None:
+            schedule = FixedK(proposer.default_k)
+        gen = Generation(SpecDecodingStats())
+        status = _Status(gen.stats)
+        self.waiting.append(_Waiting(gen, status, prompt, params, eos, decode, proposer,
+                                     schedule if proposer is not None else None))
+        self._blocks[gen] = deque()
+        gen._steps = self._pull(gen, status)
+        return gen
+
+    def _pull(self, gen: Generation, status: _Status):
+        """The generation's blocks: steps the whole batch until this request has one (the
+        others' blocks wait in their own queues); closed early, it cancels the request."""
+        blocks = self._blocks[gen]
+        try:
+            while True:
+                while not blocks and status.finish_reason is None:
+                    if not self.step():
+                        raise RuntimeError("the batched engine was closed before this request ended")
+                if not blocks:
+                    return
+                block = blocks.popleft()
+                if not blocks and status.finish_reason is not None:
+                    gen.finish_reason = status.finish_reason  # as the engine alone: set with the last block
+                yield block
+        finally:
+            self._cancel(gen)
+
+    def _cancel(self, gen: Generation) -> None:
+        self._blocks.pop(gen, None)
+        self.waiting = deque(w for w in self.waiting if w.gen is not gen)
+        for b, row in enumerate(self.rows):
+            if self._gens[b] is gen:
+                self._free(b)
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def _admit(self) -> None:
+        target = self.target
+        for b in range(len(self.rows)):
+            if self.rows[b] is not None or not self.waiting:
+                continue
+            w = self.waiting.popleft()
+            locks = hold([], w.proposer)
+            t0 = time.perf_counter()
+            target.rollback_rows([0 if r == b else n for r, n in enumerate(target.row_lengths)])
+            if len(w.prompt) > 1:
+                target.forward_row(b, torch.tensor([w.prompt[:-1]]), num_logits=0)
+            check = (lambda b=b: target.row_lengths[b]) if self.debug else None
+            run = RequestRun(target, w.proposer, w.schedule, w.prompt, w.params, w.eos, w.decode,
+                             w.gen.stats, w.status, check)
+            run.begin(t0)
+            self.rows[b] = (run, locks, t0)
+            self._gens[b] = w.gen
+
+    def _free(self, b: int) -> None:
+        run, locks, _ = self.rows[b]
+        for lock in locks:
+            lock.release()
+        self.rows[b] = self._gens[b] = None
+
+    def step(self) -> list[tuple[Generation, list[int]]]:
+        """One round for every active row (after admitting waiting requests): returns each
+        row's (generation, tokens committed this round). Iterating a generation hands out its
+        blocks (``token_ids`` and ``finish_reason`` fill in as in :class:`Engine`), stepping
+        the batch as needed. Empty when nothing is left to run."""
+        self._admit()
+        active = [(b, row[0]) for b, row in enumerate(self.rows) if row is not None]
+        if not active:
+            return []
+        target = self.target
+        drafts = {b: run.propose() for b, run in active}
+        width = 1 + max(d.shape[1] for d in drafts.values())
+        x = torch.zeros(len(self.rows), width, dtype=torch.long)
+        lengths = [0] * len(self.rows)
+        for b, run in active:
+            k = drafts[b].shape[1]
+            x[b, 0] = run.state.tokens[-1]
+            x[b, 1:1 + k] = drafts[b][0]
+            lengths[b] = k + 1
+        logits = target.forward_rows(x, lengths).logits
+        out = []
+        for b, run in active:
+            emitted = run.finish(logits[b:b + 1, :lengths[b]])
+            gen = self._gens[b]
+            self._blocks[gen].append(emitted)
+            out.append((gen, emitted))
+        target.rollback_rows([len(self.rows[b][0].state.tokens) - 1 if self.rows[b] else 0
+                              for b in range(len(self.rows))])
+        now = time.perf_counter()
+        for b, run in active:
+            run.after_rollback()
+            run.stats.total_s = now - self.rows[b][2]
+            if run.gen.finish_reason is not None:  # (the row's _Status)
+                self._free(b)
+        return out
+
+    def run(self) -> None:
+        """Step until every request has finished, then hand every generation its blocks."""
+        while self.waiting or self.active:
+            self.step()
+        for gen in list(self._blocks):
+            gen.run()

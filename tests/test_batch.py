@@ -1,0 +1,144 @@
+"""The batched engine: requests of different prompts, lengths, methods, K and sampling share
+each verify pass, join and leave between steps, and each output equals its request run alone,
+token for token, on the real int8 kernels (linears and attention: rows independent bit for
+bit) — greedy and seeded sampled, whatever else is in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.batch import BatchEngine
+from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.models.native import attention_kernel
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer, SuffixProposer
+from specdecode.schedule import FixedK
+
+from helpers import tiny_model
+
+SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)  # the VNNI kernels' shapes
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, int8="kn", **SHAPES)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """The target's weights plus noise, in int8: it disagrees with the target at times."""
+    noisy = tiny_model(0, **SHAPES)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in noisy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return noisy.quantize("kn")
+
+
+def prompt(n, seed):
+    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cases(draft):
+    """(prompt, params, proposer factory, K) of mixed requests."""
+    greedy = lambda n: SamplingParams(max_new_tokens=n)  # noqa: E731
+    sampled = lambda n, seed: SamplingParams(max_new_tokens=n, temperature=0.8, seed=seed)  # noqa: E731
+    rep = [11, 23, 5, 42, 17] * 6
+    return [
+        (prompt(9, 1), greedy(30), lambda: None, None),
+        (prompt(40, 2), greedy(25), lambda: DraftModelProposer(draft.fork()), 4),
+        (rep, greedy(40), lambda: PromptLookupProposer(), 8),
+        (prompt(3, 3), sampled(30, 7), lambda: DraftModelProposer(draft.fork()), 3),
+        (rep[:17], greedy(20), lambda: SuffixProposer(), 6),
+        (prompt(70, 4), sampled(20, 9), lambda: PromptLookupProposer(), 5),
+        ([5], greedy(12), lambda: DraftModelProposer(draft.fork()), 2),
+    ]
+
+
+def solo(target, p, params, proposer, k):
+    return Engine(target.fork(), proposer, k, debug=True).generate(p, params).run()
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_each_row_equals_its_request_alone(target, draft, max_batch):
+    exact = attention_kernel(torch.device("cpu"), torch.float32, target.args) is not None
+    assert exact, "this project's machines run the CPU kernels"
+    reqs = cases(draft)
+    want = [solo(target, p, params, make(), k) for p, params, make, k in reqs]
+    model = target.fork()
+    engine = BatchEngine(model, max_batch, 160, debug=True)
+    try:
+        gens = [engine.add(p, params, proposer=make(), schedule=None if k is None else FixedK(k))
+                for p, params, make, k in reqs]
+        steps = 0
+        while engine.waiting or engine.active:
+            out = engine.step()
+            assert len(out) <= max_batch
+            steps += 1
+        for g in gens:  # hands out the blocks the steps made
+            assert [t for block in g for t in block] == g.token_ids
+        for g, w, (p, params, _, _) in zip(gens, want, reqs):
+            assert g.token_ids == w.token_ids, p[:5]
+            assert g.finish_reason == w.finish_reason
+            assert g.stats.num_generated_tokens == len(g.token_ids)
+        speculative = [g for g, (_, _, make, _) in zip(gens, reqs) if make() is not None]
+        assert sum(g.stats.num_draft_tokens for g in speculative) > 0
+        assert any(g.stats.num_accepted_tokens < g.stats.num_draft_tokens for g in speculative)
+        if max_batch > 1:  # requests really shared passes
+            assert steps < sum(w.stats.num_verify_passes for w in want)
+    finally:
+        engine.close()
+
+
+def test_rows_join_as_others_leave_and_a_closed_engine_frees_the_target(target):
+    model = target.fork()
+    engine = BatchEngine(model, 2, 64)
+    params = [SamplingParams(max_new_tokens=n) for n in (3, 10, 5)]
+    gens = [engine.add(prompt(4, i), p) for i, p in enumerate(params)]
+    engine.step()
+    assert engine.active == 2 and len(engine.waiting) == 1
+    for _ in range(3):  # plain decoding: a token a step; the first request leaves after 3
+        engine.step()
+    assert engine.active == 2 and not engine.waiting
+    assert len(gens[0].run().token_ids) == 3 and gens[0].finish_reason == "length"
+    assert gens[1].finish_reason is None  # set when its last block is handed out
+    engine.run()
+    assert [len(g.token_ids) for g in gens] == [3, 10, 5]
+    assert [g.finish_reason for g in gens] == ["length"] * 3
+    with pytest.raises(RuntimeError, match="already generating"):
+        Engine(model).generate([1, 2], SamplingParams(max_new_tokens=2)).run()
+    engine.close()
+    assert len(Engine(model).generate([1, 2], SamplingParams(max_new_tokens=2)).run().token_ids) == 2
+
+
+def test_iterating_one_generation_steps_the_whole_batch_and_closing_it_cancels(target):
+    """The pull model the API's streams use: consuming one request advances all rows; a
+    generation closed early leaves its row at once."""
+    engine = BatchEngine(target.fork(), 4, 64)
+    try:
+        gens = [engine.add(prompt(5, i), SamplingParams(max_new_tokens=n))
+                for i, n in enumerate((8, 20, 20))]
+        assert len(gens[0].run().token_ids) == 8
+        assert engine.active == 2  # the others ran alongside: 8 tokens each, waiting
+        it = iter(gens[1])
+        assert len(next(it)) == 1
+        gens[1].close()
+        assert engine.active == 1
+        assert len(gens[2].run().token_ids) == 20
+        assert engine.active == 0
+    finally:
+        engine.close()
+
+
+def test_bad_input(target):
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchEngine(target.fork(), 0, 64)
+    engine = BatchEngine(target.fork(), 1, 32)
+    try:
+        with pytest.raises(ValueError, match="exceeds this batch's 32 positions"):
+            engine.add(prompt(20, 0), SamplingParams(max_new_tokens=20))
+        with pytest.raises(ValueError, match="empty"):
+            engine.add([], SamplingParams(max_new_tokens=2))
+    finally:
+        engine.close()
