@@ -142,3 +142,51 @@ def test_bad_input(target):
             engine.add([], SamplingParams(max_new_tokens=2))
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    import specdecode
+    from tiny_dirs import tiny_dirs_in
+
+    dirs = tiny_dirs_in(tmp_path_factory)
+    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"]), dirs
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup", "suffix", "hybrid"])
+def test_generate_over_a_list_of_prompts_equals_each_alone(pair, method):
+    """The offline batch API: specdecode.generate(target, [prompt, ...]) runs them in one
+    BatchEngine; text, tokens and finish reasons equal the prompts run one by one."""
+    import specdecode
+
+    target, draft, _ = pair
+    prompts = ["def add(a, b):", "Hello there, how are you today?", "x = [1, 2, 3",
+               [{"role": "user", "content": "hi"}], "def add(a, b):"]
+    kw = dict(max_new_tokens=24, method=method, draft=draft if method in ("draft", "hybrid") else None)
+    many = specdecode.generate(target, prompts, max_batch=3, **kw)
+    assert len(many) == len(prompts)
+    for got, p in zip(many, prompts):
+        want = specdecode.generate(target, p, **kw)
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        assert got.prompt_token_ids == want.prompt_token_ids
+    if method in ("draft", "hybrid"):
+        assert sum(r.stats.num_draft_tokens for r in many) > 0
+    seeded = dict(kw, temperature=0.8, seed=11)
+    many = specdecode.generate(target, prompts[:3], **seeded)
+    assert [r.token_ids for r in many] == [specdecode.generate(target, p, **seeded).token_ids
+                                           for p in prompts[:3]]
+
+
+def test_generate_batch_bad_input(pair):
+    import specdecode
+
+    target, draft, dirs = pair
+    with pytest.raises(ValueError, match="max_batch"):
+        specdecode.generate(target, ["a", "b"], max_batch=0)
+    with pytest.raises(ValueError, match="not both"):
+        specdecode.generate(target, ["a"], input_ids=[1, 2])
+    with pytest.raises(ValueError, match="suffix_cache='request'"):
+        specdecode.generate(target, ["a", "b"], method="suffix", suffix_cache="session")
+    hf = specdecode.load(dirs["target"], backend="transformers")
+    with pytest.raises(ValueError, match="needs the native runtime"):
+        specdecode.generate(hf, ["a", "b"], max_new_tokens=3)

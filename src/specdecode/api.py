@@ -14,14 +14,16 @@ accepted with transformers' meaning, and so are ``prompt_lookup_num_tokens=``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
                       speculative_config)
 from .models.loading import DEFAULT_DTYPE, LoadedModel, load
+from .profile import verify_profile
 from .stats import SpecDecodingStats
 from .text import IncrementalDetokenizer
 
@@ -144,7 +146,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            assistant_confidence_threshold: float | None = None,
            prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
            suffix_cache: str = "request", dtype: str = DEFAULT_DTYPE,
-           debug: bool = False) -> Iterator[StreamChunk]:
+           debug: bool = False, batch: BatchEngine | None = None) -> Iterator[StreamChunk]:
     """Generate, yielding :class:`StreamChunk` pieces as each verify pass commits tokens.
 
     target / draft (alias ``assistant_model``): a :class:`LoadedModel` (from
@@ -171,6 +173,9 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     same as plain sampling with that seed whatever the method and K) or "rejection"
     (speculative sampling, arXiv:2211.17192; the default without a seed); see
     :class:`~specdecode.config.SamplingParams`.
+    batch: a :class:`~specdecode.batch.BatchEngine` over this target's model to run the
+    request in, beside the engine's other requests (the output is the same as alone);
+    default: alone.
     Text is emitted only once it is valid UTF-8 and cannot be the start of a stop string, so
     the concatenated chunks equal the non-streamed text. Raises ValueError on bad arguments,
     IncompatibleDraftError when the draft's tokenizer differs.
@@ -198,7 +203,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
              seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule),
-        dtype, debug)
+        dtype, debug, batch)
     tok = tgt.tokenizer
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
 
@@ -237,17 +242,56 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     yield StreamChunk(text[sent:], [], result)
 
 
-def generate(target, prompt=None, **kwargs) -> GenerationResult:
+def generate(target, prompt=None, *, max_batch: int = 8, **kwargs) -> GenerationResult | list[GenerationResult]:
     """Generate a completion; same arguments as :func:`stream`. Returns a
-    :class:`GenerationResult` (text, token_ids, finish_reason, stats)."""
+    :class:`GenerationResult` (text, token_ids, finish_reason, stats).
+
+    prompt may also be a list of prompts (strings, or chat-message lists): they run together
+    in a :class:`~specdecode.batch.BatchEngine` of up to ``max_batch`` rows (native runtime),
+    each the same output as alone (a seed applies to every prompt); returns one result per
+    prompt, in order.
+    """
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return _generate_batch(target, prompt, max_batch, kwargs)
     for chunk in stream(target, prompt, **kwargs):
         if chunk.result is not None:
             return chunk.result
     raise RuntimeError("generation ended without a result")  # unreachable: stream always ends with one
 
 
+def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list[GenerationResult]:
+    if kwargs.get("input_ids") is not None:
+        raise ValueError("give a list of prompts or input_ids, not both")
+    if not (isinstance(max_batch, int) and max_batch >= 1):
+        raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    tgt = _as_model(target, kwargs.get("dtype", DEFAULT_DTYPE))
+    ids = [_prompt_ids(tgt, p, None, kwargs.get("chat", False)) for p in prompts]
+    new = kwargs.get("max_new_tokens", 128)
+    max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
+    method = kwargs.get("method")
+    k = kwargs.get("num_speculative_tokens", kwargs.get("num_assistant_tokens"))
+    if (method is not None and Method.parse(method) is Method.HYBRID) or k == "auto":
+        # measured now: the batch holds the target while its requests' proposers are built
+        verify_profile(tgt, kwargs.get("max_speculative_tokens", 16))
+    engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len))
+    rest = {k: v for k, v in kwargs.items() if k not in ("chat", "dtype")}
+    try:  # started together, consumed in turn: each next() steps every row in the batch
+        streams = [stream(tgt, input_ids=p, batch=engine, **rest) for p in ids]
+        results: list[GenerationResult | None] = [None] * len(ids)
+        live = set(range(len(ids)))
+        while live:
+            for i in sorted(live):
+                chunk = next(streams[i])
+                if chunk.result is not None:
+                    results[i] = chunk.result
+                    live.discard(i)
+        return results
+    finally:
+        engine.close()
+
+
 def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, sampling: dict,
-           dtype, debug) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
+           dtype, debug, batch=None) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
     params = _sampling_params(**sampling)
     if spec.method.needs_draft_model and draft is None:
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
@@ -255,8 +299,17 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     drf = _as_model(draft, dtype, "draft") if spec.method.needs_draft_model else None
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
     schedule = build_schedule(spec, tgt, drf)
-    proposer = build_proposer(spec, tgt, drf)
-    engine = Engine(tgt.lm, proposer, schedule, debug=debug)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
-    gen = engine.generate(prompt_ids, params, tgt.eos_token_ids, decode)
+    if batch is None:
+        engine = Engine(tgt.lm, build_proposer(spec, tgt, drf), schedule, debug=debug)
+        return engine.generate(prompt_ids, params, tgt.eos_token_ids, decode), tgt, params, prompt_ids
+    if batch.target is not tgt.lm:
+        raise ValueError("batch= is a BatchEngine over another model than this target's")
+    if spec.suffix_cache == "session":
+        raise ValueError("suffix_cache='session' shares one proposer between requests, which a "
+                         "batch runs side by side: use suffix_cache='request' with batch=")
+    # each row's draft model drafts with a KV cache of its own (a fork shares the weights)
+    own = replace(drf, lm=drf.lm.fork(), session_proposers={}) if drf is not None else None
+    proposer = build_proposer(spec, tgt, own)
+    gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule)
     return gen, tgt, params, prompt_ids
