@@ -29,8 +29,8 @@ PROMPT = "def add(a, b):\n    return"
 class Server:
     """A real server in a thread of this process (uvicorn on an ephemeral port)."""
 
-    def __init__(self, load, api_key=None, max_queue=32, method="hybrid"):
-        self.worker = Worker(load, Metrics(MODEL), max_queue)
+    def __init__(self, load, api_key=None, max_queue=32, method="hybrid", max_batch=8):
+        self.worker = Worker(load, Metrics(MODEL), max_queue, max_batch, 512)
         self.app = create_app(self.worker, MODEL, method, api_key)
         self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
                                                 log_level="error", lifespan="off"))
@@ -82,6 +82,21 @@ def _fetch(req):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """The pair the servers serve (a server's batch holds its target while it runs)."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
+
+
+@pytest.fixture(scope="module")
+def spare(tmp_path_factory):
+    """A third load, for the tests that start servers of their own beside the shared one."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """A second load of the same pair, for the solo runs the answers are compared with."""
     dirs = tiny_dirs_in(tmp_path_factory)
     return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
 
@@ -93,20 +108,20 @@ def server(models):
     s.stop()
 
 
-def solo(models, prompt, method="hybrid", chat=False, **kw):
+def solo(pair, prompt, method="hybrid", chat=False, **kw):
     """The same request run in-process: what every server answer must equal."""
-    target, draft = models
+    target, draft = pair
     m = Method(method)
     return specdecode.generate(target, prompt, draft=draft if m.needs_draft_model else None,
                                method=m, chat=chat, **kw)
 
 
-def test_health_is_503_until_the_models_are_loaded_then_200(models):
+def test_health_is_503_until_the_models_are_loaded_then_200(spare):
     gate = threading.Event()
 
     def slow_load():
         gate.wait(30)
-        return models
+        return spare
 
     s = Server(slow_load).start(wait_ready=False)
     try:
@@ -127,13 +142,13 @@ def test_models_list_parses_with_the_official_client(server):
 
 
 @pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup", "suffix", "hybrid"])
-def test_greedy_completion_equals_the_solo_run(server, models, method):
+def test_greedy_completion_equals_the_solo_run(server, alone, method):
     client = server.client()
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                   extra_body={"method": method})
-    want = solo(models, PROMPT, method, max_new_tokens=24)
+    want = solo(alone, PROMPT, method, max_new_tokens=24)
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
-    n = len(want.token_ids) - (want.finish_reason == "stop" and want.token_ids[-1] in models[0].eos_token_ids)
+    n = len(want.token_ids) - (want.finish_reason == "stop" and want.token_ids[-1] in alone[0].eos_token_ids)
     assert r.usage.completion_tokens == n <= 24
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -148,11 +163,11 @@ def test_greedy_completion_equals_the_solo_run(server, models, method):
         assert want.stats.num_draft_tokens > 0
 
 
-def test_chat_completion_streamed_equals_non_streamed_and_the_solo_run(server, models):
+def test_chat_completion_streamed_equals_non_streamed_and_the_solo_run(server, alone):
     client = server.client()
     messages = [{"role": "user", "content": "Write add(a, b) in Python."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
-    want = solo(models, messages, max_new_tokens=30)
+    want = solo(alone, messages, max_new_tokens=30)
     assert full.choices[0].message.content == want.text and full.choices[0].message.role == "assistant"
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
                                                  temperature=0, stream=True,
@@ -169,8 +184,8 @@ def test_chat_completion_streamed_equals_non_streamed_and_the_solo_run(server, m
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_stream_ends_with_done_and_never_streams_part_of_a_stop_string(server, models):
-    want = solo(models, PROMPT, max_new_tokens=40)
+def test_stream_ends_with_done_and_never_streams_part_of_a_stop_string(server, alone):
+    want = solo(alone, PROMPT, max_new_tokens=40)
     stop = want.text[5:8]  # a string the output reaches: cut there, never streamed in part
     status, _, raw = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 40,
                                                      "temperature": 0, "stop": [stop], "stream": True})
@@ -182,26 +197,26 @@ def test_stream_ends_with_done_and_never_streams_part_of_a_stop_string(server, m
     assert sum(e["choices"][0]["finish_reason"] is not None for e in events) == 1
 
 
-def test_length_and_several_prompts_and_choices(server, models):
+def test_length_and_several_prompts_and_choices(server, alone):
     client = server.client()
     r = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello there"], max_tokens=5,
                                   temperature=0, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     for c, p in zip(r.choices, [PROMPT, PROMPT, "Hello there", "Hello there"]):
-        want = solo(models, p, max_new_tokens=5)
+        want = solo(alone, p, max_new_tokens=5)
         assert c.text == want.text and c.finish_reason == "length" == want.finish_reason
-    prompt_tokens = sum(len(models[0].tokenizer.encode(p)) for p in (PROMPT, "Hello there"))
+    prompt_tokens = sum(len(alone[0].tokenizer.encode(p)) for p in (PROMPT, "Hello there"))
     assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 20
 
 
-def test_token_id_prompts_and_seeded_sampling_repeat(server, models):
-    ids = models[0].tokenizer.encode(PROMPT)
+def test_token_id_prompts_and_seeded_sampling_repeat(server, alone):
+    ids = alone[0].tokenizer.encode(PROMPT)
     client = server.client()
     kw = dict(model=MODEL, prompt=ids, max_tokens=20, temperature=0.9, seed=7)
     a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
-    want = solo(models, None, input_ids=ids, max_new_tokens=20, temperature=0.9, seed=7)
+    want = solo(alone, None, input_ids=ids, max_new_tokens=20, temperature=0.9, seed=7)
     assert a == b == want.text
-    ar = solo(models, None, "ar", input_ids=ids, max_new_tokens=20, temperature=0.9, seed=7)
+    ar = solo(alone, None, "ar", input_ids=ids, max_new_tokens=20, temperature=0.9, seed=7)
     assert want.text == ar.text  # the gumbel rule: the method does not change a seeded text
 
 
@@ -212,7 +227,7 @@ def test_unseeded_sampled_requests_with_the_same_prompt_differ(server):
     assert len(texts) > 1
 
 
-def test_concurrent_streams_each_equal_their_solo_run(server, models):
+def test_concurrent_streams_each_equal_their_solo_run(server, alone):
     """8 concurrent streaming requests mixing methods, prompts and seeded sampling."""
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     cases = [(m, p, t) for m, p, t in zip(
@@ -229,9 +244,13 @@ def test_concurrent_streams_each_equal_their_solo_run(server, models):
     async def main():
         return await asyncio.gather(*(one(*c) for c in cases))
 
+    batches = server.worker.metrics.batch_size
+    before = (batches._sum.get(), sum(b.get() for b in batches._buckets))
     got = asyncio.run(main())
+    rounds = sum(b.get() for b in batches._buckets) - before[1]
+    assert (batches._sum.get() - before[0]) / rounds > 2  # the requests shared verify passes
     for (method, prompt, temperature), text in zip(cases, got):
-        assert text == solo(models, prompt, method, max_new_tokens=20, temperature=temperature,
+        assert text == solo(alone, prompt, method, max_new_tokens=20, temperature=temperature,
                             seed=3).text, method
 
 
@@ -267,8 +286,8 @@ def test_bad_requests_get_openai_errors_with_the_right_status(server):
         server.client().completions.create(model="nope", prompt="x")
 
 
-def test_api_key(models):
-    s = Server(lambda: models, api_key="sesame").start()
+def test_api_key(spare):
+    s = Server(lambda: spare, api_key="sesame").start()
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").models.list()
@@ -280,7 +299,7 @@ def test_api_key(models):
         s.stop()
 
 
-def test_a_full_queue_answers_429_with_retry_after(models, monkeypatch):
+def test_a_full_queue_answers_429_with_retry_after(spare, monkeypatch):
     """One request running (held at its start), one waiting (max_queue 1): the third is
     refused; then both finish."""
     import specdecode.server.worker as worker_module
@@ -294,7 +313,7 @@ def test_a_full_queue_answers_429_with_retry_after(models, monkeypatch):
         yield from real(*args, **kwargs)
 
     monkeypatch.setattr(worker_module.api, "stream", held)
-    s = Server(lambda: models, max_queue=1).start()
+    s = Server(lambda: spare, max_queue=1).start()
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
         results = []

@@ -20,8 +20,9 @@ seeded sampled requests its seeded plain sampling (the gumbel rule).
 
 Defaults are OpenAI's (temperature 1, top_p 1; max_tokens 16 for completions, the rest of
 the context for chat). Extra request fields (the openai client's extra_body): method,
-num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. Requests run
-one at a time for now (a bounded queue holds the others).
+num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. Up to
+--max-batch requests share each verify pass (continuous batching; each output is still its
+solo run's), a bounded queue holds the others.
 
 examples:
   specdecode serve
@@ -41,6 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                         "$SPECDECODE_API_KEY, else none)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests (choices) that share each verify pass (default 8)")
+    p.add_argument("--max-len", type=int, default=4096,
+                   help="positions per request, prompt + max_tokens (default 4096, or the "
+                        "model's context if smaller); the KV cache holds max-batch x max-len")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests that may wait; beyond them 429 with Retry-After (default 32)")
     add_threads_argument(p)
@@ -53,12 +59,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
-    if args.max_queue < 1:
-        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    for name in ("max_queue", "max_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_len < 2:
+        raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
     method = Method(args.method)
     threads = apply_threads(args)
     name = os.path.basename(os.path.normpath(str(args.target)))
-    worker = Worker(lambda: load_models(args, method), Metrics(name), args.max_queue)
+    worker = Worker(lambda: load_models(args, method), Metrics(name), args.max_queue, args.max_batch,
+                    args.max_len)
     worker.start()
     app = create_app(worker, name, method.value, args.api_key)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

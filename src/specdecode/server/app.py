@@ -37,7 +37,7 @@ class _Context:
         self.model_name, self.default_method = model_name, default_method
         self.methods = [m.value for m in Method
                         if not m.needs_draft_model or worker.draft is not None]
-        self.max_context, self.vocab_size = tgt.lm.max_context, tgt.lm.vocab_size
+        self.max_context, self.vocab_size = worker.context, tgt.lm.vocab_size
         self._target = tgt
 
     def _ids(self, prompt, chat: bool) -> list[int]:

@@ -2,8 +2,8 @@
 that dashboards made for vLLM read them: ``specdecode:spec_decode_num_drafts``,
 ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``
 (acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts),
-plus requests, tokens, time to first token, time per output token, end-to-end latency and
-the queue. Counters are exposed with prometheus-client's ``_total`` suffix."""
+plus requests, tokens, time to first token, time per output token, end-to-end latency, the
+queue and the batch size. Counters are exposed with prometheus-client's ``_total`` suffix."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ class Metrics:
                              ["model_name"], registry=r).labels(**lab)
         self.running = Gauge(P + "num_requests_running", "requests being generated",
                              ["model_name"], registry=r).labels(**lab)
+        self.batch_size = Histogram(P + "batch_size", "requests in each verify pass",
+                                    ["model_name"], buckets=(1, 2, 4, 8, 16, 32, 64),
+                                    registry=r).labels(**lab)
 
     def observe(self, result, completion_tokens: int, prompt_tokens: int, arrived: float,
                 first_text: float | None) -> None:

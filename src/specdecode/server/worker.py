@@ -1,11 +1,10 @@
 """The server's side of generation: models loaded in the background, a bounded queue of
-requests, and one worker thread that runs them (each choice through
-:func:`specdecode.api.stream`, so every method, K schedule and stop rule of the library
-applies unchanged), handing each piece of text to the request's event loop as it is made.
-
-One request runs at a time: the batched engine (many requests in each verify pass) is the
-next step of this server; until then concurrent requests wait in the queue, and a request's
-output is its solo run's by construction.
+requests, and one worker thread that runs them in a :class:`~specdecode.batch.BatchEngine`
+(up to ``max_batch`` choices share each verify pass; each choice through
+:func:`specdecode.api.stream`, so every method, stop rule and seed of the library applies
+unchanged, and each output equals its solo run), handing each piece of text to the
+request's event loop as it is made. A target without rows of their own lengths (the
+transformers and llama.cpp backends) runs one choice at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +17,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from .. import api
+from ..batch import BatchEngine
 from ..methods import Method
+from ..profile import verify_profile
 from .protocol import Job
 
 
@@ -52,29 +53,44 @@ class Ticket:
         self.loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
 
 
+@dataclass
+class _Choice:
+    """One choice of a ticket in flight: its stream and what its metrics need."""
+
+    ticket: Ticket
+    index: int
+    prompt_tokens: int
+    chunks: object
+    first: float | None = None
+
+
 class Worker:
     """Loads the models (``load()`` returns (target, draft), run in a thread of its own so
-    that /health answers meanwhile), then runs queued tickets one at a time.
+    that /health answers meanwhile), then runs the queued tickets' choices, ``max_batch`` at
+    a time in one batched engine of ``max_len`` positions a row.
 
-    max_queue: tickets waiting beyond the one running; ``submit`` raises queue.Full past it.
-    metrics: a :class:`~.metrics.Metrics` (observed per request).
+    max_queue: tickets waiting beyond those running; ``submit`` raises queue.Full past it.
+    metrics: a :class:`~.metrics.Metrics` (observed per choice).
     """
 
-    def __init__(self, load, metrics, max_queue: int = 32):
+    def __init__(self, load, metrics, max_queue: int = 32, max_batch: int = 8, max_len: int = 4096):
         self._load = load
         self.metrics = metrics
+        self.max_batch, self.max_len = max_batch, max_len
         self.target = self.draft = None
+        self.engine: BatchEngine | None = None
         self.error: str | None = None
         self.ready = threading.Event()
         self._queue: queue.Queue[Ticket | None] = queue.Queue(maxsize=max_queue)
-        self.running = 0
+        self._pending: list[_Choice] = []  # choices of taken tickets that wait for a row
+        self._live: list[_Choice] = []
         self._thread = threading.Thread(target=self._main, name="specdecode-worker", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ends the worker after the request in flight (tickets still queued are dropped)."""
+        """Ends the worker after the step in flight (tickets still queued are dropped)."""
         while True:
             try:
                 self._queue.get_nowait()
@@ -86,6 +102,11 @@ class Worker:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def context(self) -> int:
+        """The most positions a request may use (prompt + max_tokens)."""
+        return self.engine.max_len if self.engine is not None else self.target.lm.max_context
+
     def submit(self, ticket: Ticket) -> None:
         """Queue a ticket; raises queue.Full when ``max_queue`` are waiting."""
         self._queue.put_nowait(ticket)
@@ -94,55 +115,89 @@ class Worker:
     def _main(self) -> None:
         try:
             self.target, self.draft = self._load()
+            if hasattr(self.target.lm, "forward_rows"):
+                if self.draft is not None:  # the hybrid's cost model, measured before the
+                    verify_profile(self.target)  # batch holds the target (once; cached on disk)
+                self.engine = BatchEngine(self.target.lm, self.max_batch,
+                                          min(self.max_len, self.target.lm.max_context))
         except Exception as e:  # noqa: BLE001 (any failure is reported by /health)
             self.error = f"{type(e).__name__}: {e}"
             return
         self.ready.set()
+        rows = self.max_batch if self.engine is not None else 1
         while True:
-            ticket = self._queue.get()
-            self.metrics.waiting.set(self.waiting)
-            if ticket is None:
-                return
-            self.running = 1
-            self.metrics.running.set(1)
             try:
-                self._run(ticket)
+                ticket = self._queue.get(block=not (self._live or self._pending))
+            except queue.Empty:
+                ticket = False
+            if ticket is None:
+                break
+            if ticket:
+                self._take(ticket)
+            while self._pending and len(self._live) < rows:
+                self._live.append(self._begin(self._pending.pop(0)))
+            self.metrics.waiting.set(self.waiting + len(self._pending))
+            self.metrics.running.set(len(self._live))
+            if self._live:
+                self.metrics.batch_size.observe(len(self._live))
+            self._round()
+        for c in self._live:
+            c.chunks.close()
+        if self.engine is not None:
+            self.engine.close()  # frees the target for others in this process
+
+    def _take(self, ticket: Ticket) -> None:
+        job = ticket.job
+        for p, prompt in enumerate(job.prompts):
+            for c in range(job.n):
+                self._pending.append(_Choice(ticket, p * job.n + c, len(prompt), None))
+
+    def _begin(self, choice: _Choice) -> _Choice:
+        job = choice.ticket.job
+        method = Method(job.method)
+        c = choice.index % job.n
+        choice.chunks = api.stream(
+            self.target, input_ids=job.prompts[choice.index // job.n], method=method,
+            draft=self.draft if method.needs_draft_model else None,
+            num_speculative_tokens=job.num_speculative_tokens, batch=self.engine,
+            seed=None if job.seed is None else job.seed + c, **job.sampling)
+        return choice
+
+    def _drop(self, ticket: Ticket) -> None:
+        """Close every choice of a ticket (its client left, or one of them failed)."""
+        for c in [c for c in self._live if c.ticket is ticket]:
+            c.chunks.close()
+            self._live.remove(c)
+        self._pending = [c for c in self._pending if c.ticket is not ticket]
+
+    def _round(self) -> None:
+        """One chunk of every live choice: one verify pass of the batch (the first choice's
+        next() steps it; the others find their block made)."""
+        eos = set(self.target.eos_token_ids)
+        for choice in list(self._live):
+            ticket = choice.ticket
+            if choice not in self._live:
+                continue  # dropped with its ticket this round
+            if ticket.cancelled.is_set():
+                self.metrics.cancelled.inc()
+                self._drop(ticket)
+                continue
+            try:
+                chunk = next(choice.chunks)
             except Exception as e:  # noqa: BLE001 (a bug must not kill the server)
                 traceback.print_exc()
                 ticket.put(Piece("error", message=f"{type(e).__name__}: {e}"))
-            finally:
-                self.running = 0
-                self.metrics.running.set(0)
-
-    def _run(self, ticket: Ticket) -> None:
-        job = ticket.job
-        method = Method(job.method)
-        eos = set(self.target.eos_token_ids)
-        for p, prompt in enumerate(job.prompts):
-            for c in range(job.n):
-                index = p * job.n + c
-                seed = None if job.seed is None else job.seed + c
-                chunks = api.stream(
-                    self.target, input_ids=prompt, method=method,
-                    draft=self.draft if method.needs_draft_model else None,
-                    num_speculative_tokens=job.num_speculative_tokens,
-                    suffix_cache="session" if method in (Method.SUFFIX, Method.HYBRID) else "request",
-                    seed=seed, **job.sampling)
-                first = None
-                try:
-                    for chunk in chunks:
-                        if ticket.cancelled.is_set():
-                            self.metrics.cancelled.inc()
-                            return
-                        if chunk.text:
-                            first = first or time.perf_counter()
-                            ticket.put(Piece("text", index, chunk.text))
-                        if chunk.result is not None:
-                            r = chunk.result
-                            ids = r.token_ids  # an EOS that ended the request is not text
-                            n = len(ids) - (r.finish_reason == "stop" and bool(ids) and ids[-1] in eos)
-                            self.metrics.observe(r, n, len(prompt), ticket.arrived, first)
-                            ticket.put(Piece("done", index, finish=r.finish_reason,
-                                             completion_tokens=n, stats=r.stats))
-                finally:
-                    chunks.close()
+                self._drop(ticket)
+                continue
+            if chunk.text:
+                choice.first = choice.first or time.perf_counter()
+                ticket.put(Piece("text", choice.index, chunk.text))
+            if chunk.result is not None:
+                r = chunk.result
+                ids = r.token_ids  # an EOS that ended the request is not text
+                n = len(ids) - (r.finish_reason == "stop" and bool(ids) and ids[-1] in eos)
+                self.metrics.observe(r, n, choice.prompt_tokens, ticket.arrived, choice.first)
+                ticket.put(Piece("done", choice.index, finish=r.finish_reason,
+                                 completion_tokens=n, stats=r.stats))
+                choice.chunks.close()
+                self._live.remove(choice)
