@@ -14,11 +14,10 @@ import urllib.request
 
 import openai
 import pytest
-import uvicorn
 
 import specdecode
 from specdecode.methods import Method
-from specdecode.server import Metrics, Worker, create_app
+from specdecode.server import Metrics, Worker, create_app, serve_in_thread
 
 from tiny_dirs import tiny_dirs_in
 
@@ -32,17 +31,9 @@ class Server:
     def __init__(self, load, api_key=None, max_queue=32, method="hybrid", max_batch=8):
         self.worker = Worker(load, Metrics(MODEL), max_queue, max_batch, 512)
         self.app = create_app(self.worker, MODEL, method, api_key)
-        self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                log_level="error", lifespan="off"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
 
     def start(self, wait_ready=True):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uv.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.01)
-        self.port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.uv, self.port = serve_in_thread(self.app)
         self.url = f"http://127.0.0.1:{self.port}"
         self.worker.start()
         if wait_ready:
@@ -52,7 +43,7 @@ class Server:
     def stop(self):
         self.worker.stop()
         self.uv.should_exit = True
-        self.thread.join(10)
+        self.uv.thread.join(10)
 
     def client(self, key="none"):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
@@ -383,3 +374,25 @@ def test_metrics_count_speculation_with_vllm_names(server):
                               extra_body={"method": "draft"})
     status, _, text = server.get("/metrics")
     assert value("specdecode:spec_decode_num_draft_tokens_total") > draft_tokens
+
+
+def test_bench_serve_client_measures_both_methods_at_each_level(server):
+    """bench-serve's client against a real server: every level has both methods, the server's
+    token counts, and times that make sense."""
+    from specdecode.bench import serving
+
+    prompts = [[{"role": "user", "content": "Write add(a, b)."}], [{"role": "user", "content": "hi"}]]
+    seen = []
+    results = serving.run(server.url, MODEL, prompts, "draft", "ar", [1, 3], None, 8,
+                          progress=lambda c, m, r: seen.append((c, m)))
+    assert seen == [(1, "draft"), (1, "ar"), (3, "ar"), (3, "draft")]  # the order alternates
+    for level in results["levels"]:
+        c = level["concurrency"]
+        for m in ("draft", "ar"):
+            r = level[m]
+            assert r["requests"] == 2 * c and 0 < r["tokens"] <= 2 * c * 8
+            assert r["throughput_tok_s"] > 0 and 0 < r["ttft_median_s"] <= r["ttft_p90_s"]
+            assert all(s["ttft_s"] <= s["e2e_s"] for s in r["samples"])
+        assert level["ar"]["acceptance_rate"] is None and 0 <= level["draft"]["acceptance_rate"] <= 1
+    text = serving.report(dict(results, command="x", date="d"))
+    assert text.count("| draft |") == 2 and "×" in text

@@ -1,4 +1,5 @@
-"""The command line: ``specdecode generate`` (the main job), ``serve``, ``bench`` and ``models``.
+"""The command line: ``specdecode generate`` (the main job), ``serve``, ``bench``,
+``bench-serve`` and ``models``.
 
 Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
 """
@@ -9,7 +10,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, generate, models, serve
+from . import bench, bench_serve, generate, models, serve
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     serve.add_parser(sub)
     bench.add_parser(sub)
+    bench_serve.add_parser(sub)
     models.add_parser(sub)
     return parser
 

@@ -14,8 +14,10 @@ import asyncio
 import hmac
 import json
 import queue
+import threading
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -195,3 +197,20 @@ def create_app(worker: Worker, model_name: str, default_method: str,
         return await generate(request, "chat")
 
     return app
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 30):
+    """Run ``app`` with uvicorn in a daemon thread (port 0: any free one); returns (the
+    uvicorn server, its port) once it listens. Stop it with ``server.should_exit = True``.
+    Raises RuntimeError when it does not start within ``timeout`` seconds."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.01)
+    server.thread = thread
+    return server, server.servers[0].sockets[0].getsockname()[1]

@@ -1,0 +1,157 @@
+"""``specdecode bench-serve``: a closed-loop load client against the OpenAI-compatible server,
+speculation on and off in the same run (the server takes the method per request), at several
+concurrencies: throughput, time to first token (TTFT), time per output token (TPOT, the fair
+figure under speculation, where one chunk may carry several tokens) and acceptance.
+
+The client is threads over ``http.client`` (each blocks on its socket: little CPU beside the
+server on a 2-core machine), streaming with ``include_usage`` so that the server's own token
+counts are used. Loopback only when it starts the server itself.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from urllib.parse import urlparse
+
+
+@dataclass
+class Sample:
+    """One request: seconds to the first text and to the end, the tokens it got, and the
+    server's accepted / rejected draft tokens."""
+
+    method: str
+    concurrency: int
+    ttft_s: float
+    e2e_s: float
+    completion_tokens: int
+    accepted: int
+    rejected: int
+
+
+def request(url: str, model: str, messages: list[dict], method: str, max_tokens: int,
+            api_key: str | None = None, timeout: float = 600) -> Sample:
+    """One streamed chat completion, timed. Raises RuntimeError with the server's error."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "method": method,
+                       "stream_options": {"include_usage": True}})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    t0 = time.perf_counter()
+    conn.request("POST", u.path.rstrip("/") + "/v1/chat/completions", body, headers)
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"the server answered {resp.status}: {resp.read()[:300]!r}")
+    first, usage = None, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"the server failed mid-stream: {event['error']['message']}")
+        if event["choices"] and event["choices"][0]["delta"].get("content") and first is None:
+            first = time.perf_counter()
+        if event.get("usage"):
+            usage = event["usage"]
+    end = time.perf_counter()
+    conn.close()
+    details = usage.get("completion_tokens_details") or {}
+    return Sample(method, 0, (first or end) - t0, end - t0, usage["completion_tokens"],
+                  details.get("accepted_prediction_tokens", 0),
+                  details.get("rejected_prediction_tokens", 0))
+
+
+def run_level(url: str, model: str, prompts: list[list[dict]], method: str, concurrency: int,
+              requests: int, max_tokens: int, api_key: str | None = None) -> tuple[list[Sample], float]:
+    """``requests`` requests, ``concurrency`` in flight at a time (closed loop), the prompts
+    in turn; returns the samples and the wall time."""
+    counter = iter(range(requests))
+    lock = threading.Lock()
+    samples: list[Sample] = []
+
+    def client():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            s = request(url, model, prompts[i % len(prompts)], method, max_tokens, api_key)
+            s.concurrency = concurrency
+            with lock:
+                samples.append(s)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client) for _ in range(concurrency)]:
+            f.result()
+    return samples, time.perf_counter() - t0
+
+
+def _q(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[8] if q == 0.9 and len(values) > 1 \
+        else statistics.median(values)
+
+
+def summarize(samples: list[Sample], wall_s: float) -> dict:
+    """Throughput (tokens/s over the level's wall time), TTFT and TPOT median / p90 (s),
+    acceptance rate (accepted / proposed draft tokens, None without drafts)."""
+    tokens = sum(s.completion_tokens for s in samples)
+    tpot = [(s.e2e_s - s.ttft_s) / (s.completion_tokens - 1) for s in samples if s.completion_tokens > 1]
+    ttft = [s.ttft_s for s in samples]
+    proposed = sum(s.accepted + s.rejected for s in samples)
+    return {"requests": len(samples), "tokens": tokens, "wall_s": round(wall_s, 3),
+            "throughput_tok_s": round(tokens / wall_s, 3),
+            "ttft_median_s": round(_q(ttft, 0.5), 4), "ttft_p90_s": round(_q(ttft, 0.9), 4),
+            "tpot_median_s": round(_q(tpot, 0.5), 4) if tpot else None,
+            "tpot_p90_s": round(_q(tpot, 0.9), 4) if tpot else None,
+            "acceptance_rate": round(sum(s.accepted for s in samples) / proposed, 4) if proposed else None}
+
+
+def report(results: dict) -> str:
+    """The markdown report of :func:`run` 's results."""
+    on, off = results["method_on"], results["method_off"]
+    lines = [f"# specdecode bench-serve\n\ncommand: `{results['command']}`\n",
+             f"date: {results['date']}; speculation on: `{on}`, off: `{off}`; "
+             f"{results['max_tokens']} tokens a request, greedy\n",
+             "| concurrency | method | requests | throughput tok/s | on / off | TTFT median (p90) s "
+             "| TPOT median (p90) s | acceptance |", "|---|---|---|---|---|---|---|---|"]
+    for level in results["levels"]:
+        c = level["concurrency"]
+        ratio = level[on]["throughput_tok_s"] / level[off]["throughput_tok_s"]
+        for m in (on, off):
+            r = level[m]
+            acc = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "—"
+            tpot = f"{r['tpot_median_s']:.3f} ({r['tpot_p90_s']:.3f})" if r["tpot_median_s"] else "—"
+            lines.append(f"| {c} | {m} | {r['requests']} | {r['throughput_tok_s']:.2f} | "
+                         f"{f'{ratio:.2f}×' if m == on else ''} | {r['ttft_median_s']:.3f} "
+                         f"({r['ttft_p90_s']:.3f}) | {tpot} | {acc} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(url: str, model: str, prompts: list[list[dict]], method_on: str, method_off: str,
+        concurrencies: list[int], requests_per_level: int | None, max_tokens: int,
+        api_key: str | None = None, progress=None) -> dict:
+    """Every concurrency level with speculation on and off (their order alternating from
+    level to level, so that a drift of the machine moves both); returns the results."""
+    levels = []
+    for j, c in enumerate(concurrencies):
+        n = requests_per_level or 2 * c
+        level = {"concurrency": c}
+        for m in ((method_on, method_off) if j % 2 == 0 else (method_off, method_on)):
+            samples, wall = run_level(url, model, prompts, m, c, n, max_tokens, api_key)
+            level[m] = summarize(samples, wall)
+            level[m]["samples"] = [asdict(s) for s in samples]
+            if progress is not None:
+                progress(c, m, level[m])
+        levels.append(level)
+    return {"method_on": method_on, "method_off": method_off, "max_tokens": max_tokens,
+            "levels": levels}

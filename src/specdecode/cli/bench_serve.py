@@ -1,0 +1,116 @@
+"""``specdecode bench-serve``: the server under load, speculation on and off in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..bench import serving
+from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
+from ..methods import METHODS, Method
+from ..server import Metrics, Worker, create_app, serve_in_thread
+from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
+                     load_models, run_command)
+
+HELP = """\
+Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
+its last one ends) at each concurrency, Spec-Bench questions as chat prompts, greedy, every
+level with speculation on (--method) and off (--off-method) in the same run. Reports
+throughput, time to first token, time per output token (median, p90) and acceptance. Starts
+the server itself on 127.0.0.1 (the model options below) unless --url names a running one.
+
+examples:
+  specdecode bench-serve --concurrency 1,2,4 --max-tokens 64 --out benchmarks/serve
+  specdecode bench-serve --url http://127.0.0.1:8000 --model qwen2.5-coder-1.5b-instruct
+"""
+
+
+def _levels(value: str) -> list[int]:
+    try:
+        levels = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {value!r}") from None
+    if not levels or min(levels) < 1 or max(levels) > 256:
+        raise argparse.ArgumentTypeError(f"each concurrency must be 1..256, got {value!r}")
+    return levels
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-serve", help="the server under load, speculation on and off",
+                       description=HELP, epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p, default_method=Method.HYBRID)
+    p.add_argument("--off-method", default=Method.AR.value, choices=list(METHODS),
+                   help="the method compared with --method (default ar: plain decoding)")
+    p.add_argument("--url", default=None, help="a running server instead of starting one")
+    p.add_argument("--model", default=None, help="the model id to send (default: the target's name)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"))
+    p.add_argument("--concurrency", type=_levels, default=[1, 2, 4, 8, 16],
+                   help="comma-separated levels (default 1,2,4,8,16)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per level and method (default: twice the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens a request (default 64)")
+    p.add_argument("--limit", type=int, default=2, help="Spec-Bench questions per subtask (default 2)")
+    p.add_argument("--dataset", default=str(SPEC_BENCH_PATH), help="a Spec-Bench question.jsonl")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="the started server's batch (default: the highest concurrency)")
+    p.add_argument("--out", default=None, help="write results.json and report.md here")
+    add_threads_argument(p)
+    p.set_defaults(func=lambda args: run_command(cmd_bench_serve, args))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Raises ValueError for bad options, FileNotFoundError for a missing dataset."""
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    tasks = load_spec_bench(args.dataset, args.limit)
+    prompts = [[{"role": "user", "content": t.turns[0]}] for t in tasks]
+    on, off = Method(args.method), Method(args.off_method)
+    uv = None
+    if args.url is None:
+        apply_threads(args)
+        need = on if on.needs_draft_model else off
+        name = os.path.basename(os.path.normpath(str(args.target)))
+        worker = Worker(lambda: load_models(args, need), Metrics(name), 1024,
+                        args.max_batch or max(args.concurrency), 2048)
+        worker.start()
+        uv, port = serve_in_thread(create_app(worker, name, on.value, args.api_key))
+        url, model = f"http://127.0.0.1:{port}", args.model or name
+        print(f"# loading {name} ...", file=sys.stderr)
+        worker.ready.wait()
+        if worker.error:
+            raise ValueError(f"the server could not load the models: {worker.error}")
+    else:
+        url, model = args.url, args.model or os.path.basename(os.path.normpath(str(args.target)))
+
+    def progress(c, m, r):
+        print(f"concurrency {c:>3} {m:<14} {r['throughput_tok_s']:8.2f} tok/s  TTFT "
+              f"{r['ttft_median_s']:.3f} s  TPOT {r['tpot_median_s']} s  acceptance "
+              f"{r['acceptance_rate']}", file=sys.stderr, flush=True)
+
+    try:
+        results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
+                              args.requests, args.max_tokens, args.api_key, progress)
+    finally:
+        if uv is not None:
+            worker.stop()
+            uv.should_exit = True
+    results["command"] = "specdecode " + " ".join(sys.argv[1:])
+    results["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    text = serving.report(results)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "report.md").write_text(text)
+    summary = {str(lv["concurrency"]): round(lv[on.value]["throughput_tok_s"] / lv[off.value]["throughput_tok_s"], 3)
+               for lv in results["levels"]}
+    print(json.dumps({"on_over_off_throughput": summary}))
+    return 0
