@@ -22,10 +22,15 @@ Defaults are OpenAI's (temperature 1, top_p 1; max_tokens 16 for completions, th
 the context for chat). Extra request fields (the openai client's extra_body): method,
 num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. Up to
 --max-batch requests share each verify pass (continuous batching; each output is still its
-solo run's), a bounded queue holds the others.
+solo run's), a bounded queue holds the others. The default method is ar (plain batched
+decoding) for now: measured with `specdecode bench-serve` on a 2-core CPU, the hybrid made
+0.90x plain decoding's throughput at concurrency 1 and 0.53-0.66x at 2-8 (each row's draft
+model steps alone; BENCHMARKS.md); a request may still ask for a method ("method" in
+extra_body), and --method sets the default.
 
 examples:
   specdecode serve
+  specdecode serve --method hybrid   # speculation for every request
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "qwen2.5-coder-1.5b-instruct", "messages": [{"role": "user", "content": "hi"}]}'
 """
@@ -34,7 +39,7 @@ examples:
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server", description=SERVE_HELP,
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p, default_method=Method.HYBRID)
+    add_model_arguments(p, default_method=Method.AR)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 serves "
                         "every network this machine is on: set --api-key then)")
