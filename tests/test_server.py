@@ -143,15 +143,12 @@ def test_greedy_completion_equals_the_solo_run(server, alone, method):
     assert r.usage.completion_tokens == n <= 24
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the batch's K policy chooses other lengths than a request alone: other counts, same text
     details = r.usage.completion_tokens_details
-    if method in ("suffix", "hybrid"):  # the server's suffix cache spans requests: other counts
-        assert 0 <= details.accepted_prediction_tokens <= r.usage.completion_tokens
-        assert details.rejected_prediction_tokens >= 0
-    else:
-        assert details.accepted_prediction_tokens == want.stats.num_accepted_tokens
-        assert details.rejected_prediction_tokens == want.stats.num_draft_tokens - want.stats.num_accepted_tokens
-    if method != "ar":
-        assert want.stats.num_draft_tokens > 0
+    assert 0 <= details.accepted_prediction_tokens <= r.usage.completion_tokens
+    assert details.rejected_prediction_tokens >= 0
+    if method == "ar":
+        assert details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
 
 
 def test_chat_completion_streamed_equals_non_streamed_and_the_solo_run(server, alone):

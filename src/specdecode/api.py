@@ -269,11 +269,12 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     new = kwargs.get("max_new_tokens", 128)
     max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
     method = kwargs.get("method")
-    k = kwargs.get("num_speculative_tokens", kwargs.get("num_assistant_tokens"))
-    if (method is not None and Method.parse(method) is Method.HYBRID) or k == "auto":
-        # measured now: the batch holds the target while its requests' proposers are built
-        verify_profile(tgt, kwargs.get("max_speculative_tokens", 16))
-    engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len))
+    speculative = (Method.parse(method) is not Method.AR) if method is not None else any(
+        kwargs.get(a) is not None for a in ("draft", "assistant_model", "prompt_lookup_num_tokens"))
+    # T(1..17) for the batch's K policy (and the hybrid's, auto K's cost model), measured
+    # before the batch holds the target (once per machine, then cached on disk)
+    times = verify_profile(tgt, max(16, kwargs.get("max_speculative_tokens", 16))) if speculative else None
+    engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len), forward_seconds=times)
     rest = {k: v for k, v in kwargs.items() if k not in ("chat", "dtype")}
     try:  # started together, consumed in turn: each next() steps every row in the batch
         streams = [stream(tgt, input_ids=p, batch=engine, **rest) for p in ids]

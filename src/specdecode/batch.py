@@ -22,10 +22,50 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingParams
+from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
+
+
+def choose_lengths(alphas: list[float], draft_seconds: list[float], wanted: list[int],
+                   fixed: list[bool], forward_seconds: list[float]) -> list[int]:
+    """Each row's K for one batched round: the lengths (k_i <= wanted_i) that maximise the
+    batch's expected tokens per second,
+    Σ_i E(k_i) / (T(Σ_i (k_i + 1)) + Σ_i c_i·k_i),
+    with E(k) = 1 + α + ... + α^k per row (acceptance α_i; Leviathan et al.,
+    arXiv:2211.17192 §3.1), T(n) the target's measured time for a pass of n tokens
+    (``forward_seconds``, T(1..)) and c_i the row's drafting time per token (its draft model
+    steps on its own; 0 for lookups). Rows marked ``fixed`` keep k = wanted (a seeded request
+    of the rejection rule: its draws depend on K). Greedy: one draft token at a time to the
+    row where it raises the rate most, while it does. As the batch grows, T(n) grows and
+    speculation turns off where it stops paying."""
+    t1 = forward_seconds[0]
+    costs = [t / t1 for t in forward_seconds]
+    k = [w if f else 0 for w, f in zip(wanted, fixed)]
+
+    def rate(ks):
+        tokens = sum(expected_tokens([a] * n, n) for a, n in zip(alphas, ks))
+        seconds = t1 * relative_cost(costs, sum(n + 1 for n in ks)) + \
+            sum(c * n for c, n in zip(draft_seconds, ks))
+        return tokens / seconds
+
+    best = rate(k)
+    while True:
+        step = None
+        for i, (n, w, f) in enumerate(zip(k, wanted, fixed)):
+            if f or n >= w:
+                continue
+            k[i] += 1
+            r = rate(k)
+            k[i] -= 1
+            if r > best and (step is None or r > step[0]):
+                step = (r, i)
+        if step is None:
+            return k
+        best = step[0]
+        k[step[1]] += 1
 
 
 class _Status:
@@ -55,11 +95,15 @@ class BatchEngine:
     their own lengths; the transformers and llama.cpp adapters have none: ValueError).
     max_len: positions per row (prompt + new tokens of any request). Holds the target's busy
     lock until :meth:`close`. Each request brings its own proposer (one whose draft model has
-    a KV cache of its own, e.g. a fork) and K schedule. debug: check every row's cache
+    a KV cache of its own, e.g. a fork) and K schedule. forward_seconds: the target's
+    measured T(1..n) (:func:`specdecode.profile.verify_profile`); with it, each round's K per
+    row is chosen for the whole batch (:func:`choose_lengths`, at most what the row's own
+    schedule asks), without it each row takes its own. debug: check every row's cache
     invariant after each step.
     """
 
-    def __init__(self, target, max_batch: int, max_len: int, debug: bool = False):
+    def __init__(self, target, max_batch: int, max_len: int, debug: bool = False,
+                 forward_seconds: list[float] | None = None):
         if not hasattr(target, "forward_rows"):
             raise ValueError(f"batched decoding needs the native runtime (rows of their own "
                              f"lengths); this target is {type(target).__name__}")
@@ -68,6 +112,7 @@ class BatchEngine:
         if not (isinstance(max_len, int) and 2 <= max_len <= target.max_context):
             raise ValueError(f"max_len must be 2..{target.max_context} (the target's context), got {max_len!r}")
         self.target, self.max_len, self.debug = target, max_len, debug
+        self.forward_seconds = forward_seconds
         self._held = hold([target], None)
         target.allocate(max_batch, max_len)
         self.rows: list[tuple[RequestRun, list, float] | None] = [None] * max_batch
@@ -171,7 +216,12 @@ class BatchEngine:
         if not active:
             return []
         target = self.target
-        drafts = {b: run.propose() for b, run in active}
+        wanted = [run.wanted_k() for _, run in active]
+        if self.forward_seconds is not None and any(wanted):
+            lengths = self._policy([run for _, run in active], wanted)
+        else:
+            lengths = wanted
+        drafts = {b: run.propose(k) for (b, run), k in zip(active, lengths)}
         width = 1 + max(d.shape[1] for d in drafts.values())
         x = torch.zeros(len(self.rows), width, dtype=torch.long)
         lengths = [0] * len(self.rows)
@@ -196,6 +246,18 @@ class BatchEngine:
             if run.gen.finish_reason is not None:  # (the row's _Status)
                 self._free(b)
         return out
+
+    def _policy(self, runs: list[RequestRun], wanted: list[int]) -> list[int]:
+        alphas, draft_seconds, fixed = [], [], []
+        t1 = self.forward_seconds[0]
+        for run in runs:
+            st = run.stats
+            alphas.append((st.num_accepted_tokens + 1) / (st.num_draft_tokens + 2))
+            drafted = sum(st.speculation_lengths)
+            has_model = run.proposer is not None and bool(run.proposer.models())
+            draft_seconds.append(st.draft_s / drafted if drafted else (0.25 * t1 if has_model else 0.0))
+            fixed.append(not run.clocked)
+        return choose_lengths(alphas, draft_seconds, wanted, fixed, self.forward_seconds)
 
     def run(self) -> None:
         """Step until every request has finished, then hand every generation its blocks."""

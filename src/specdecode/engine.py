@@ -125,7 +125,7 @@ class Engine:
         run.begin(t0)
         try:
             while True:
-                drafts = run.propose()
+                drafts = run.propose(run.wanted_k())
                 logits = target.forward(torch.cat([torch.tensor([[run.state.tokens[-1]]]), drafts], 1))
                 emitted = run.finish(logits)
                 target.rollback(len(run.state.tokens) - 1)
@@ -231,11 +231,17 @@ class RequestRun:
             self.schedule.reset()
         self.stats.prefill_s = time.perf_counter() - t0
 
-    def propose(self) -> torch.Tensor:
-        """This round's draft tokens [1, k] (k may be 0)."""
+    def wanted_k(self) -> int:
+        """The K this request's schedule asks for this round (0 without a proposer), within
+        the room left; call once a round, before :meth:`propose`."""
+        if self.proposer is None:
+            return 0
+        return max(0, min(self.schedule.next_k(), self.limit - len(self.state.tokens) - 1))
+
+    def propose(self, k: int) -> torch.Tensor:
+        """This round's draft tokens [1, k'] (k' <= k; k' may be 0): at most ``k`` (from
+        :meth:`wanted_k`, or fewer where a batch's policy says so)."""
         state, schedule, proposer = self.state, self.schedule, self.proposer
-        n = len(state.tokens)
-        k = min(schedule.next_k(), self.limit - n - 1) if proposer is not None else 0
         t1 = time.perf_counter()
         draft = proposer.propose(state, k) if k > 0 else None
         drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)

@@ -116,10 +116,12 @@ class Worker:
         try:
             self.target, self.draft = self._load()
             if hasattr(self.target.lm, "forward_rows"):
-                if self.draft is not None:  # the hybrid's cost model, measured before the
-                    verify_profile(self.target)  # batch holds the target (once; cached on disk)
+                # T(1..17), for the batch's K policy and the hybrid's cost model: measured
+                # before the batch holds the target (once per machine, then cached on disk)
+                times = verify_profile(self.target)
                 self.engine = BatchEngine(self.target.lm, self.max_batch,
-                                          min(self.max_len, self.target.lm.max_context))
+                                          min(self.max_len, self.target.lm.max_context),
+                                          forward_seconds=times)
         except Exception as e:  # noqa: BLE001 (any failure is reported by /health)
             self.error = f"{type(e).__name__}: {e}"
             return
