@@ -24,9 +24,9 @@ num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. 
 --max-batch requests share each verify pass (continuous batching; each output is still its
 solo run's), a bounded queue holds the others. The default method is ar (plain batched
 decoding) for now: measured with `specdecode bench-serve` on a 2-core CPU, the hybrid made
-0.90x plain decoding's throughput at concurrency 1 and 0.53-0.66x at 2-8 (each row's draft
-model steps alone; BENCHMARKS.md); a request may still ask for a method ("method" in
-extra_body), and --method sets the default.
+0.83-0.96x plain decoding's throughput at concurrency 1-8 (each row's draft model steps
+alone, and prefills before the first token; BENCHMARKS.md); a request may still ask for a
+method ("method" in extra_body), and --method sets the default.
 
 examples:
   specdecode serve
