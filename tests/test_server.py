@@ -71,25 +71,15 @@ def _fetch(req):
         return status, headers, raw
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The pair the servers serve (a server's batch holds its target while it runs)."""
+def load_pair(tmp_path_factory):
     dirs = tiny_dirs_in(tmp_path_factory)
     return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
 
 
-@pytest.fixture(scope="module")
-def spare(tmp_path_factory):
-    """A third load, for the tests that start servers of their own beside the shared one."""
-    dirs = tiny_dirs_in(tmp_path_factory)
-    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
-
-
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    """A second load of the same pair, for the solo runs the answers are compared with."""
-    dirs = tiny_dirs_in(tmp_path_factory)
-    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
+# three loads of the same tiny pair: a server's batch holds its target while it runs
+models = pytest.fixture(scope="module", name="models")(load_pair)  # what the shared server serves
+spare = pytest.fixture(scope="module", name="spare")(load_pair)  # for tests that start servers of their own
+alone = pytest.fixture(scope="module", name="alone")(load_pair)  # the solo runs the answers are compared with
 
 
 @pytest.fixture(scope="module")
