@@ -227,3 +227,10 @@ def test_the_batch_policy_keeps_every_output(target, draft):
         assert 0 < verified < asked  # it drafted, and less than each request alone would
     finally:
         engine.close()
+
+
+def test_an_empty_prompt_list_is_named(pair):
+    import specdecode
+
+    with pytest.raises(ValueError, match="prompt is an empty list"):
+        specdecode.generate(pair[0], [], max_new_tokens=2)

@@ -251,7 +251,10 @@ def generate(target, prompt=None, *, max_batch: int = 8, **kwargs) -> Generation
     each the same output as alone (a seed applies to every prompt); returns one result per
     prompt, in order.
     """
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and not prompt:
+        raise ValueError("prompt is an empty list: give a prompt, a list of chat messages, or a "
+                         "list of prompts")
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
         return _generate_batch(target, prompt, max_batch, kwargs)
     for chunk in stream(target, prompt, **kwargs):
         if chunk.result is not None:
@@ -312,5 +315,6 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     # each row's draft model drafts with a KV cache of its own (a fork shares the weights)
     own = replace(drf, lm=drf.lm.fork(), session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
-    gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule)
+    draft_s = verify_profile(drf, 0)[0] if drf is not None and batch.forward_seconds else None
+    gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s)
     return gen, tgt, params, prompt_ids

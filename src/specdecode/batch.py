@@ -30,14 +30,17 @@ from .stats import SpecDecodingStats
 
 
 def choose_lengths(alphas: list[float], draft_seconds: list[float], wanted: list[int],
-                   fixed: list[bool], forward_seconds: list[float]) -> list[int]:
+                   fixed: list[bool], forward_seconds: list[float],
+                   overhead_s: float = 0.0) -> list[int]:
     """Each row's K for one batched round: the lengths (k_i <= wanted_i) that maximise the
     batch's expected tokens per second,
-    Σ_i E(k_i) / (T(Σ_i (k_i + 1)) + Σ_i c_i·k_i),
+    Σ_i E(k_i) / (T(Σ_i (k_i + 1)) + O + Σ_i c_i·k_i),
     with E(k) = 1 + α + ... + α^k per row (acceptance α_i; Leviathan et al.,
     arXiv:2211.17192 §3.1), T(n) the target's measured time for a pass of n tokens
-    (``forward_seconds``, T(1..)) and c_i the row's drafting time per token (its draft model
-    steps on its own; 0 for lookups). Rows marked ``fixed`` keep k = wanted (a seeded request
+    (``forward_seconds``, T(1..)), O the round's time outside the forward pass and the
+    drafts (``overhead_s``: logits processing, acceptance, bookkeeping; it favours fewer,
+    longer rounds) and c_i the row's drafting time per token (its draft model steps on its
+    own; 0 for lookups). Rows marked ``fixed`` keep k = wanted (a seeded request
     of the rejection rule: its draws depend on K). Greedy: one draft token at a time to the
     row where it raises the rate most, while it does. As the batch grows, T(n) grows and
     speculation turns off where it stops paying."""
@@ -47,7 +50,7 @@ def choose_lengths(alphas: list[float], draft_seconds: list[float], wanted: list
 
     def rate(ks):
         tokens = sum(expected_tokens([a] * n, n) for a, n in zip(alphas, ks))
-        seconds = t1 * relative_cost(costs, sum(n + 1 for n in ks)) + \
+        seconds = t1 * relative_cost(costs, sum(n + 1 for n in ks)) + overhead_s + \
             sum(c * n for c, n in zip(draft_seconds, ks))
         return tokens / seconds
 
@@ -86,6 +89,13 @@ class _Waiting:
     decode: object
     proposer: Proposer | None
     schedule: Schedule | None
+    draft_seconds: float | None
+
+
+PROBE_EVERY = 8  # rounds without drafts after which a row the policy stopped tries one again
+# the acceptance a row is assumed to start from (the default pair's drafts are accepted 55-75 %
+# of the time, BENCHMARKS.md), worth this many draft tokens of evidence
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.7, 8
 
 
 class BatchEngine:
@@ -119,6 +129,8 @@ class BatchEngine:
         self.waiting: deque[_Waiting] = deque()
         self._blocks: dict[Generation, deque] = {}  # blocks made, not yet handed out
         self._gens: list[Generation | None] = [None] * max_batch
+        self._draft_seconds: list[float | None] = [None] * max_batch
+        self._overhead_s = 0.0  # a round's time outside its forward pass and drafts (decayed mean)
 
     def close(self) -> None:
         """Cancel every request still in flight or waiting and free the target."""
@@ -132,11 +144,13 @@ class BatchEngine:
 
     def add(self, input_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
             decode=None, proposer: Proposer | None = None,
-            schedule: Schedule | None = None) -> Generation:
+            schedule: Schedule | None = None, draft_seconds_per_token: float | None = None) -> Generation:
         """Queue a request (it joins at the next :meth:`step` with a free row); returns its
         :class:`~specdecode.engine.Generation`, whose ``token_ids``, ``finish_reason`` and
-        ``stats`` fill in as steps run. Raises ValueError as :meth:`Engine.generate`, and
-        when prompt + max_new_tokens exceeds max_len."""
+        ``stats`` fill in as steps run. draft_seconds_per_token: what one draft token costs
+        this request (its draft model's T(1)), for the batch's K policy (default: a quarter
+        of the target's T(1) with a draft model, 0 for lookups). Raises ValueError as
+        :meth:`Engine.generate`, and when prompt + max_new_tokens exceeds max_len."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
         if limit > self.max_len:
@@ -148,7 +162,8 @@ class BatchEngine:
         gen = Generation(SpecDecodingStats())
         status = _Status(gen.stats)
         self.waiting.append(_Waiting(gen, status, prompt, params, eos, decode, proposer,
-                                     schedule if proposer is not None else None))
+                                     schedule if proposer is not None else None,
+                                     draft_seconds_per_token))
         self._blocks[gen] = deque()
         gen._steps = self._pull(gen, status)
         return gen
@@ -199,6 +214,7 @@ class BatchEngine:
             run.begin(t0)
             self.rows[b] = (run, locks, t0)
             self._gens[b] = w.gen
+            self._draft_seconds[b] = w.draft_seconds
 
     def _free(self, b: int) -> None:
         run, locks, _ = self.rows[b]
@@ -218,10 +234,12 @@ class BatchEngine:
         target = self.target
         wanted = [run.wanted_k() for _, run in active]
         if self.forward_seconds is not None and any(wanted):
-            lengths = self._policy([run for _, run in active], wanted)
+            lengths = self._policy(active, wanted)
         else:
             lengths = wanted
+        t_begin = time.perf_counter()
         drafts = {b: run.propose(k) for (b, run), k in zip(active, lengths)}
+        t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())
         x = torch.zeros(len(self.rows), width, dtype=torch.long)
         lengths = [0] * len(self.rows)
@@ -230,7 +248,9 @@ class BatchEngine:
             x[b, 0] = run.state.tokens[-1]
             x[b, 1:1 + k] = drafts[b][0]
             lengths[b] = k + 1
+        t_forward = time.perf_counter()
         logits = target.forward_rows(x, lengths).logits
+        t_scored = time.perf_counter()
         out = []
         for b, run in active:
             emitted = run.finish(logits[b:b + 1, :lengths[b]])
@@ -239,25 +259,37 @@ class BatchEngine:
             out.append((gen, emitted))
         target.rollback_rows([len(self.rows[b][0].state.tokens) - 1 if self.rows[b] else 0
                               for b in range(len(self.rows))])
-        now = time.perf_counter()
         for b, run in active:
             run.after_rollback()
+        now = time.perf_counter()
+        for b, run in active:
             run.stats.total_s = now - self.rows[b][2]
             if run.gen.finish_reason is not None:  # (the row's _Status)
                 self._free(b)
+        rest = (now - t_begin) - (t_drafted - t_begin) - (t_scored - t_forward)
+        self._overhead_s = 0.8 * self._overhead_s + 0.2 * max(0.0, rest)
         return out
 
-    def _policy(self, runs: list[RequestRun], wanted: list[int]) -> list[int]:
-        alphas, draft_seconds, fixed = [], [], []
+    def _policy(self, active: list[tuple[int, RequestRun]], wanted: list[int]) -> list[int]:
+        alphas, draft_seconds, fixed, asked = [], [], [], list(wanted)
         t1 = self.forward_seconds[0]
-        for run in runs:
+        for i, (b, run) in enumerate(active):
             st = run.stats
-            alphas.append((st.num_accepted_tokens + 1) / (st.num_draft_tokens + 2))
-            drafted = sum(st.speculation_lengths)
-            has_model = run.proposer is not None and bool(run.proposer.models())
-            draft_seconds.append(st.draft_s / drafted if drafted else (0.25 * t1 if has_model else 0.0))
-            fixed.append(not run.clocked)
-        return choose_lengths(alphas, draft_seconds, wanted, fixed, self.forward_seconds)
+            # a prior of PRIOR_ALPHA with the weight of PRIOR_WEIGHT draft tokens: a row's
+            # first rejections do not end its speculation at once
+            alphas.append((st.num_accepted_tokens + PRIOR_ALPHA * PRIOR_WEIGHT)
+                          / (st.num_draft_tokens + PRIOR_WEIGHT))
+            c = self._draft_seconds[b]
+            if c is None:
+                c = 0.25 * t1 if run.proposer is not None and run.proposer.models() else 0.0
+            draft_seconds.append(c)
+            recent = st.speculation_lengths[-PROBE_EVERY:]
+            probe = wanted[i] > 0 and len(recent) == PROBE_EVERY and not any(recent)
+            if probe:  # the policy stopped this row: one draft token, to see if that changed
+                asked[i] = 1
+            fixed.append(probe or not run.clocked)
+        return choose_lengths(alphas, draft_seconds, asked, fixed, self.forward_seconds,
+                              self._overhead_s)
 
     def run(self) -> None:
         """Step until every request has finished, then hand every generation its blocks."""

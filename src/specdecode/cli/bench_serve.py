@@ -69,7 +69,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    tasks = load_spec_bench(args.dataset, args.limit)
+    try:
+        tasks = load_spec_bench(args.dataset, args.limit)
+    except FileNotFoundError:
+        raise ValueError(f"Spec-Bench question file not found: {args.dataset}; pass --dataset "
+                         "PATH (a question.jsonl of Spec-Bench's format)") from None
     prompts = [[{"role": "user", "content": t.turns[0]}] for t in tasks]
     on, off = Method(args.method), Method(args.off_method)
     uv = None

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..methods import Method
+from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
                      load_models, run_command)
@@ -22,7 +23,8 @@ Defaults are OpenAI's (temperature 1, top_p 1; max_tokens 16 for completions, th
 the context for chat). Extra request fields (the openai client's extra_body): method,
 num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. Up to
 --max-batch requests share each verify pass (continuous batching; each output is still its
-solo run's), a bounded queue holds the others. The default method is ar (plain batched
+solo run's), a bounded queue holds the others. The draft model is loaded when --method needs
+one or --draft names one; only then may requests ask for the draft and hybrid methods. The default method is ar (plain batched
 decoding) for now: measured with `specdecode bench-serve` on a 2-core CPU, the hybrid made
 0.83-0.96x plain decoding's throughput at concurrency 1-8 (each row's draft model steps
 alone, and prefills before the first token; BENCHMARKS.md); a request may still ask for a
@@ -79,8 +81,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: serving on {args.host}, beyond this machine"
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)
-    print(f"# serving {name} ({method.value}) on http://{args.host}:{args.port}; {threads} "
-          "thread(s); /health turns 200 once the models are loaded", file=sys.stderr)
+    draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
+    print(f"# serving {name} (method {method.value}; "
+          + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix")
+          + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
+          "the models are loaded", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     worker.stop()
     return 0

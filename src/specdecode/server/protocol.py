@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 MAX_N = 8  # choices per request
+ROLES = ("system", "user", "assistant")
 # OpenAI fields this server does not implement: refused with 501, naming the field, rather
 # than silently ignored (a client would get something other than what it asked for)
 NOT_IMPLEMENTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools",
@@ -86,8 +87,9 @@ def parse_body(raw: bytes, kind: str) -> dict:
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     for name in body:
         if name in NOT_IMPLEMENTED:
-            if body[name] in (None, False, 0, 1) and name in ("logprobs", "echo", "best_of"):
-                continue  # the default value: nothing asked
+            value = body[name]
+            if value is None or value is False or (name == "best_of" and value == 1 and value is not True):
+                continue  # the default value: nothing asked (logprobs: 0 asks for the token's own)
             raise OpenAIError(501, f"'{name}' is not supported by this server", param=name,
                               code="unsupported_parameter")
         if name not in FIELDS[kind]:
@@ -156,6 +158,8 @@ def check_request(body: dict, kind: str, ctx) -> Job:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise bad(f"messages[{i}] must be an object with a string 'role' and a 'content'",
                           "messages")
+            if m["role"] not in ROLES:
+                raise bad(f"messages[{i}].role is {m['role']!r}; allowed: {', '.join(ROLES)}", "messages")
             chat.append({"role": m["role"], "content": _text_of(m["content"], i)})
         prompts = [ctx.apply_chat(chat)]
     else:
@@ -170,10 +174,14 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     room = ctx.max_context - max(len(p) for p in prompts)
     cap_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     default_cap = 16 if kind == "completions" else max(room, 1)
-    cap = _number(body, cap_name, default_cap, 1, 1 << 31, integer=True)
+    if room < 1:
+        raise bad(f"the prompt has {ctx.max_context - room} tokens: no room is left in the "
+                  f"server's {ctx.max_context} positions a request", "messages" if kind == "chat" else "prompt")
+    cap = _number(body, cap_name, default_cap, 1, (1 << 31) - 1, integer=True)
     if cap > room:
         raise bad(f"the prompt ({ctx.max_context - room} tokens) plus {cap_name}={cap} is more "
-                  f"than the model's context of {ctx.max_context} tokens", cap_name)
+                  f"than the server's {ctx.max_context} positions a request (at most {room} "
+                  "new tokens for this prompt)", cap_name)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
         raise bad(f"'temperature' is {temperature!r}; allowed: 0 or {MIN_TEMPERATURE}..2", "temperature")
@@ -184,7 +192,9 @@ def check_request(body: dict, kind: str, ctx) -> Job:
             raise bad("'stop' must be a non-empty string or a list of them", "stop")
     method = body.get("method", ctx.default_method)
     if method not in ctx.methods:
-        raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}", "method")
+        hint = (" (the methods with a draft model need one loaded: start the server with --draft "
+                "NAME or --method draft|hybrid)" if method in ("draft", "hybrid") else "")
+        raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}{hint}", "method")
     k = body.get("num_speculative_tokens")
     if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64):
         raise bad(f"'num_speculative_tokens' must be an integer 1..64, got {k!r}", "num_speculative_tokens")
