@@ -98,6 +98,18 @@ PROBE_EVERY = 8  # rounds without drafts after which a row the policy stopped tr
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.7, 8
 
 
+@dataclass
+class _Row:
+    """A request in a row: its rounds, held proposer locks, admission time, generation and
+    drafting cost per token (for the K policy)."""
+
+    run: RequestRun
+    locks: list
+    t0: float
+    gen: Generation
+    draft_seconds: float | None
+
+
 class BatchEngine:
     """Runs many requests on one native target, ``max_batch`` rows at a time.
 
@@ -125,11 +137,9 @@ class BatchEngine:
         self.forward_seconds = forward_seconds
         self._held = hold([target], None)
         target.allocate(max_batch, max_len)
-        self.rows: list[tuple[RequestRun, list, float] | None] = [None] * max_batch
+        self.rows: list[_Row | None] = [None] * max_batch
         self.waiting: deque[_Waiting] = deque()
         self._blocks: dict[Generation, deque] = {}  # blocks made, not yet handed out
-        self._gens: list[Generation | None] = [None] * max_batch
-        self._draft_seconds: list[float | None] = [None] * max_batch
         self._overhead_s = 0.0  # a round's time outside its forward pass and drafts (decayed mean)
 
     def close(self) -> None:
@@ -190,7 +200,7 @@ class BatchEngine:
         self._blocks.pop(gen, None)
         self.waiting = deque(w for w in self.waiting if w.gen is not gen)
         for b, row in enumerate(self.rows):
-            if self._gens[b] is gen:
+            if row is not None and row.gen is gen:
                 self._free(b)
 
     @property
@@ -212,15 +222,12 @@ class BatchEngine:
             run = RequestRun(target, w.proposer, w.schedule, w.prompt, w.params, w.eos, w.decode,
                              w.gen.stats, w.status, check)
             run.begin(t0)
-            self.rows[b] = (run, locks, t0)
-            self._gens[b] = w.gen
-            self._draft_seconds[b] = w.draft_seconds
+            self.rows[b] = _Row(run, locks, t0, w.gen, w.draft_seconds)
 
     def _free(self, b: int) -> None:
-        run, locks, _ = self.rows[b]
-        for lock in locks:
+        for lock in self.rows[b].locks:
             lock.release()
-        self.rows[b] = self._gens[b] = None
+        self.rows[b] = None
 
     def step(self) -> list[tuple[Generation, list[int]]]:
         """One round for every active row (after admitting waiting requests): returns each
@@ -228,17 +235,13 @@ class BatchEngine:
         blocks (``token_ids`` and ``finish_reason`` fill in as in :class:`Engine`), stepping
         the batch as needed. Empty when nothing is left to run."""
         self._admit()
-        active = [(b, row[0]) for b, row in enumerate(self.rows) if row is not None]
+        active = [(b, row.run) for b, row in enumerate(self.rows) if row is not None]
         if not active:
             return []
         target = self.target
         wanted = [run.wanted_k() for _, run in active]
-        if self.forward_seconds is not None and any(wanted):
-            lengths = self._policy(active, wanted)
-        else:
-            lengths = wanted
-        t_begin = time.perf_counter()
-        drafts = {b: run.propose(k) for (b, run), k in zip(active, lengths)}
+        ks = self._policy(active, wanted) if self.forward_seconds is not None and any(wanted) else wanted
+        drafts = {b: run.propose(k) for (b, run), k in zip(active, ks)}
         t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())
         x = torch.zeros(len(self.rows), width, dtype=torch.long)
@@ -254,19 +257,18 @@ class BatchEngine:
         out = []
         for b, run in active:
             emitted = run.finish(logits[b:b + 1, :lengths[b]])
-            gen = self._gens[b]
+            gen = self.rows[b].gen
             self._blocks[gen].append(emitted)
             out.append((gen, emitted))
-        target.rollback_rows([len(self.rows[b][0].state.tokens) - 1 if self.rows[b] else 0
-                              for b in range(len(self.rows))])
+        target.rollback_rows([len(row.run.state.tokens) - 1 if row else 0 for row in self.rows])
         for b, run in active:
             run.after_rollback()
         now = time.perf_counter()
         for b, run in active:
-            run.stats.total_s = now - self.rows[b][2]
+            run.stats.total_s = now - self.rows[b].t0
             if run.gen.finish_reason is not None:  # (the row's _Status)
                 self._free(b)
-        rest = (now - t_begin) - (t_drafted - t_begin) - (t_scored - t_forward)
+        rest = (now - t_drafted) - (t_scored - t_forward)  # the round outside drafts and the pass
         self._overhead_s = 0.8 * self._overhead_s + 0.2 * max(0.0, rest)
         return out
 
@@ -279,7 +281,7 @@ class BatchEngine:
             # first rejections do not end its speculation at once
             alphas.append((st.num_accepted_tokens + PRIOR_ALPHA * PRIOR_WEIGHT)
                           / (st.num_draft_tokens + PRIOR_WEIGHT))
-            c = self._draft_seconds[b]
+            c = self.rows[b].draft_seconds
             if c is None:
                 c = 0.25 * t1 if run.proposer is not None and run.proposer.models() else 0.0
             draft_seconds.append(c)

@@ -14,7 +14,7 @@ from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
 from ..methods import METHODS, Method
 from ..server import Metrics, Worker, create_app, serve_in_thread
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     load_models, run_command)
+                     load_models, model_name, run_command)
 
 HELP = """\
 Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
@@ -80,7 +80,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.url is None:
         apply_threads(args)
         need = on if on.needs_draft_model else off
-        name = os.path.basename(os.path.normpath(str(args.target)))
+        name = model_name(args)
         worker = Worker(lambda: load_models(args, need), Metrics(name), 1024,
                         args.max_batch or max(args.concurrency), 2048)
         worker.start()
@@ -91,7 +91,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if worker.error:
             raise ValueError(f"the server could not load the models: {worker.error}")
     else:
-        url, model = args.url, args.model or os.path.basename(os.path.normpath(str(args.target)))
+        url, model = args.url, args.model or model_name(args)
 
     def progress(c, m, r):
         print(f"concurrency {c:>3} {m:<14} {r['throughput_tok_s']:8.2f} tok/s  TTFT "

@@ -144,6 +144,11 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
                         "one-token steps are the fastest on a CPU for a Q4/Q5 GGUF draft)")
 
 
+def model_name(args: argparse.Namespace) -> str:
+    """The id a server gives the --target model: its name, directory or file name."""
+    return os.path.basename(os.path.normpath(str(args.target)))
+
+
 def load_models(args: argparse.Namespace, method: Method) -> tuple[LoadedModel, LoadedModel | None]:
     """The target and, when ``method`` needs one or --draft names one, the draft, from the
     options of :func:`add_model_arguments` (see :func:`load_pair` for the errors)."""

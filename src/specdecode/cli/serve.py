@@ -10,7 +10,7 @@ from ..methods import Method
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     load_models, run_command)
+                     load_models, model_name, run_command)
 
 SERVE_HELP = """\
 Serve the target over an OpenAI-compatible HTTP API with speculative decoding:
@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
     method = Method(args.method)
     threads = apply_threads(args)
-    name = os.path.basename(os.path.normpath(str(args.target)))
+    name = model_name(args)
     worker = Worker(lambda: load_models(args, method), Metrics(name), args.max_queue, args.max_batch,
                     args.max_len)
     worker.start()

@@ -39,8 +39,8 @@ def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     b, h, _, d = query.shape
-    lib = native.cpu_kernels(query.device, query.dtype)
-    if lib is not None and d % 16 == 0 and h // key.shape[1] <= 256:
+    lib = native.attention_kernel_for(query.device, query.dtype, d, h // key.shape[1])
+    if lib is not None:
         lens = torch.arange(s - t + 1, s + 1).expand(b, t).contiguous()
         cache = SimpleNamespace(k=key.contiguous(), v=value.contiguous())
         return native.attend_rows(native.Prefixes(lib, lens), query, cache, scaling), None

@@ -282,9 +282,15 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype):
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
     """The C++ attention kernel for a cache of this device and dtype, or None (see
-    :func:`cpu_kernels`; also head_dim not a multiple of 16 or over 256 query heads per KV
-    head: then the PyTorch paths, :func:`attend_prefixes`)."""
-    if args.head_dim % 16 or args.n_heads // args.n_kv_heads > 256:
+    :func:`attention_kernel_for`)."""
+    return attention_kernel_for(device, dtype, args.head_dim, args.n_heads // args.n_kv_heads)
+
+
+def attention_kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, group: int):
+    """The C++ attention kernel for these tensors, or None (see :func:`cpu_kernels`; also
+    head_dim not a multiple of 16 or over 256 query heads per KV head): then the PyTorch
+    paths, :func:`attend_prefixes`."""
+    if head_dim % 16 or group > 256:
         return None
     return cpu_kernels(device, dtype)
 
