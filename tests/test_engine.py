@@ -95,7 +95,7 @@ def test_greedy_equality(kind, prompt_name, k):
 
 def test_greedy_equality_noisy_draft_mixes_accepts_and_rejects():
     """Guard on the test itself: the noisy draft really exercises partial acceptance."""
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     gen, blocks = run(target(), DraftModelProposer(noisy_draft()), 5, prompt, GREEDY128)
     assert 0.2 < gen.stats.acceptance_rate < 0.9
     assert len({len(b) for b in blocks}) >= 4
@@ -108,7 +108,7 @@ def test_greedy_equality_noisy_draft_mixes_accepts_and_rejects():
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
 def test_same_model_draft_every_round_emits_k_plus_1(k):
     n = 131
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     gen, blocks = run(target(), DraftModelProposer(target().fork()), k, prompt,
                       SamplingParams(max_new_tokens=n))
     assert gen.token_ids == list(ref(tuple(prompt), SamplingParams(max_new_tokens=n)))
@@ -514,7 +514,7 @@ def test_different_penalties_give_different_outputs():
 def test_draft_with_short_context(same_weights, sampled):
     ctx = 40
     draft = tiny_model(0 if same_weights else 1, max_position_embeddings=ctx)
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     params = SamplingParams(max_new_tokens=128, temperature=1.0 if sampled else 0.0, seed=1)
     rec = Recording(DraftModelProposer(draft))
     gen, blocks = run(target(), rec, 4, prompt, params)
@@ -676,7 +676,7 @@ def _resized_copy(model, vocab):
 
 @pytest.mark.parametrize("vocab", [90, 100])
 def test_draft_with_different_vocab_size(vocab):
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     expected = list(ref(tuple(prompt), GREEDY128))
     assert any(t >= 90 for t in expected)  # the 90-row draft meets tokens it lacks
     for draft in (_resized_copy(target(), vocab), tiny_model(1, vocab_size=vocab)):
@@ -788,7 +788,7 @@ class EveryOtherRound(Proposer):
 
 def test_rounds_with_nothing_proposed_count_no_drafts():
     k = 4
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     expected = list(ref(tuple(prompt), GREEDY128))
     for inner in (ScriptedProposer(len(prompt), expected, V), DraftModelProposer(target().fork())):
         prop = EveryOtherRound(inner)
@@ -841,14 +841,14 @@ class OverTrimmingTarget:
 
 
 def test_debug_invariant_catches_a_draft_that_does_not_roll_back():
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     engine = Engine(target(), NoRollbackProposer(random_draft()), 4, debug=True)
     with pytest.raises(AssertionError):
         engine.generate(prompt, GREEDY128).run()
 
 
 def test_debug_invariant_catches_a_target_rollback_that_trims_too_much():
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     engine = Engine(OverTrimmingTarget(tiny_model(0)), DraftModelProposer(random_draft()), 4, debug=True)
     with pytest.raises(AssertionError):
         engine.generate(prompt, GREEDY128).run()
@@ -857,10 +857,66 @@ def test_debug_invariant_catches_a_target_rollback_that_trims_too_much():
 def test_default_k_is_the_proposers():
     """Without a K the engine drafts the proposer's default_k tokens a round (6 for a draft
     model, the configured default; it was 4 here and 6 through the API)."""
-    prompt = PROMPTS["twenty"]
+    prompt = tuple(PROMPTS["twenty"])
     expected = list(ref(tuple(prompt), GREEDY128))
     for proposer, k in ((DraftModelProposer(target().fork()), 6),
                          (ScriptedProposer(len(prompt), expected, V), ScriptedProposer.default_k)):
         gen = Engine(target(), proposer).generate(prompt, GREEDY128)
         gen.run()
         assert gen.token_ids == expected and max(gen.stats.speculation_lengths) == k
+
+
+@pytest.mark.parametrize("right", [None, 0, 2])
+def test_token_info_names_who_supplied_each_token(right):
+    """Per round with K=4 drafts of which ``right`` are correct: that many "accepted" tokens
+    (the scripted proposer's), then the target's "recovered" token, or "bonus" after a fully
+    accepted draft; plain decoding's tokens are all "target"."""
+    prompt, params = tuple(PROMPTS["twenty"]), SamplingParams(max_new_tokens=17)
+    script = ref(prompt, params)
+    gen, blocks = run(target(), ScriptedProposer(len(prompt), list(script), V, right=right), 4,
+                      prompt, params)
+    assert tuple(gen.token_ids) == script
+    kinds = [i.kind for i in gen.token_info]
+    assert len(kinds) == len(script)
+    n = 0
+    for block, k in zip(blocks, gen.stats.speculation_lengths):  # K shrinks near the cap
+        got = kinds[n:n + len(block)]
+        accepted = k if right is None else min(right, k)
+        want = ["accepted"] * min(accepted, len(block))
+        if len(block) > accepted:
+            want.append("target" if k == 0 else "bonus" if accepted == k else "recovered")
+        assert got == want, (got, want)
+        assert all(i.proposer == "scripted" for i in gen.token_info[n:n + len(block)] if i.kind == "accepted")
+        n += len(block)
+    assert sum(k == "accepted" for k in kinds) == gen.stats.num_accepted_tokens
+    plain, _ = run(target(), None, None, prompt, params)
+    assert {i.kind for i in plain.token_info} == {"target"}
+    assert all(i.logprob is None for i in plain.token_info)
+
+
+def test_logprobs_are_the_targets_own_raw_log_probabilities():
+    """Each token's logprob (and its top alternatives, most likely first) equals log_softmax of
+    the target's logits at its position in one pass over the whole sequence, also with
+    temperature (raw, as vLLM), whether the token was drafted or not."""
+    prompt = tuple(PROMPTS["twenty"])
+    for params in (SamplingParams(max_new_tokens=12, logprobs=3),
+                   SamplingParams(max_new_tokens=12, logprobs=0, temperature=0.8, seed=5)):
+        plain = ref(prompt, dataclasses.replace(params, logprobs=None)) if params.greedy else None
+        script = plain or tuple(run(target(), None, None, prompt, params)[0].token_ids)
+        gen, _ = run(target(), ScriptedProposer(len(prompt), list(script), V, right=2), 4, prompt, params)
+        assert tuple(gen.token_ids) == script
+        full = target()
+        full.allocate(1, len(prompt) + len(script))
+        seq = list(prompt) + list(script)
+        logits = full.forward(torch.tensor([seq[:-1]]))[0, len(prompt) - 1:]
+        want = torch.log_softmax(logits.float(), -1)
+        for i, (tok, info) in enumerate(zip(script, gen.token_info)):
+            assert info.logprob == pytest.approx(float(want[i, tok]), abs=1e-4)
+            assert info.logprob < 0
+            assert len(info.top_logprobs) == params.logprobs
+            top = want[i].topk(params.logprobs)
+            assert [t for t, _ in info.top_logprobs] == top.indices.tolist()
+            if params.greedy and params.logprobs:
+                assert info.top_logprobs[0][0] == tok
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

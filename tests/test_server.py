@@ -14,6 +14,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 
 import specdecode
 from specdecode.methods import Method
@@ -244,7 +245,9 @@ def test_bad_requests_get_openai_errors_with_the_right_status(server):
         ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"model": MODEL, "prompt": "x", "method": "medusa"}, 400, "method"),
         ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 3}, 501, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "echo": True}, 501, "echo"),
+        ({"model": MODEL, "prompt": "x", "return_token_sources": 1}, 400, "return_token_sources"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 501, "presence_penalty"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"prompt": "x"}, 400, "model"),
@@ -257,6 +260,11 @@ def test_bad_requests_get_openai_errors_with_the_right_status(server):
     assert got == 400 and err["error"]["param"] == "messages"
     got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]})
     assert got == 400
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 2}, "logprobs"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        got, _, err = server.post("/v1/chat/completions", dict(chat, **extra))
+        assert got == 400 and err["error"]["param"] == param, (extra, err)
     assert server.get("/v1/nothing")[0] == 404
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=-3)
@@ -387,16 +395,81 @@ def test_bench_serve_client_measures_both_methods_at_each_level(server):
 
 
 def test_review_findings(server):
-    """From a new-user pass: logprobs/echo set to true are refused, not ignored; an unknown
-    chat role is a 400 naming the roles; a method that needs the draft names the fix."""
+    """From a new-user pass: echo set to true is refused, not ignored; an unknown chat role is
+    a 400 naming the roles; a method that needs the draft names the fix."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    status, _, err = server.post("/v1/chat/completions", dict(body, logprobs=True))
-    assert status == 501 and err["error"]["param"] == "logprobs"
-    for extra in ({"echo": True}, {"logprobs": 0}, {"logprobs": 1}):
-        status, _, err = server.post("/v1/completions", dict({"model": MODEL, "prompt": "x"}, **extra))
-        assert status == 501, extra
+    status, _, err = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True})
+    assert status == 501 and err["error"]["param"] == "echo"
     assert server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
                                            "logprobs": None, "echo": False, "best_of": 1})[0] == 200
     status, _, err = server.post("/v1/chat/completions",
                                  dict(body, messages=[{"role": "wizard", "content": "hi"}]))
     assert status == 400 and "wizard" in err["error"]["message"] and "assistant" in err["error"]["message"]
+
+
+def _target_logprobs(pair, prompt_ids, ids):
+    """log_softmax of the target's logits at each generated position, from one pass over the
+    whole sequence (not through the engine)."""
+    lm = pair[0].lm.fork()
+    lm.allocate(1, len(prompt_ids) + len(ids))
+    logits = lm.forward(torch.tensor([(prompt_ids + ids)[:-1]]))[0, len(prompt_ids) - 1:]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_logprobs_come_from_the_target_one_entry_per_token(server, alone):
+    """Checklist 12: one entry per emitted token, the target's log-probabilities (never all
+    0.0), as many alternatives as asked, streamed and not, completions and chat."""
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                  logprobs=3, extra_body={"method": "hybrid"})
+    want = solo(alone, PROMPT, max_new_tokens=20)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == r.choices[0].text == want.text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n)]
+    ref = _target_logprobs(alone, want.prompt_token_ids, want.token_ids[:n])
+    for i, (tid, got) in enumerate(zip(want.token_ids, lp.token_logprobs)):
+        assert got == pytest.approx(float(ref[i, tid]), abs=1e-4) and got <= 0
+        assert len(lp.top_logprobs[i]) <= 3  # (two ids may decode to the same text)
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(got, abs=1e-6)  # greedy: the top one
+    assert any(v < -1e-3 for v in lp.token_logprobs)
+
+    messages = [{"role": "user", "content": "Write add(a, b) in Python."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == len(entries)
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+    assert client.chat.completions.create(**dict(kw, logprobs=False, top_logprobs=None)).choices[0].logprobs is None
+
+
+def test_token_sources_name_who_supplied_the_text(server, alone):
+    """The page's extension: each chunk's text cut into runs with the kind of token each came
+    from, and the choice's speculation counters; plain decoding's are all the target's."""
+    def run(method):
+        status, _, raw = server.post("/v1/completions", {
+            "model": MODEL, "prompt": PROMPT * 3, "max_tokens": 30, "temperature": 0, "stream": True,
+            "method": method, "return_token_sources": True, "stream_options": {"include_usage": True}})
+        assert status == 200
+        events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+        choices = [c for e in events for c in e["choices"]]
+        text = "".join(c["text"] for c in choices)
+        runs = [s for c in choices for s in c["token_sources"]]
+        assert "".join(s["text"] for s in runs) == text
+        spec = [c["speculation"] for c in choices if c.get("speculation")][-1]
+        return text, runs, spec, events[-1]["usage"]
+
+    text, runs, spec, usage = run("ar")
+    assert {s["kind"] for s in runs} == {"target"} and spec["num_draft_tokens"] == 0
+    assert text == solo(alone, PROMPT * 3, "ar", max_new_tokens=30).text
+    text, runs, spec, usage = run("draft")
+    kinds = {s["kind"] for s in runs}
+    assert "accepted" in kinds and kinds <= {"accepted", "recovered", "bonus", "target"}
+    assert {s["proposer"] for s in runs if s["kind"] == "accepted"} == {"draft"}
+    assert spec["num_accepted_tokens"] == usage["completion_tokens_details"]["accepted_prediction_tokens"]
+    assert spec["num_generated_tokens"] >= usage["completion_tokens"]
+    assert text == solo(alone, PROMPT * 3, "draft", max_new_tokens=30).text

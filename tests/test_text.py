@@ -8,7 +8,7 @@ import random
 import pytest
 
 from helpers import local_tokenizer
-from specdecode.text import IncrementalDetokenizer, StopStrings
+from specdecode.text import IncrementalDetokenizer, StopStrings, TokenSpans
 
 
 class CountingDecode:
@@ -56,3 +56,32 @@ def test_stop_string_found_at_its_own_token():
     stop = StopStrings(("today",), CountingDecode(tok))
     hit = next(i for i, t in enumerate(ids) if stop.hit(t))
     assert len(tok.decode(ids[:hit])) < target <= len(tok.decode(ids[:hit + 1]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_spans_cut_any_split_of_the_text_by_token(seed):
+    """Streamed pieces of the text, cut wherever, are split into runs labelled by the token
+    each character came from: the runs give back the text, and each token's characters are
+    exactly its own text (a multi-byte character belongs to the token that completes it)."""
+    from tiny_dirs import UNICODE_TEXT
+    tok = local_tokenizer()
+    ids = tok.encode(UNICODE_TEXT + " def f(x): return x")
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    text = decode(ids)
+    rng = random.Random(seed)
+    spans, runs, sent, fed = TokenSpans(decode), [], 0, 0
+    while sent < len(text):
+        step = rng.randint(1, 4)
+        spans.add(ids[fed:fed + step], list(range(fed, fed + step)))
+        fed += step
+        end = spans.ends[-1] if fed < len(ids) else len(text)
+        cut = rng.randint(sent, max(sent, end))  # a stream may hold some text back
+        runs += spans.split(text[sent:cut], sent)
+        sent = cut
+    assert "".join(t for t, _ in runs) == text
+    labels = [label for _, label in runs]
+    assert labels == sorted(labels)
+    for i in range(len(ids)):
+        assert "".join(t for t, label in runs if label == i) == spans.pieces[i]
+        assert spans.start_of(i) == sum(len(p) for p in spans.pieces[:i])
+    assert any(p == "" for p in spans.pieces)  # some token only began a character

@@ -19,26 +19,29 @@ from typing import Iterator
 
 from .batch import BatchEngine
 from .config import SamplingParams
-from .engine import Engine, Generation
+from .engine import Engine, Generation, TokenInfo
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
                       speculative_config)
 from .models.loading import DEFAULT_DTYPE, LoadedModel, load
 from .profile import verify_profile
 from .stats import SpecDecodingStats
-from .text import IncrementalDetokenizer
+from .text import IncrementalDetokenizer, TokenSpans
 
 
 @dataclass
 class GenerationResult:
     """text: the completion (special tokens skipped, cut before a stop string);
     token_ids: generated ids (an EOS that ended generation included); finish_reason: "stop"
-    or "length"; prompt_token_ids: the prompt as the target saw it."""
+    or "length"; prompt_token_ids: the prompt as the target saw it; token_info: one
+    :class:`~specdecode.engine.TokenInfo` per generated id (who supplied it, its logprobs
+    when asked for)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: SpecDecodingStats
     prompt_token_ids: list[int] = field(default_factory=list)
+    token_info: list[TokenInfo] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -48,11 +51,24 @@ class GenerationResult:
 @dataclass
 class StreamChunk:
     """One piece of a streamed completion: new text (UTF-8 safe, possibly empty) and the new
-    token ids; the last chunk has ``result`` set (the whole :class:`GenerationResult`)."""
+    token ids; the last chunk has ``result`` set (the whole :class:`GenerationResult`).
+
+    token_info: one :class:`~specdecode.engine.TokenInfo` per new token id (who supplied it:
+    accepted draft or lookup token, recovered, bonus or plain target token; its logprobs when
+    asked for). spans: ``text`` cut into (piece, TokenInfo) runs by the token each
+    character came from (a token whose text straddles two chunks appears in both);
+    token_texts: each new token's own text (see :class:`~specdecode.text.TokenSpans`).
+    stats: the request's :class:`~specdecode.stats.SpecDecodingStats` so far (live: it keeps
+    counting; in a batch it may be a round or two ahead of this chunk).
+    """
 
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    token_info: list[TokenInfo] = field(default_factory=list)
+    spans: list[tuple[str, TokenInfo]] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    stats: SpecDecodingStats | None = None
 
 
 def _as_model(m, dtype: str, role: str = "target") -> LoadedModel:
@@ -61,7 +77,7 @@ def _as_model(m, dtype: str, role: str = "target") -> LoadedModel:
 
 def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, top_k, top_p,
                      repetition_penalty, seed, stop, eos_token_id,
-                     acceptance_rule=None) -> SamplingParams:
+                     acceptance_rule=None, logprobs=None) -> SamplingParams:
     if do_sample is False:
         temperature = 0.0
     elif temperature is None:
@@ -74,7 +90,7 @@ def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, 
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty, seed=seed,
         stop=() if stop is None else stop,  # SamplingParams names a bad value
         eos_token_ids=None if eos_token_id is None else tuple(eos_token_id),
-        acceptance_rule=acceptance_rule)
+        acceptance_rule=acceptance_rule, logprobs=logprobs)
 
 
 def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]:
@@ -139,7 +155,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
            top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
            seed: int | None = None, acceptance_rule: str | None = None,
-           stop: str | list[str] | None = None,
+           stop: str | list[str] | None = None, logprobs: int | None = None,
            eos_token_id: int | list[int] | None = None,
            num_speculative_tokens: int | str | None = None, num_assistant_tokens: int | None = None,
            max_speculative_tokens: int = 16, draft_p_min: float | None = None,
@@ -173,6 +189,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     same as plain sampling with that seed whatever the method and K) or "rejection"
     (speculative sampling, arXiv:2211.17192; the default without a seed); see
     :class:`~specdecode.config.SamplingParams`.
+    logprobs: None, or return each token's log-probability under the target's raw logits and
+    this many most likely alternatives (0..20), in ``StreamChunk.token_info``.
     batch: a :class:`~specdecode.batch.BatchEngine` over this target's model to run the
     request in, beside the engine's other requests (the output is the same as alone);
     default: alone.
@@ -202,7 +220,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         target, prompt, input_ids, draft, spec, chat,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-             seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule),
+             seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule,
+             logprobs=logprobs),
         dtype, debug, batch)
     tok = tgt.tokenizer
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
@@ -219,13 +238,17 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     # text is emitted once it is complete UTF-8 and cannot be the start of a stop string; the
     # last block's comes from one decode of the whole output
     detok = IncrementalDetokenizer(lambda ids: _decode(tok, ids)) if tok is not None else None
+    spans = TokenSpans(lambda ids: _decode(tok, ids)) if tok is not None else None
     sent, final = 0, None
     hold = max((len(s) for s in params.stop), default=1) - 1
     try:
         for new in gen:
+            done = len(gen.token_ids) - len(new)
+            info = gen.token_info[done:done + len(new)]
             if detok is None:
-                yield StreamChunk("", new)
+                yield StreamChunk("", new, token_info=info, stats=gen.stats)
                 continue
+            spans.add(new, info)
             if gen.finish_reason is not None:
                 final = completion()
                 delta = final[sent:]
@@ -233,13 +256,16 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
                 detok.add(new)  # no stop string yet: the engine would have ended the request
                 text = detok.text
                 delta = text[sent:max(sent, len(text) - hold)]
+            yield StreamChunk(delta, new, token_info=info, spans=spans.split(delta, sent),
+                              token_texts=spans.pieces[done:], stats=gen.stats)
             sent += len(delta)
-            yield StreamChunk(delta, new)
     finally:  # a stream closed (or dropped) early frees its models now, not at garbage collection
         gen.close()
     text = "" if tok is None else final if final is not None else completion()
-    result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids)
-    yield StreamChunk(text[sent:], [], result)
+    result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids,
+                              gen.token_info[:len(gen.token_ids)])
+    yield StreamChunk(text[sent:], [], result, spans=spans.split(text[sent:], sent) if spans else [],
+                      stats=gen.stats)
 
 
 def generate(target, prompt=None, *, max_batch: int = 8, **kwargs) -> GenerationResult | list[GenerationResult]:

@@ -75,8 +75,8 @@ class _Status:
     """What a row's :class:`RequestRun` writes its end into; copied to the request's
     :class:`Generation` when the block that ended it is handed out."""
 
-    def __init__(self, stats: SpecDecodingStats):
-        self.stats, self.finish_reason = stats, None
+    def __init__(self, gen: Generation):
+        self.stats, self.token_info, self.finish_reason = gen.stats, gen.token_info, None
 
 
 @dataclass
@@ -170,7 +170,7 @@ class BatchEngine:
         if proposer is not None and schedule is None:
             schedule = FixedK(proposer.default_k)
         gen = Generation(SpecDecodingStats())
-        status = _Status(gen.stats)
+        status = _Status(gen)
         self.waiting.append(_Waiting(gen, status, prompt, params, eos, decode, proposer,
                                      schedule if proposer is not None else None,
                                      draft_seconds_per_token))

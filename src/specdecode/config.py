@@ -12,6 +12,7 @@ MAX_K = 64  # the largest speculation length K accepted anywhere
 # outside them logits / temperature leave fp32's range (inf, then nan; or all 0, which the
 # top-k / top-p filters then cannot tell apart)
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-20, 1e30
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 ACCEPTANCE_RULES = ("gumbel", "rejection")
 
 
@@ -42,6 +43,9 @@ class SamplingParams:
     whose acceptance is a little higher but whose text moves with the proposer and K. None
     = "gumbel" for seeded requests, "rejection" for unseeded ones (see :attr:`rule`;
     BENCHMARKS.md has the measured trade).
+    ``logprobs``: None, or return each generated token's log-probability under the target
+    plus the ``logprobs`` most likely alternatives (0..20), from the target's raw logits
+    before temperature and filters (vLLM's default ``raw_logprobs``).
     """
 
     max_new_tokens: int = 128
@@ -54,6 +58,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None
     acceptance_rule: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -101,6 +106,8 @@ class SamplingParams:
         if self.acceptance_rule not in (None, *ACCEPTANCE_RULES):
             bad("acceptance_rule", f"{', '.join(map(repr, ACCEPTANCE_RULES))} or None (gumbel when "
                 "seeded, else rejection)")
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"None, or an integer from 0 to {MAX_LOGPROBS} (the alternatives per token)")
 
     @property
     def greedy(self) -> bool:

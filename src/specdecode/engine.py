@@ -11,6 +11,7 @@ with no proposer (k = 0 every round), so both share every line of stop handling.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -25,17 +26,41 @@ from .text import StopStrings
 from .verify import gumbel_verify, rejection_sample
 
 
+TOKEN_KINDS = ("accepted", "recovered", "bonus", "target")
+
+
+@dataclass
+class TokenInfo:
+    """Who supplied one generated token, and its log-probability when asked for.
+
+    kind: "accepted" (a draft or lookup token the target accepted; ``proposer`` names which,
+    ``DraftOutput.source``), "recovered" (the target's token where it rejected a draft
+    token), "bonus" (the target's extra token after a fully accepted draft) or "target" (a
+    round with no draft tokens: plain decoding). logprob: the token's log-probability under
+    the target's raw logits (natural log), top_logprobs: the most likely (token id, log
+    probability) pairs, most likely first; both None unless ``SamplingParams.logprobs``.
+    """
+
+    kind: str
+    proposer: str = ""
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
 class Generation:
     """One request in flight: iterate to get each round's new token ids (a list[int]).
 
     After iteration: ``token_ids`` (generated ids, EOS included when it ended the request),
-    ``finish_reason`` ("stop": EOS or stop string, "length": max_new_tokens or context
-    limit) and ``stats`` (:class:`SpecDecodingStats`).
+    ``token_info`` (one :class:`TokenInfo` per generated id), ``finish_reason`` ("stop": EOS
+    or stop string, "length": max_new_tokens or context limit) and ``stats``
+    (:class:`SpecDecodingStats`). ``token_info`` may run ahead of ``token_ids`` in a batch
+    (rows committed but not yet handed out): index it by position.
     """
 
     def __init__(self, stats: SpecDecodingStats):
         self._steps: Iterator[list[int]] = iter(())
         self.token_ids: list[int] = []
+        self.token_info: list[TokenInfo] = []
         self.finish_reason: str | None = None
         self.stats = stats
 
@@ -291,11 +316,29 @@ class RequestRun:
             if tok in self.eos or (self.stopper is not None and self.stopper.hit(tok)):
                 gen.finish_reason = "stop"
                 break
-        stats.record_round(k, min(accepted, len(emitted)), draft.source if k else "")
+        source = (draft.source or self.proposer.name) if k else ""
+        self.gen.token_info += self._info(logits, emitted, k, accepted, source)
+        stats.record_round(k, min(accepted, len(emitted)), source)
         stats.num_generated_tokens += len(emitted)
         if gen.finish_reason is None and len(state.tokens) >= self.limit:
             gen.finish_reason = "length"
         return emitted
+
+    def _info(self, logits: torch.Tensor, emitted: list[int], k: int, accepted: int,
+              source: str) -> list[TokenInfo]:
+        """The block's :class:`TokenInfo`; logits: the verify pass's [1, k+1, V]."""
+        last = "target" if k == 0 else "recovered" if accepted < k else "bonus"
+        out = [TokenInfo("accepted", source) if i < accepted else TokenInfo(last)
+               for i in range(len(emitted))]
+        n = self.params.logprobs
+        if n is not None and emitted:
+            lp = torch.log_softmax(logits[0, :len(emitted)].float(), dim=-1)
+            own = lp.gather(1, torch.tensor(emitted, device=lp.device)[:, None])[:, 0].tolist()
+            top = lp.topk(n, dim=-1) if n else None
+            for i, info in enumerate(out):
+                info.logprob = own[i]
+                info.top_logprobs = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if n else []
+        return out
 
     def after_rollback(self) -> None:
         """Once the target's cache holds the committed tokens but the last."""

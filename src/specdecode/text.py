@@ -61,3 +61,48 @@ class StopStrings:
         start = max(0, self._checked - self.longest)
         self._checked = len(text)
         return any(s in text[start:] for s in self.stop)
+
+
+class TokenSpans:
+    """Which token each character of a streamed text came from.
+
+    ``add(ids, labels)`` appends generated tokens with one label each (e.g. a
+    :class:`~specdecode.engine.TokenInfo`); each token's own text is what it completes when
+    decoded one token at a time (:class:`IncrementalDetokenizer`: "" for a token that only
+    begins a multi-byte character, the whole character at the token that ends it).
+    ``split(text, start)`` cuts a piece of the output, ``text`` = characters ``start ..
+    start + len(text)``, into (text, label) runs, one per token it overlaps; characters past
+    the last token's text (where a tokenizer does not decode piecewise) go to the last label.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._text = IncrementalDetokenizer(decode)
+        self.ends: list[int] = []  # character offset after token i's text
+        self.pieces: list[str] = []  # token i's own text
+        self.labels: list = []
+        self._first = 0  # the first token whose text may overlap the next split
+
+    def add(self, ids: list[int], labels: list) -> None:
+        for tok, label in zip(ids, labels):
+            self.pieces.append(self._text.add([tok]))
+            self.ends.append(len(self._text.text))
+            self.labels.append(label)
+
+    def start_of(self, i: int) -> int:
+        """Character offset where token i's text begins."""
+        return self.ends[i - 1] if i else 0
+
+    def split(self, text: str, start: int) -> list[tuple[str, object]]:
+        out, pos, end = [], start, start + len(text)
+        i = self._first
+        while pos < end and i < len(self.ends):
+            if self.ends[i] > pos:
+                cut = min(self.ends[i], end)
+                out.append((text[pos - start:cut - start], self.labels[i]))
+                pos = cut
+            if self.ends[i] <= pos:
+                i += 1
+        self._first = i
+        if pos < end and self.labels:
+            out.append((text[pos - start:], self.labels[-1]))
+        return out

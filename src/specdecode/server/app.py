@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (streamed as server-sent events or not), ``GET /v1/models``,
-``GET /health`` (503 until the models are loaded) and ``GET /metrics`` (Prometheus).
+``GET /health`` (503 until the models are loaded), ``GET /metrics`` (Prometheus) and, at
+``GET /``, a page that streams a prompt's answer with each token shaded by who supplied it.
 
 The HTTP layer is thin: :mod:`.protocol` checks requests and shapes bodies, a
 :class:`~.worker.Worker` generates. Every error is OpenAI's body with the status a client
@@ -16,11 +17,12 @@ import json
 import queue
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,6 +31,9 @@ from ..methods import Method, speculative_config
 from . import protocol
 from .protocol import OpenAIError, bad
 from .worker import Ticket, Worker
+
+# the page at /: one static file (HTML, CSS and JS, no build step)
+PAGE = Path(__file__).with_name("page.html")
 
 
 class _Context:
@@ -115,11 +120,20 @@ def create_app(worker: Worker, model_name: str, default_method: str,
     async def metrics():
         return Response(worker.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return PAGE.read_text(encoding="utf-8")
+
     @app.get("/v1/models")
     async def models(request: Request):
         check_key(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": int(time.time()), "owned_by": "specdecode"}]}
+        card = {"id": model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "specdecode"}
+        if worker.ready.is_set():  # as vLLM's max_model_len; the methods for the page at /
+            ctx = context()
+            card.update(max_model_len=ctx.max_context, methods=ctx.methods,
+                        default_method=ctx.default_method)
+        return {"object": "list", "data": [card]}
 
     async def generate(request: Request, kind: str):
         check_key(request)
@@ -144,6 +158,7 @@ def create_app(worker: Worker, model_name: str, default_method: str,
                                      headers={"Cache-Control": "no-cache"})
         total = len(job.prompts) * job.n
         texts, finishes, results = [""] * total, [None] * total, [None] * total
+        tokens, spans, speculation = [[] for _ in range(total)], [[] for _ in range(total)], [None] * total
         try:
             done = 0
             while done < total:
@@ -153,13 +168,17 @@ def create_app(worker: Worker, model_name: str, default_method: str,
                                       headers={"x-should-retry": "false"})
                 if piece.kind == "text":
                     texts[piece.index] += piece.text
+                    tokens[piece.index] += piece.tokens
+                    spans[piece.index] += piece.spans
+                    speculation[piece.index] = piece.speculation or speculation[piece.index]
                 else:
                     finishes[piece.index] = piece.finish
                     results[piece.index] = (piece.completion_tokens, piece.stats)
                     done += 1
         finally:
             ticket.cancelled.set()  # a no-op once done; frees the worker if the client left
-        return protocol.response(job, texts, finishes, protocol.usage(job, results))
+        return protocol.response(job, texts, finishes, protocol.usage(job, results), tokens,
+                                 spans, speculation)
 
     async def _events(ticket: Ticket):
         job = ticket.job
@@ -176,7 +195,9 @@ def create_app(worker: Worker, model_name: str, default_method: str,
                     yield _sse(OpenAIError(500, piece.message, type="server_error").body())
                     break
                 if piece.kind == "text":
-                    yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, piece.text, None)]))
+                    yield _sse(protocol.chunk(job, [protocol.stream_choice(
+                        job, piece.index, piece.text, None, tokens=piece.tokens, spans=piece.spans,
+                        speculation=piece.speculation)]))
                     continue
                 results[piece.index] = (piece.completion_tokens, piece.stats)
                 done += 1

@@ -14,22 +14,22 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE
+from ..config import MAX_LOGPROBS, MAX_TEMPERATURE, MIN_TEMPERATURE
 
 MAX_N = 8  # choices per request
 ROLES = ("system", "user", "assistant")
 # OpenAI fields this server does not implement: refused with 501, naming the field, rather
 # than silently ignored (a client would get something other than what it asked for)
-NOT_IMPLEMENTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools",
+NOT_IMPLEMENTED = ("echo", "best_of", "suffix", "logit_bias", "tools",
                    "tool_choice", "functions", "function_call", "response_format", "prediction",
                    "parallel_tool_calls", "audio", "modalities", "reasoning_effort")
 COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "temperature",
-                 "top_p", "seed", "n", "user", "presence_penalty", "frequency_penalty",
+                 "top_p", "seed", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
                  # through the official client's extra_body
                  "top_k", "repetition_penalty", "min_tokens", "acceptance_rule", "method",
-                 "num_speculative_tokens")
+                 "num_speculative_tokens", "return_token_sources")
 FIELDS = {"completions": COMMON_FIELDS + ("prompt",),
-          "chat": COMMON_FIELDS + ("messages", "max_completion_tokens")}
+          "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")}
 
 
 class OpenAIError(Exception):
@@ -73,6 +73,8 @@ class Job:
     method: str
     num_speculative_tokens: int | None
     seed: int | None
+    logprobs: int | None = None  # alternatives per token (0: the token's own only); None: off
+    token_sources: bool = False  # each chunk names who supplied its tokens (the page at /)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,7 +91,7 @@ def parse_body(raw: bytes, kind: str) -> dict:
         if name in NOT_IMPLEMENTED:
             value = body[name]
             if value is None or value is False or (name == "best_of" and value == 1 and value is not True):
-                continue  # the default value: nothing asked (logprobs: 0 asks for the token's own)
+                continue  # the default value: nothing asked
             raise OpenAIError(501, f"'{name}' is not supported by this server", param=name,
                               code="unsupported_parameter")
         if name not in FIELDS[kind]:
@@ -210,7 +212,27 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 1e9),
         stop=stop, acceptance_rule=rule)
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
-    return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed)
+    sources = body.get("return_token_sources", False)
+    if not isinstance(sources, bool):
+        raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")
+    return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
+               _logprobs(body, kind), sources)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Alternatives per token asked for: completions' ``logprobs: N``; chat's ``logprobs:
+    true`` with ``top_logprobs: N`` (0 by default). None when not asked."""
+    if kind == "completions":
+        return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    asked = body.get("logprobs", False)
+    if asked is None:
+        asked = False
+    if not isinstance(asked, bool):
+        raise bad(f"'logprobs' must be true or false, got {asked!r}", "logprobs")
+    top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if top is not None and not asked:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if asked else None
 
 
 def _prompts(prompt, ctx) -> list[list[int]]:
@@ -265,22 +287,72 @@ def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> dict:
             "choices": choices, "usage": usage_}
 
 
+@dataclass
+class Token:
+    """One generated token as the responses show it: its own ``text``, who supplied it
+    (``kind``, ``proposer``: :class:`~specdecode.engine.TokenInfo`), ``logprob`` and ``top``
+    [(text, logprob)] when asked for, and ``offset``, where its text starts in the choice's
+    text (characters)."""
+
+    text: str
+    kind: str
+    proposer: str
+    logprob: float | None
+    top: list[tuple[str, float]] | None
+    offset: int
+
+
+def logprobs_body(job: Job, tokens: list[Token]) -> dict | None:
+    """OpenAI's logprobs object for these tokens: completions' {tokens, token_logprobs,
+    top_logprobs, text_offset}, chat's {content: [{token, logprob, bytes, top_logprobs}]};
+    None when the job did not ask."""
+    if job.logprobs is None:
+        return None
+    if job.kind == "completions":
+        return {"tokens": [t.text for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [dict(t.top) for t in tokens] if job.logprobs else None,
+                "text_offset": [t.offset for t in tokens]}
+    entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
+    return {"content": [dict(entry(t.text, t.logprob), top_logprobs=[entry(a, b) for a, b in t.top])
+                        for t in tokens], "refusal": None}
+
+
+def _extras(job: Job, choice: dict, tokens: list[Token], spans: list[tuple[str, str, str]],
+            speculation: dict | None, whole: bool) -> dict:
+    """The logprobs (of a stream chunk: only where it carries tokens; of a whole response:
+    always), and with ``return_token_sources`` (a specdecode extension) the text's
+    ``token_sources`` [{text, kind, proposer}] and the choice's speculation counters so far."""
+    if whole or tokens:
+        choice["logprobs"] = logprobs_body(job, tokens)
+    if job.token_sources:
+        choice["token_sources"] = [{"text": t, "kind": k, "proposer": p} for t, k, p in spans]
+        if speculation is not None:
+            choice["speculation"] = speculation
+    return choice
+
+
 def stream_choice(job: Job, index: int, text: str | None, finish: str | None,
-                  role: bool = False) -> dict:
+                  role: bool = False, tokens: list[Token] = (), spans=(), speculation=None) -> dict:
     if job.kind == "completions":
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-    delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    else:
+        delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return choice if role else _extras(job, choice, list(tokens), list(spans), speculation, False)
 
 
-def response(job: Job, texts: list[str], finishes: list[str], usage_: dict) -> dict:
-    """The non-streamed body."""
+def response(job: Job, texts: list[str], finishes: list[str], usage_: dict,
+             tokens: list[list[Token]], spans: list[list], speculation: list) -> dict:
+    """The non-streamed body (tokens, spans, speculation: per choice)."""
     if job.kind == "completions":
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+        choices = [_extras(job, {"index": i, "text": t, "logprobs": None, "finish_reason": f},
+                           tokens[i], spans[i], speculation[i], True)
                    for i, (t, f) in enumerate(zip(texts, finishes))]
         return {"id": "cmpl-" + job.id, "object": "text_completion", "created": job.created,
                 "model": job.model, "choices": choices, "usage": usage_}
-    choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+    choices = [_extras(job, {"index": i, "message": {"role": "assistant", "content": t},
+                             "logprobs": None, "finish_reason": f}, tokens[i], spans[i], speculation[i], True)
+               for i, (t, f) in enumerate(zip(texts, finishes))]
     return {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": job.created,
             "model": job.model, "choices": choices, "usage": usage_}

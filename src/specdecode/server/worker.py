@@ -20,14 +20,19 @@ from .. import api
 from ..batch import BatchEngine
 from ..methods import Method
 from ..profile import verify_profile
-from .protocol import Job
+from .protocol import Job, Token
+
+SPECULATION = ("num_draft_tokens", "num_accepted_tokens", "num_verify_passes",
+               "num_generated_tokens", "acceptance_rate", "mean_acceptance_length")
 
 
 @dataclass
 class Piece:
-    """What the worker hands to a request: ``text`` of choice ``index`` (kind "text"), that
-    choice's end (kind "done": ``finish``, ``completion_tokens``, ``stats``), or the
-    request's failure (kind "error": ``message``)."""
+    """What the worker hands to a request: ``text`` of choice ``index`` with its new
+    ``tokens`` (:class:`~.protocol.Token`, an EOS that ended the choice left out), ``spans``
+    [(text, kind, proposer)] and ``speculation`` counters so far (kind "text"), that choice's
+    end (kind "done": ``finish``, ``completion_tokens``, ``stats``), or the request's failure
+    (kind "error": ``message``)."""
 
     kind: str
     index: int = 0
@@ -36,6 +41,9 @@ class Piece:
     completion_tokens: int = 0
     stats: object = None
     message: str = ""
+    tokens: list = field(default_factory=list)
+    spans: list = field(default_factory=list)
+    speculation: dict | None = None
 
 
 @dataclass
@@ -62,6 +70,7 @@ class _Choice:
     prompt_tokens: int
     chunks: object
     first: float | None = None
+    offset: int = 0  # characters of the choice's tokens' texts so far
 
 
 class Worker:
@@ -162,8 +171,21 @@ class Worker:
             self.target, input_ids=job.prompts[choice.index // job.n], method=method,
             draft=self.draft if method.needs_draft_model else None,
             num_speculative_tokens=job.num_speculative_tokens, batch=self.engine,
-            seed=None if job.seed is None else job.seed + c, **job.sampling)
+            seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs, **job.sampling)
         return choice
+
+    def _tokens(self, choice: _Choice, chunk, eos: set) -> list[Token]:
+        """The chunk's tokens as the responses show them (alternatives decoded one id each)."""
+        tok = self.target.tokenizer
+        out = []
+        for tid, text, info in zip(chunk.token_ids, chunk.token_texts, chunk.token_info):
+            if tid in eos:
+                break  # it ended the choice: not text, not a completion token
+            top = None if info.top_logprobs is None else [
+                (tok.decode([a], skip_special_tokens=False), lp) for a, lp in info.top_logprobs]
+            out.append(Token(text, info.kind, info.proposer, info.logprob, top, choice.offset))
+            choice.offset += len(text)
+        return out
 
     def _drop(self, ticket: Ticket) -> None:
         """Close every choice of a ticket (its client left, or one of them failed)."""
@@ -191,9 +213,14 @@ class Worker:
                 ticket.put(Piece("error", message=f"{type(e).__name__}: {e}"))
                 self._drop(ticket)
                 continue
-            if chunk.text:
-                choice.first = choice.first or time.perf_counter()
-                ticket.put(Piece("text", choice.index, chunk.text))
+            if chunk.text or chunk.token_ids:
+                if chunk.text:
+                    choice.first = choice.first or time.perf_counter()
+                spec = ({name: getattr(chunk.stats, name) for name in SPECULATION}
+                        if ticket.job.token_sources and chunk.stats is not None else None)
+                ticket.put(Piece("text", choice.index, chunk.text, tokens=self._tokens(choice, chunk, eos),
+                                 spans=[(t, i.kind, i.proposer) for t, i in chunk.spans],
+                                 speculation=spec))
             if chunk.result is not None:
                 r = chunk.result
                 ids = r.token_ids  # an EOS that ended the request is not text
