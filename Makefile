@@ -6,7 +6,7 @@ SD     := $(VENV)/bin/specdecode
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
 DEMO_PROMPT := Write a Python function that merges two sorted lists into one sorted list, with a docstring and an example.
 
-.PHONY: install models demo test test-fast llamacpp test-llamacpp clean
+.PHONY: install models browser demo test test-fast llamacpp test-llamacpp clean
 
 
 install: $(VENV)/.installed
@@ -20,15 +20,22 @@ $(VENV)/.installed: pyproject.toml
 models: install
 	$(SD) models fetch $(MODELS)
 
+# Chromium for the test of the server's page (Debian's package: playwright's own browser
+# download is not reachable here); CHROMIUM=/path/to/chromium uses another one
+browser:
+	@command -v $${CHROMIUM:-chromium} >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null \
+	  || (apt-get update -q && apt-get install -y -q chromium) \
+	  || { echo "cannot install Chromium: run 'apt-get install chromium' as root, or set CHROMIUM"; exit 1; }
+
 demo: models
 	$(SD) generate --chat --compare --max-new-tokens 128 --prompt "$(DEMO_PROMPT)"
 
 # everything: the real models (fetched first) and the long distribution tests included
-test: models
+test: models browser
 	$(PY) -m pytest -q
 
 # no model download, no network: unit, engine, API and CLI tests on tiny models (a few minutes)
-test-fast: install
+test-fast: install browser
 	$(PY) -m pytest -q -m "not real and not slow"
 
 # optional: llama.cpp (llama-cpp-python, compiled for this CPU once, 10-20 minutes): a bench

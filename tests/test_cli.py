@@ -410,3 +410,22 @@ def test_generate_reports_the_weights_and_threads_it_chose(capsys, dirs):
     assert isinstance(obj["threads"], int) and obj["threads"] >= 1
     obj = run_json(capsys, dirs, "--dtype", "float32", "--method", "ar")
     assert obj["weights"] == {"target": "float32", "draft": None}
+
+
+def test_generate_color_shades_each_token_by_who_supplied_it(capsys, dirs, target):
+    """--color: the streamed text with ANSI colours by token kind; without the colour codes
+    it is the plain text; the draft's accepted tokens are in the draft's colour."""
+    import re
+
+    from specdecode.cli.generate import COLORS
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt", PROMPT, "--max-new-tokens", 20, "--color", "--k", 4)
+    assert code == 0, err
+    text = out.split("\ncolours:")[0]
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=20).text
+    assert re.sub(r"\x1b\[[0-9;]*m", "", text) == plain
+    draft_colour = COLORS["accepted draft-model token"]
+    assert draft_colour in text and "\x1b[0m" in text
+    assert "colours:" in out
+    assert run(capsys, "generate", "--target", dirs["target"], "--prompt", "x", "--color",
+               "--json")[0] != 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import threading
 import time
 import urllib.error
@@ -473,3 +475,98 @@ def test_token_sources_name_who_supplied_the_text(server, alone):
     assert spec["num_accepted_tokens"] == usage["completion_tokens_details"]["accepted_prediction_tokens"]
     assert spec["num_generated_tokens"] >= usage["completion_tokens"]
     assert text == solo(alone, PROMPT * 3, "draft", max_new_tokens=30).text
+
+
+# as the machine notes say Chromium runs here: headless, and no calls to Google's hosts
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _chromium() -> str:
+    path = os.environ.get("CHROMIUM") or shutil.which("chromium")
+    if path is None:
+        raise RuntimeError("the page test needs Chromium: run 'make browser' (Debian's chromium "
+                           "package) or set CHROMIUM=/path/to/chromium")
+    return path
+
+
+def test_the_page_shows_who_supplied_each_token_beside_plain_decoding(server, alone, tmp_path):
+    """The page at / in a real headless Chromium against the real server: the answer streams
+    with each token shaded by who supplied it, the live acceptance rate, mean acceptance
+    length and tokens/s, and the same prompt with speculation off beside it, the same text."""
+    from playwright.sync_api import sync_playwright
+
+    prompt = "Write add(a, b) in Python."
+    want = solo(alone, [{"role": "user", "content": prompt}], "draft", max_new_tokens=24,
+                num_speculative_tokens=4)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_function("document.querySelector('#method').options.length > 0")
+            assert "tiny" in page.text_content("#model")
+            page.fill("#prompt", prompt)
+            page.fill("#max-tokens", "24")
+            page.select_option("#method", "draft")
+            page.fill("#k", "4")  # kept every round (the server's policy, on tiny models, drafts little)
+            page.check("#compare")
+            page.click("#run")
+            done = "s => ['done', 'error'].includes(document.querySelector(s).dataset.state)"
+            for pane in ("#spec", "#plain"):
+                page.wait_for_function(f"({done})('{pane}')", timeout=60_000)
+            page.screenshot(path=str(tmp_path / "page.png"))
+            assert [page.get_attribute(s, "data-state") for s in ("#spec", "#plain")] == ["done", "done"]
+            assert page.text_content("#spec .out") == want.text == page.text_content("#plain .out")
+            kinds = page.eval_on_selector_all("#spec .out span", "els => els.map(e => e.className)")
+            assert "accepted-draft" in kinds and set(kinds) <= {
+                "accepted-draft", "accepted-lookup", "recovered", "bonus", "target"}
+            plain = page.eval_on_selector_all("#plain .out span", "els => els.map(e => e.className)")
+            assert set(plain) == {"target"}
+            stats = page.text_content("#spec .stats")
+            assert "acceptance rate" in stats and "mean acceptance length" in stats and "tokens/s" in stats
+            rate = float(page.text_content("#spec .stats .acceptance-rate").split()[-1].rstrip("%"))
+            assert 0 < rate <= 100
+            assert "acceptance rate" not in page.text_content("#plain .stats")
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def test_load_16_concurrent_streams_100_requests(server, alone):
+    """The issue's bounded load test on loopback: 100 streaming requests, 16 at a time (twice
+    the batch: the queue holds the rest), mixed methods, prompt lengths, greedy and seeded
+    sampling: 0 errors, each equals its solo run, and nothing is left running after."""
+    methods = ["ar", "draft", "prompt-lookup", "suffix", "hybrid"]
+    prompts = [PROMPT, "Hello there", PROMPT * 3, "def f(x):", "x = [1, 2"]
+    cases = [(methods[i % 5], prompts[(i // 5) % 5], 0.0 if i % 3 else 0.7, 10 + i % 7) for i in range(25)]
+    want = {c: solo(alone, c[1], c[0], max_new_tokens=c[3], temperature=c[2], seed=11).text for c in cases}
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    got, errors = [], []
+
+    async def worker(queue):
+        while queue:
+            case = queue.pop()
+            method, prompt, temperature, n = case
+            try:
+                stream = await client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature, seed=11,
+                    stream=True, extra_body={"method": method})
+                got.append((case, "".join([c.choices[0].text async for c in stream if c.choices])))
+            except Exception as e:  # noqa: BLE001 (counted: the test wants none)
+                errors.append(repr(e))
+
+    async def main():
+        queue = [cases[i % len(cases)] for i in range(100)]
+        await asyncio.wait_for(asyncio.gather(*(worker(queue) for _ in range(16))), timeout=600)
+
+    asyncio.run(main())
+    assert errors == [] and len(got) == 100
+    assert [c for c, text in got if text != want[c]] == []
+    deadline = time.time() + 10
+    while (server.worker._live or server.worker._pending or server.worker.waiting) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not server.worker._live and not server.worker._pending and server.worker.waiting == 0
+    assert server.worker.engine.active == 0 and not server.worker.engine.waiting

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from .batch import BatchEngine
-from .config import SamplingParams
+from .config import KSchedule, SamplingParams
 from .engine import Engine, Generation, TokenInfo
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
                       speculative_config)
@@ -193,7 +193,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     this many most likely alternatives (0..20), in ``StreamChunk.token_info``.
     batch: a :class:`~specdecode.batch.BatchEngine` over this target's model to run the
     request in, beside the engine's other requests (the output is the same as alone);
-    default: alone.
+    default: alone. In a batch, an integer ``num_speculative_tokens`` is kept every round;
+    otherwise the batch's policy chooses each round's K, at most the schedule's.
     Text is emitted only once it is valid UTF-8 and cannot be the start of a stop string, so
     the concatenated chunks equal the non-streamed text. Raises ValueError on bad arguments,
     IncompatibleDraftError when the draft's tokenizer differs.
@@ -342,5 +343,6 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     own = replace(drf, lm=drf.lm.fork(), session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
     draft_s = verify_profile(drf, 0)[0] if drf is not None and batch.forward_seconds else None
-    gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s)
+    own_k = spec.schedule is KSchedule.FIXED and spec.num_speculative_tokens is not None
+    gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids

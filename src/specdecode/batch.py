@@ -90,6 +90,7 @@ class _Waiting:
     proposer: Proposer | None
     schedule: Schedule | None
     draft_seconds: float | None
+    fixed_k: bool
 
 
 PROBE_EVERY = 8  # rounds without drafts after which a row the policy stopped tries one again
@@ -100,14 +101,15 @@ PRIOR_ALPHA, PRIOR_WEIGHT = 0.7, 8
 
 @dataclass
 class _Row:
-    """A request in a row: its rounds, held proposer locks, admission time, generation and
-    drafting cost per token (for the K policy)."""
+    """A request in a row: its rounds, held proposer locks, admission time, generation,
+    drafting cost per token and whether its K is its own (for the K policy)."""
 
     run: RequestRun
     locks: list
     t0: float
     gen: Generation
     draft_seconds: float | None
+    fixed_k: bool = False
 
 
 class BatchEngine:
@@ -154,12 +156,14 @@ class BatchEngine:
 
     def add(self, input_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
             decode=None, proposer: Proposer | None = None,
-            schedule: Schedule | None = None, draft_seconds_per_token: float | None = None) -> Generation:
+            schedule: Schedule | None = None, draft_seconds_per_token: float | None = None,
+            fixed_k: bool = False) -> Generation:
         """Queue a request (it joins at the next :meth:`step` with a free row); returns its
         :class:`~specdecode.engine.Generation`, whose ``token_ids``, ``finish_reason`` and
         ``stats`` fill in as steps run. draft_seconds_per_token: what one draft token costs
         this request (its draft model's T(1)), for the batch's K policy (default: a quarter
-        of the target's T(1) with a draft model, 0 for lookups). Raises ValueError as
+        of the target's T(1) with a draft model, 0 for lookups). fixed_k: the request chose
+        its K itself: its schedule's K is used every round, not the policy's. Raises ValueError as
         :meth:`Engine.generate`, and when prompt + max_new_tokens exceeds max_len."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
@@ -173,7 +177,7 @@ class BatchEngine:
         status = _Status(gen)
         self.waiting.append(_Waiting(gen, status, prompt, params, eos, decode, proposer,
                                      schedule if proposer is not None else None,
-                                     draft_seconds_per_token))
+                                     draft_seconds_per_token, fixed_k))
         self._blocks[gen] = deque()
         gen._steps = self._pull(gen, status)
         return gen
@@ -222,7 +226,7 @@ class BatchEngine:
             run = RequestRun(target, w.proposer, w.schedule, w.prompt, w.params, w.eos, w.decode,
                              w.gen.stats, w.status, check)
             run.begin(t0)
-            self.rows[b] = _Row(run, locks, t0, w.gen, w.draft_seconds)
+            self.rows[b] = _Row(run, locks, t0, w.gen, w.draft_seconds, w.fixed_k)
 
     def _free(self, b: int) -> None:
         for lock in self.rows[b].locks:
@@ -289,7 +293,7 @@ class BatchEngine:
             probe = wanted[i] > 0 and len(recent) == PROBE_EVERY and not any(recent)
             if probe:  # the policy stopped this row: one draft token, to see if that changed
                 asked[i] = 1
-            fixed.append(probe or not run.clocked)
+            fixed.append(probe or not run.clocked or self.rows[b].fixed_k)
         return choose_lengths(alphas, draft_seconds, asked, fixed, self.forward_seconds,
                               self._overhead_s)
 

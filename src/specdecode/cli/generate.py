@@ -68,9 +68,33 @@ def add_parser(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding of the target and report the speedup "
                         "and (greedy) whether the outputs are identical")
+    p.add_argument("--color", action="store_true",
+                   help="shade each streamed token by who supplied it (ANSI colours): "
+                        + ", ".join(f"{COLORS[k]} {k} \033[0m" for k in COLORS)
+                        .replace("%", "%%") + "; a legend follows the text")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (last line of stdout) instead of streamed text")
     p.set_defaults(func=lambda args: run_command(cmd_generate, args))
+
+
+# ANSI backgrounds (black text) for who supplied a token: the page at / uses the same scheme
+COLORS = {"accepted draft-model token": "\033[30;46m", "accepted lookup token": "\033[30;42m",
+          "recovered (target, after a rejection)": "\033[30;41m",
+          "bonus (target, after a fully accepted draft)": "\033[30;43m"}
+_CODES = dict(zip(("draft", "lookup", "recovered", "bonus"), COLORS.values()))
+
+
+def colored(spans) -> str:
+    """A chunk's (text, TokenInfo) runs with ANSI colours by who supplied each (plain decoding's
+    tokens, kind "target", uncoloured)."""
+    out = []
+    for text, info in spans:
+        key = info.kind
+        if key == "accepted":
+            key = "draft" if info.proposer.startswith("draft") else "lookup"
+        code = _CODES.get(key)
+        out.append(f"{code}{text}\033[0m" if code and text else text)
+    return "".join(out)
 
 
 def _print_stats(label: str, stats: dict, finish: str, out) -> None:
@@ -109,6 +133,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                      seed=args.seed, stop=args.stop, eos_token_id=None,
                      acceptance_rule=args.acceptance_rule)
+    if args.color and args.json:
+        raise ValueError("--color shades the streamed text, which --json does not print: give one of them")
     if args.max_k is not None and not isinstance(args.k, str):
         raise ValueError("--max-k caps K for --k heuristic or --k auto; with a fixed K use --k N")
     spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k or 16,
@@ -133,10 +159,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = None
     for chunk in chunks:
         if not args.json:
-            print(chunk.text, end="", flush=True)
+            print(colored(chunk.spans) if args.color else chunk.text, end="", flush=True)
         result = chunk.result or result
     if not args.json:
         print()
+    if args.color:
+        print("colours: " + "  ".join(f"{code} {name} \033[0m" for name, code in COLORS.items())
+              + "  uncoloured: target (no draft that round)", file=info)
     _print_stats(method.value, result.stats.to_dict(), result.finish_reason, info)
     out = result.to_dict()
     out["threads"] = threads

@@ -14,16 +14,22 @@ from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument,
 
 SERVE_HELP = """\
 Serve the target over an OpenAI-compatible HTTP API with speculative decoding:
-POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models, GET /health
-(503 until the models are loaded), GET /metrics (Prometheus, vLLM's speculation counter
-names). Output is the target's own: greedy requests get its greedy decoding token for token,
-seeded sampled requests its seeded plain sampling (the gumbel rule).
+POST /v1/completions and /v1/chat/completions (streamed or not; logprobs from the target),
+GET /v1/models, GET /health (503 until the models are loaded), GET /metrics (Prometheus,
+vLLM's speculation counter names), and at / a page to watch speculation: the answer streams
+with each token shaded by who supplied it (accepted draft or lookup token, the target's
+recovered or bonus token), beside the same prompt with speculation off. Output is the
+target's own: greedy requests get its greedy decoding token for token, seeded sampled
+requests its seeded plain sampling (the gumbel rule).
 
 Defaults are OpenAI's (temperature 1, top_p 1; max_tokens 16 for completions, the rest of
 the context for chat). Extra request fields (the openai client's extra_body): method,
-num_speculative_tokens, top_k, repetition_penalty, min_tokens, acceptance_rule. Up to
---max-batch requests share each verify pass (continuous batching; each output is still its
-solo run's), a bounded queue holds the others. The draft model is loaded when --method needs
+num_speculative_tokens (K kept every round; without it the server chooses each round's K
+for the whole batch, 0 where speculation does not pay), top_k, repetition_penalty,
+min_tokens, acceptance_rule, return_token_sources (the page's view: each chunk's text in
+runs by who supplied it, with the speculation counters). Up to --max-batch requests share
+each verify pass (continuous batching; each output is still its solo run's), a bounded
+queue holds the others. The draft model is loaded when --method needs
 one or --draft names one; only then may requests ask for the draft and hybrid methods. The default method is ar (plain batched
 decoding) for now: measured with `specdecode bench-serve` on a 2-core CPU, the hybrid made
 0.83-0.96x plain decoding's throughput at concurrency 1-8 (each row's draft model steps
