@@ -1,5 +1,5 @@
 """The command line: ``specdecode generate`` (the main job), ``serve``, ``bench``,
-``bench-serve`` and ``models``.
+``bench-serve``, ``export`` and ``models``.
 
 Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
 """
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, bench_serve, generate, models, serve
+from . import bench, bench_serve, export, generate, models, serve
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     bench.add_parser(sub)
     bench_serve.add_parser(sub)
+    export.add_parser(sub)
     models.add_parser(sub)
     return parser
 

@@ -1,0 +1,242 @@
+"""``specdecode export vllm|sglang DIR``: what a user who outgrows one machine loads in vLLM or
+SGLang to run the same speculation at scale.
+
+DIR gets: ``draft/`` (the draft model as a Hugging Face directory: bf16 safetensors, config,
+tokenizer and chat template), with ``target/`` too on request; ``speculative_config.json``
+(vLLM's ``--speculative-config``) or the SGLang flags; ``launch.sh``; ``NOTES.md`` (what was
+exported, the vocabulary check, and where the engine has no equivalent of our method).
+
+Vocabulary sizes: vLLM refuses a draft whose vocabulary size differs from the target's
+(Qwen2.5's 0.5B/1.5B checkpoints have 151,936 rows, its 7B and larger 152,064). A draft with
+fewer rows is padded with zero rows (those ids score 0 in the draft, and no token of the
+tokenizer has one); a draft with more rows is cut to the target's when its tokenizer has no
+id beyond them; otherwise the export is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .methods import METHODS, Method
+
+ENGINES = ("vllm", "sglang")
+ROW_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
+# what a model directory holds besides its weights and config (tokenizer, chat template, ...)
+SKIP = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export` wrote: ``out``, the engine's method (``method``, None when it has
+    no equivalent), the ``config`` (vLLM's JSON) or ``flags`` (SGLang's), the vocabulary
+    action (``vocab``: "same", "padded", "cut") and the ``notes``."""
+
+    out: Path
+    engine: str
+    method: str | None
+    config: dict | None
+    flags: list[str]
+    vocab: str
+    notes: list[str] = field(default_factory=list)
+
+
+def _config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read config.json ({e})") from None
+
+
+def _tokenizer_size(path: Path) -> int | None:
+    """The number of ids the tokenizer in ``path`` can produce, or None without one."""
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(path))
+
+
+def _check_same_tokenizer(target: Path, draft: Path) -> None:
+    from transformers import AutoTokenizer
+
+    a, b = (AutoTokenizer.from_pretrained(p) for p in (target, draft))
+    if a.get_vocab() != b.get_vocab():
+        raise ValueError(f"the draft's tokenizer ({draft}) differs from the target's ({target}): "
+                         "vLLM's and SGLang's draft models need the target's tokenizer")
+
+
+def write_hf_dir(src: Path, dst: Path, vocab_size: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> str:
+    """Copy the model directory ``src`` to ``dst`` with its weights cast to ``dtype`` (one
+    ``model.safetensors``) and, when ``vocab_size`` is given, its token rows padded with zeros
+    or cut to that many. Returns "same", "padded" or "cut". Raises ValueError when rows would
+    be cut that the tokenizer can produce, or the weights are not safetensors."""
+    config = _config(src)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{src} has no *.safetensors weights to export")
+    rows = config.get("vocab_size")
+    action = "same"
+    if vocab_size is not None and rows != vocab_size:
+        if rows > vocab_size:
+            used = _tokenizer_size(src)
+            if used is None or used > vocab_size:
+                raise ValueError(
+                    f"the draft has {rows} vocabulary rows and its tokenizer {used} ids, more "
+                    f"than the target's {vocab_size}: vLLM needs equal sizes, and rows its "
+                    "tokenizer can produce cannot be cut; use a draft of the target's family")
+            action = "cut"
+        else:
+            action = "padded"
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    names = [(f, n) for f in files for n in safe_open(f, "pt").keys()]
+    for f, name in tqdm(names, desc=f"export {src.name} ({str(dtype).removeprefix('torch.')})",
+                        unit="tensor", disable=not progress):
+        with safe_open(f, "pt") as h:
+            t = h.get_tensor(name)
+        if t.is_floating_point():
+            t = t.to(dtype)
+        if action != "same" and name in ROW_TENSORS:
+            t = t[:vocab_size] if action == "cut" else torch.cat(
+                [t, t.new_zeros(vocab_size - t.shape[0], *t.shape[1:])])
+        tensors[name] = t.contiguous()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(SKIP) \
+                and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    return action
+
+
+def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir: Path | None,
+                    max_ngram: int, min_ngram: int) -> tuple[str | None, dict | None, list[str], list[str]]:
+    """(the engine's method, vLLM's speculative config or None, SGLang's flags, notes) that
+    reproduce ``method`` with speculation length ``k`` where the engine has an equivalent."""
+    notes = []
+    if isinstance(k, str):  # heuristic / auto: chosen each round here; neither engine does
+        notes.append(f"`k={k}` chooses K each round from measured costs; {engine} takes a fixed "
+                     "K: the method's default K is exported instead.")
+        k = None
+    if method is Method.HYBRID:
+        notes.append(f"{engine} has no hybrid of lookup and draft model: the draft model half is "
+                     "exported (draft model speculation); lookups are left out.")
+        method = Method.DRAFT
+    if method is Method.AR:
+        raise ValueError("method ar speculates nothing: there is nothing to export")
+    k = k or METHODS[method.value].default_k
+    if engine == "vllm":
+        if method is Method.DRAFT:
+            return "draft_model", {"method": "draft_model", "model": str(draft_dir),
+                                   "num_speculative_tokens": k}, [], notes
+        if method is Method.PROMPT_LOOKUP:
+            return "ngram", {"method": "ngram", "num_speculative_tokens": k,
+                             "prompt_lookup_max": max_ngram, "prompt_lookup_min": min_ngram}, [], notes
+        notes.append("vLLM's suffix decoding needs the arctic-inference package on the serving "
+                     "machine (pip install arctic-inference).")
+        return "suffix", {"method": "suffix", "num_speculative_tokens": k}, [], notes
+    if method is Method.DRAFT:  # SGLang's draft model: a chain of k steps, one candidate each
+        return "STANDALONE", None, [
+            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)], notes
+    if method is Method.PROMPT_LOOKUP:
+        notes.append("SGLang's NGRAM runs on CUDA only; it matches the prompt and the output "
+                     "so far, as prompt lookup does.")
+        return "NGRAM", None, ["--speculative-algorithm", "NGRAM",
+                               "--speculative-num-draft-tokens", str(k)], notes
+    notes.append("SGLang has no suffix decoding: nothing reproduces this method there; its "
+                 "NGRAM (prompt lookup) is the nearest.")
+    return None, None, [], notes
+
+
+def export(engine: str, out: str | Path, target: Path, draft: Path | None, method: Method,
+           k: int | str | None = None, max_ngram: int = 5, min_ngram: int = 2,
+           with_target: bool = False, target_name: str = "", progress: bool = True) -> ExportResult:
+    """Write DIR for ``engine`` ("vllm" or "sglang"); see the module docstring.
+
+    target / draft: model directories in transformers layout (draft None for the lookup
+    methods). with_target: also write the target as ``target/`` (bf16), so that the launch
+    script serves the very pair measured here. Raises ValueError for an unknown engine, an
+    exported method that needs a draft without one, or vocabulary sizes that cannot match.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is unknown; allowed: {', '.join(ENGINES)}")
+    out = Path(out).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty: give a new directory")
+    uses_draft = method in (Method.DRAFT, Method.HYBRID)
+    if uses_draft and draft is None:
+        raise ValueError(f"method {method.value} needs a draft model to export (--draft)")
+    if uses_draft:
+        _check_same_tokenizer(target, draft)
+    out.mkdir(parents=True, exist_ok=True)
+    draft_dir = out / "draft" if uses_draft else None
+    name, config, flags, notes = engine_settings(engine, method, k, draft_dir, max_ngram, min_ngram)
+    vocab = "same"
+    target_vocab = _config(target).get("vocab_size")
+    if uses_draft:
+        vocab = write_hf_dir(draft, draft_dir, target_vocab, progress=progress)
+        if vocab != "same":
+            rows = _config(draft).get("vocab_size")
+            notes.append(f"vocabulary: the draft's {rows} rows were {vocab} to the target's "
+                         f"{target_vocab} (vLLM refuses a pair of different sizes); "
+                         + ("the extra rows are zeros: no token of the tokenizer has those ids."
+                            if vocab == "padded" else "no token of its tokenizer had the cut ids."))
+    if with_target:
+        write_hf_dir(target, out / "target", progress=progress)
+    result = ExportResult(out, engine, name, config, flags, vocab, notes)
+    if config is not None:
+        (out / "speculative_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    served = "$HERE/target" if with_target else str(target)
+    (out / "launch.sh").write_text(_launch_script(result, served))
+    (out / "launch.sh").chmod(0o755)
+    (out / "NOTES.md").write_text(_notes(result, method, target_name or str(target), with_target))
+    return result
+
+
+def _launch_script(r: ExportResult, served: str) -> str:
+    head = ["#!/usr/bin/env bash",
+            f"# Serves the target with {r.method or 'no'} speculation in {r.engine} (written by "
+            "specdecode export; NOTES.md says what maps to what). Set TARGET to serve another "
+            "copy of the target (e.g. its hub id); extra arguments go to the server.",
+            "set -euo pipefail", 'HERE="$(cd "$(dirname "$0")" && pwd)"',
+            f'TARGET="${{TARGET:-{served}}}"']
+    if r.engine == "vllm":
+        spec = ' --speculative-config "$(cat "$HERE/speculative_config.json")"' if r.config else ""
+        cmd = f'exec vllm serve "$TARGET"{spec} "$@"'
+    else:
+        flags = " ".join(shlex.quote(f) for f in r.flags).replace(
+            shlex.quote(str(r.out / "draft")), '"$HERE/draft"')
+        cmd = f'exec python -m sglang.launch_server --model-path "$TARGET" {flags} "$@"'.replace("  ", " ")
+    return "\n".join(head + [cmd, ""])
+
+
+def _notes(r: ExportResult, method: Method, target_name: str, with_target: bool) -> str:
+    lines = [f"# {r.engine} export of specdecode's `{method.value}` method", "",
+             f"- target: {target_name}" + (" (also written here as `target/`, bf16)" if with_target else
+                                          " (not copied: the launch script serves it from there, or TARGET)"),
+             "- draft: `draft/` (bf16 safetensors, config, tokenizer)" if (r.out / "draft").exists()
+             else "- draft: none (a lookup method)",
+             f"- {r.engine} method: " + (f"`{r.method}`" if r.method else "none (no equivalent)")]
+    if r.config is not None:
+        lines += ["- `speculative_config.json`: vLLM's `--speculative-config`"]
+    if r.flags:
+        lines += ["- SGLang flags: `" + " ".join(r.flags).replace(str(r.out), "DIR") + "`"]
+    lines += ["- `launch.sh`: starts the server (`TARGET=... ./launch.sh --port 8000`)", ""]
+    if r.notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in r.notes] + [""]
+    return "\n".join(lines)

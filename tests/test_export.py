@@ -1,0 +1,106 @@
+"""``specdecode export vllm|sglang``: the files vLLM and SGLang load, checked without a GPU:
+golden files for the settings and launch scripts, and the exported draft directory loaded
+with transformers gives the source model's logits (bf16), its vocabulary padded or cut to
+the target's."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from specdecode import cli
+from specdecode.export import export
+from specdecode.methods import Method
+
+from tiny_dirs import VOCAB, WIDE_VOCAB, tiny_dirs_in
+
+GOLDEN = Path(__file__).with_name("golden") / "export"
+FILES = ("launch.sh", "speculative_config.json", "NOTES.md")
+# (case, engine, target, draft, method, k): every method to both engines, both vocabulary fixes
+CASES = [
+    ("vllm-draft-padded", "vllm", "wide", "draft", Method.DRAFT, 4),
+    ("vllm-prompt-lookup", "vllm", "target", None, Method.PROMPT_LOOKUP, 8),
+    ("vllm-suffix", "vllm", "target", None, Method.SUFFIX, None),
+    ("vllm-hybrid-auto", "vllm", "target", "draft", Method.HYBRID, "auto"),
+    ("sglang-draft-cut", "sglang", "target", "wide_draft", Method.DRAFT, None),
+    ("sglang-prompt-lookup", "sglang", "target", None, Method.PROMPT_LOOKUP, None),
+    ("sglang-suffix", "sglang", "target", None, Method.SUFFIX, None),
+]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tiny_dirs_in(tmp_path_factory)
+
+
+def _normalized(path: Path, out: Path, target: Path) -> str:
+    return path.read_text().replace(str(out), "DIR").replace(str(target), "TARGET_DIR")
+
+
+@pytest.mark.parametrize("case,engine,target,draft,method,k", CASES, ids=[c[0] for c in CASES])
+def test_exported_settings_equal_the_golden_files(tmp_path, dirs, case, engine, target, draft, method, k):
+    out = tmp_path / "out"
+    r = export(engine, out, dirs[target], dirs[draft] if draft else None, method, k, progress=False)
+    written = sorted(p.name for p in out.iterdir())
+    assert (out / "launch.sh").stat().st_mode & 0o111
+    for name in FILES:
+        golden = GOLDEN / case / name
+        if not (out / name).exists():
+            assert not golden.exists(), f"{name} was not written"
+            continue
+        got = _normalized(out / name, out, dirs[target])
+        if os.environ.get("SPECDECODE_UPDATE_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(got)
+        assert got == golden.read_text(), f"{case}/{name} differs from the golden file"
+    if r.config is not None:
+        assert json.loads((out / "speculative_config.json").read_text()) == r.config
+    assert ("draft" in written) == (draft is not None)
+
+
+@pytest.mark.parametrize("draft,rows", [("draft", "padded"), ("wide_draft", "cut")])
+def test_exported_draft_loads_with_transformers_and_gives_the_same_logits(tmp_path, dirs, draft, rows):
+    target = dirs["wide"] if rows == "padded" else dirs["target"]
+    r = export("vllm", tmp_path / "out", target, dirs[draft], Method.DRAFT, progress=False)
+    assert r.vocab == rows
+    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).eval()  # noqa: E731
+    got, src = load(tmp_path / "out" / "draft"), load(dirs[draft])
+    want_rows = WIDE_VOCAB if rows == "padded" else VOCAB
+    assert got.config.vocab_size == want_rows == json.loads((target / "config.json").read_text())["vocab_size"]
+    assert next(got.parameters()).dtype == torch.bfloat16
+    ids = torch.tensor([[1, 5, 77, 300, 12, 9]])
+    with torch.no_grad():
+        a, b = got(ids).logits, src(ids).logits
+    assert torch.equal(a[..., :VOCAB], b[..., :VOCAB])
+    if rows == "padded":
+        assert torch.equal(a[..., VOCAB:], torch.zeros_like(a[..., VOCAB:]))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out" / "draft")
+    assert tok.get_vocab() == transformers.AutoTokenizer.from_pretrained(dirs[draft]).get_vocab()
+    assert tok.chat_template
+
+
+def test_export_refuses_what_the_engines_cannot_load(tmp_path, dirs, capsys):
+    with pytest.raises(ValueError, match="tokenizer"):
+        export("vllm", tmp_path / "a", dirs["target"], dirs["foreign"], Method.DRAFT, progress=False)
+    with pytest.raises(ValueError, match="nothing to export"):
+        export("vllm", tmp_path / "b", dirs["target"], None, Method.AR, progress=False)
+    with pytest.raises(ValueError, match="tgi"):
+        export("tgi", tmp_path / "c", dirs["target"], None, Method.SUFFIX, progress=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ValueError, match="not empty"):
+        export("vllm", tmp_path / "full", dirs["target"], None, Method.SUFFIX, progress=False)
+    # through the CLI: one error line, exit code 2
+    code = cli.main(["export", "vllm", str(tmp_path / "d"), "--target", str(dirs["target"]),
+                     "--method", "prompt-lookup", "--draft", str(dirs["draft"])])
+    assert code == 2 and "--draft is for" in capsys.readouterr().err
+    code = cli.main(["export", "sglang", str(tmp_path / "e"), "--target", str(dirs["target"]),
+                     "--draft", str(dirs["draft"]), "--with-target", "--k", "3"])
+    assert code == 0 and "STANDALONE" in capsys.readouterr().out
+    assert (tmp_path / "e" / "target" / "model.safetensors").exists()
+    assert 'TARGET="${TARGET:-$HERE/target}"' in (tmp_path / "e" / "launch.sh").read_text()
