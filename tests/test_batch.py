@@ -234,3 +234,34 @@ def test_an_empty_prompt_list_is_named(pair):
 
     with pytest.raises(ValueError, match="prompt is an empty list"):
         specdecode.generate(pair[0], [], max_new_tokens=2)
+
+
+def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monkeypatch):
+    """A request whose prompt is several PREFILL_CHUNKs joins a row that is generating: each
+    step runs one chunk of its prefill (chunks cut where a request alone cuts them) and the
+    generating row still gets its block every step; both outputs equal their solo runs."""
+    chunk = 128  # (smaller than the default 512, for the tiny model's context)
+    monkeypatch.setattr(type(target), "PREFILL_CHUNK", chunk)
+    long_prompt = prompt(2 * chunk + 100, 8)
+    short = (prompt(12, 9), SamplingParams(max_new_tokens=40), lambda: DraftModelProposer(draft.fork()), 3)
+    longer = (long_prompt, SamplingParams(max_new_tokens=8), lambda: None, None)
+    want = [solo(target, p, params, make(), k) for p, params, make, k in (short, longer)]
+    model = target.fork()
+    engine = BatchEngine(model, 2, len(long_prompt) + 16, debug=True)
+    sizes = []
+    forward_row = model.forward_row
+    model.forward_row = lambda b, ids, num_logits=None: (sizes.append((b, ids.shape[1])), forward_row(b, ids, num_logits))[1]
+    try:
+        a = engine.add(short[0], short[1], proposer=short[2](), schedule=FixedK(3))
+        engine.step()  # the short request is generating
+        b = engine.add(longer[0], longer[1])
+        during = []
+        while engine.rows[1] is None or engine.rows[1].prompt is not None:
+            out = dict((id(g), t) for g, t in engine.step())
+            during.append(len(out.get(id(a), [])))
+        assert [n for row, n in sizes if row == 1] == [chunk, chunk, 99]
+        assert len(during) == 3 and all(during[:2])  # the short row went on between chunks
+        engine.run()
+        assert [a.token_ids, b.token_ids] == [w.token_ids for w in want]
+    finally:
+        engine.close()

@@ -6,9 +6,12 @@ differ per row, 0 included); one verify pass of rows of their own lengths
 (:meth:`~specdecode.models.native.Transformer.forward_rows`) scores them all; each row then
 runs exactly the per-request code of a request alone (:class:`~specdecode.engine.RequestRun`:
 its acceptance rule, stop rules, seed and sampling parameters), and its cache row rolls back
-to its own length. Requests join free rows between steps (their prefill is the one-row pass
-of a request alone, :meth:`~specdecode.models.native.Transformer.forward_row`) and leave when
-they end. With the native runtime's row-independent kernels (q4, int8, int4 on the CPU
+to its own length. Requests join free rows between steps and leave when they end. A joining
+request's prefill is the one-row passes of a request alone
+(:meth:`~specdecode.models.native.Transformer.forward_row`), one chunk of at most
+``PREFILL_CHUNK`` tokens a step (the chunks a request alone runs, so the same bits), so it
+stalls the rows already generating by one chunk's pass at most; it takes part in the verify
+pass of the step its prefill ends. With the native runtime's row-independent kernels (q4, int8, int4 on the CPU
 kernel: linears, attention) a row's logits are bit for bit those of its request run alone,
 so each output equals its solo run, greedy or seeded, whatever else is in the batch.
 """
@@ -110,6 +113,8 @@ class _Row:
     gen: Generation
     draft_seconds: float | None
     fixed_k: bool = False
+    prompt: list[int] | None = None  # the prompt while its prefill runs; None once it is done
+    prefilled: int = 0  # prompt tokens in the row's cache so far
 
 
 class BatchEngine:
@@ -218,15 +223,36 @@ class BatchEngine:
                 continue
             w = self.waiting.popleft()
             locks = hold([], w.proposer)
-            t0 = time.perf_counter()
             target.rollback_rows([0 if r == b else n for r, n in enumerate(target.row_lengths)])
-            if len(w.prompt) > 1:
-                target.forward_row(b, torch.tensor([w.prompt[:-1]]), num_logits=0)
             check = (lambda b=b: target.row_lengths[b]) if self.debug else None
             run = RequestRun(target, w.proposer, w.schedule, w.prompt, w.params, w.eos, w.decode,
                              w.gen.stats, w.status, check)
-            run.begin(t0)
-            self.rows[b] = _Row(run, locks, t0, w.gen, w.draft_seconds, w.fixed_k)
+            self.rows[b] = _Row(run, locks, time.perf_counter(), w.gen, w.draft_seconds,
+                                w.fixed_k, w.prompt)
+
+    def _prefill(self) -> None:
+        """The next prefill chunk of each joining row, up to PREFILL_CHUNK tokens in all this
+        step (at least one chunk); rows whose prefill ends begin their rounds."""
+        chunk = getattr(self.target, "PREFILL_CHUNK", 512)
+        budget = chunk
+        for b, row in enumerate(self.rows):
+            if row is None or row.prompt is None:
+                continue
+            todo = len(row.prompt) - 1 - row.prefilled  # the last prompt token starts the first round
+            # chunks start at multiples of PREFILL_CHUNK, as a request alone cuts them
+            n = min(todo, chunk - row.prefilled % chunk)
+            if n > budget and budget < chunk:
+                break
+            if n > 0:
+                self.target.forward_row(b, torch.tensor([row.prompt[row.prefilled:row.prefilled + n]]),
+                                        num_logits=0)
+                row.prefilled += n
+                budget -= n
+            if row.prefilled == len(row.prompt) - 1:
+                row.prompt = None
+                row.run.begin(row.t0)
+            if budget <= 0:
+                break
 
     def _free(self, b: int) -> None:
         for lock in self.rows[b].locks:
@@ -239,9 +265,10 @@ class BatchEngine:
         blocks (``token_ids`` and ``finish_reason`` fill in as in :class:`Engine`), stepping
         the batch as needed. Empty when nothing is left to run."""
         self._admit()
-        active = [(b, row.run) for b, row in enumerate(self.rows) if row is not None]
+        self._prefill()
+        active = [(b, row.run) for b, row in enumerate(self.rows) if row is not None and row.prompt is None]
         if not active:
-            return []
+            return [] if not self.active else [(row.gen, []) for row in self.rows if row is not None]
         target = self.target
         wanted = [run.wanted_k() for _, run in active]
         ks = self._policy(active, wanted) if self.forward_seconds is not None and any(wanted) else wanted
@@ -264,7 +291,8 @@ class BatchEngine:
             gen = self.rows[b].gen
             self._blocks[gen].append(emitted)
             out.append((gen, emitted))
-        target.rollback_rows([len(row.run.state.tokens) - 1 if row else 0 for row in self.rows])
+        target.rollback_rows([0 if row is None else row.prefilled if row.prompt is not None
+                              else len(row.run.state.tokens) - 1 for row in self.rows])
         for b, run in active:
             run.after_rollback()
         now = time.perf_counter()
