@@ -265,3 +265,22 @@ def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monke
         assert [a.token_ids, b.token_ids] == [w.token_ids for w in want]
     finally:
         engine.close()
+
+
+def test_a_span_of_rows_computes_only_those_rows_with_the_batchs_bits(target):
+    """forward_span(1, 3) appends to rows 1 and 2 only, with the logits (bit for bit) and cache
+    lengths that a pass over the whole batch gives those rows; a bad span is a ValueError."""
+    whole, part = target.fork(), target.fork()
+    for m in (whole, part):
+        m.allocate(4, 64)
+        for b, n in enumerate([5, 9, 3, 7]):
+            m.forward_row(b, torch.tensor([prompt(n, 20 + b)]), num_logits=0)
+    x = torch.tensor([prompt(3, 30), prompt(3, 31), prompt(3, 32), prompt(3, 33)])
+    lengths = [3, 2, 3, 1]
+    full = whole.forward_rows(x, lengths).logits
+    span = part.forward_span(1, 3, x[1:3], lengths[1:3]).logits
+    assert torch.equal(span[0, :2], full[1, :2]) and torch.equal(span[1], full[2])
+    assert part.row_lengths == [5, 11, 6, 7] and whole.row_lengths == [8, 11, 6, 8]
+    for bad in ((2, 2), (-1, 2), (0, 5)):
+        with pytest.raises(ValueError, match="span of cache rows"):
+            part.forward_span(*bad, x[:1], [1])

@@ -133,7 +133,7 @@ class BatchEngine:
 
     def __init__(self, target, max_batch: int, max_len: int, debug: bool = False,
                  forward_seconds: list[float] | None = None):
-        if not hasattr(target, "forward_rows"):
+        if not hasattr(target, "forward_span"):
             raise ValueError(f"batched decoding needs the native runtime (rows of their own "
                              f"lengths); this target is {type(target).__name__}")
         if not (isinstance(max_batch, int) and max_batch >= 1):
@@ -275,19 +275,21 @@ class BatchEngine:
         drafts = {b: run.propose(k) for (b, run), k in zip(active, ks)}
         t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())
-        x = torch.zeros(len(self.rows), width, dtype=torch.long)
-        lengths = [0] * len(self.rows)
+        # only the span of rows from the first active one to the last is computed
+        first, stop = active[0][0], active[-1][0] + 1
+        x = torch.zeros(stop - first, width, dtype=torch.long)
+        lengths = [0] * (stop - first)
         for b, run in active:
             k = drafts[b].shape[1]
-            x[b, 0] = run.state.tokens[-1]
-            x[b, 1:1 + k] = drafts[b][0]
-            lengths[b] = k + 1
+            x[b - first, 0] = run.state.tokens[-1]
+            x[b - first, 1:1 + k] = drafts[b][0]
+            lengths[b - first] = k + 1
         t_forward = time.perf_counter()
-        logits = target.forward_rows(x, lengths).logits
+        logits = target.forward_span(first, stop, x, lengths).logits
         t_scored = time.perf_counter()
         out = []
         for b, run in active:
-            emitted = run.finish(logits[b:b + 1, :lengths[b]])
+            emitted = run.finish(logits[b - first:b - first + 1, :lengths[b - first]])
             gen = self.rows[b].gen
             self._blocks[gen].append(emitted)
             out.append((gen, emitted))

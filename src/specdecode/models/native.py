@@ -585,21 +585,35 @@ class Transformer(nn.Module):
         pass over a subset of layers that is not rolled back, or as :meth:`forward_rows`."""
         if not (isinstance(row, int) and 0 <= row < len(self.row_lengths)):
             raise ValueError(f"row {row!r} is not a cache row (allowed: 0..{len(self.row_lengths) - 1})")
+        return self.forward_span(row, row + 1, input_ids, None, num_logits).logits
+
+    def forward_span(self, start: int, stop: int, input_ids: torch.Tensor,
+                     lengths: list[int] | None = None, num_logits: int | None = None) -> ForwardOutput:
+        """:meth:`forward_rows` over cache rows ``start .. stop-1`` only (input_ids [stop-start,
+        T], lengths per row of the span), the other rows untouched and not computed: a batch
+        whose active rows are few does not pay for the idle ones' padding. Rows are
+        independent in the native kernels, so each row's bits are those of the whole-batch
+        pass. Raises ValueError for a span outside 0..B, after a pass over a subset of layers
+        that is not rolled back, or as :meth:`forward_rows`."""
+        b = len(self.row_lengths)
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= b):
+            raise ValueError(f"rows {start!r}..{stop!r} are not a span of cache rows (allowed: 0 <= "
+                             f"start < stop <= {b})")
         if self._layer_lengths is not None:
-            raise ValueError("forward_row after a pass over a subset of layers: roll it back first")
-        caches, lengths = self.caches, self.row_lengths
+            raise ValueError("a pass over a span of rows after a pass over a subset of layers: roll it back first")
+        caches, row_lengths = self.caches, self.row_lengths
         views = []
-        for c in caches:  # the row's slices of the buffers (contiguous: the batch is outermost)
+        for c in caches:  # the rows' slices of the buffers (views: the batch is outermost)
             view = KVCache.__new__(KVCache)
-            view.k, view.v = c.k[row:row + 1], c.v[row:row + 1]
+            view.k, view.v = c.k[start:stop], c.v[start:stop]
             views.append(view)
-        self.caches, self.row_lengths = views, [lengths[row]]
+        self.caches, self.row_lengths = views, row_lengths[start:stop]
         try:
-            out = self.forward(input_ids, num_logits)
-            new = self.row_lengths[0]
+            out = self.forward_rows(input_ids, lengths, num_logits)
+            new = self.row_lengths
         finally:
-            self.caches, self.row_lengths, self._layer_lengths = caches, lengths, None
-        self.row_lengths = lengths[:row] + [new] + lengths[row + 1:]
+            self.caches, self.row_lengths, self._layer_lengths = caches, row_lengths, None
+        self.row_lengths = row_lengths[:start] + new + row_lengths[stop:]
         return out
 
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:

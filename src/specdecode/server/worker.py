@@ -124,7 +124,7 @@ class Worker:
     def _main(self) -> None:
         try:
             self.target, self.draft = self._load()
-            if hasattr(self.target.lm, "forward_rows"):
+            if hasattr(self.target.lm, "forward_span"):
                 # T(1..17), for the batch's K policy and the hybrid's cost model: measured
                 # before the batch holds the target (once per machine, then cached on disk)
                 times = verify_profile(self.target)
