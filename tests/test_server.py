@@ -373,7 +373,7 @@ def test_metrics_count_speculation_with_vllm_names(server):
     assert value("specdecode:spec_decode_num_draft_tokens_total") > draft_tokens
 
 
-def test_bench_serve_client_measures_both_methods_at_each_level(server):
+def test_bench_serve_client_measures_both_methods_at_each_level(server, alone):
     """bench-serve's client against a real server: every level has both methods, the server's
     token counts, and times that make sense."""
     from specdecode.bench import serving
@@ -394,6 +394,17 @@ def test_bench_serve_client_measures_both_methods_at_each_level(server):
         assert level["ar"]["acceptance_rate"] is None and (acc is None or 0 <= acc <= 1)
     text = serving.report(dict(results, command="x", date="d"))
     assert text.count("| draft |") == 2 and "×" in text
+    # --check: every response against the solo run of its prompt
+    solo_texts = {i: solo(alone, p, "ar", max_new_tokens=8).text for i, p in enumerate(prompts)}
+    c = serving.check(results, solo_texts, 0)
+    assert c["compared"] == 2 * 2 * (1 + 3) and c["mismatches"] == 0 == c["errors"]
+    c = serving.check(results, {0: solo_texts[0], 1: solo_texts[1] + "x"}, 0)
+    assert c["mismatches"] == c["compared"] // 2 and c["first_mismatches"][0]["prompt"] == 1
+    assert "mismatches" in serving.report(dict(results, command="x", date="d"))
+    # a failed request is counted, not a crash of the load
+    failed = serving.run(server.url, "no-such-model", prompts, "draft", "ar", [2], None, 4)
+    assert failed["levels"][0]["ar"]["errors"] == 4 and failed["levels"][0]["ar"]["requests"] == 0
+    assert "404" in failed["levels"][0]["ar"]["samples"][0]["error"]
 
 
 def test_review_findings(server):
@@ -570,3 +581,25 @@ def test_load_16_concurrent_streams_100_requests(server, alone):
         time.sleep(0.05)
     assert not server.worker._live and not server.worker._pending and server.worker.waiting == 0
     assert server.worker.engine.active == 0 and not server.worker.engine.waiting
+
+
+def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
+    """`specdecode bench-serve --check` end to end on the tiny pair: its own server, both
+    methods, then every response compared with the solo run: 0 mismatches, 0 errors, nothing
+    left running, in the report and results.json."""
+    from specdecode import cli
+
+    dirs = tiny_dirs_in(tmp_path_factory)
+
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
+                                   enumerate([("writing", "Write add(a, b)."), ("qa", "What is 2 + 2?")])))
+    code = cli.main(["bench-serve", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                     "--method", "draft", "--concurrency", "1,2", "--max-tokens", "6", "--limit", "1",
+                     "--dataset", str(questions), "--check", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["check"]["compared"] == 2 * (2 + 4) and results["check"]["mismatches"] == 0
+    assert results["check"]["errors"] == 0 == results["check"]["left_running"]
+    assert "0 mismatches, 0 errors, 0 requests left running" in (tmp_path / "out" / "report.md").read_text()

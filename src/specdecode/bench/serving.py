@@ -22,8 +22,9 @@ from urllib.parse import urlparse
 
 @dataclass
 class Sample:
-    """One request: seconds to the first text and to the end, the tokens it got, and the
-    server's accepted / rejected draft tokens."""
+    """One request: seconds to the first text and to the end, the tokens it got, the
+    server's accepted / rejected draft tokens, its text, which prompt it sent, and the error
+    that ended it (None when it succeeded)."""
 
     method: str
     concurrency: int
@@ -32,6 +33,9 @@ class Sample:
     completion_tokens: int
     accepted: int
     rejected: int
+    text: str = ""
+    prompt: int = 0
+    error: str | None = None
 
 
 def request(url: str, model: str, messages: list[dict], method: str, max_tokens: int,
@@ -50,7 +54,7 @@ def request(url: str, model: str, messages: list[dict], method: str, max_tokens:
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"the server answered {resp.status}: {resp.read()[:300]!r}")
-    first, usage = None, None
+    first, usage, text = None, None, []
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -58,8 +62,10 @@ def request(url: str, model: str, messages: list[dict], method: str, max_tokens:
         event = json.loads(line[6:])
         if "error" in event:
             raise RuntimeError(f"the server failed mid-stream: {event['error']['message']}")
-        if event["choices"] and event["choices"][0]["delta"].get("content") and first is None:
-            first = time.perf_counter()
+        content = event["choices"][0]["delta"].get("content") if event["choices"] else None
+        if content:
+            first = first or time.perf_counter()
+            text.append(content)
         if event.get("usage"):
             usage = event["usage"]
     end = time.perf_counter()
@@ -67,13 +73,13 @@ def request(url: str, model: str, messages: list[dict], method: str, max_tokens:
     details = usage.get("completion_tokens_details") or {}
     return Sample(method, 0, (first or end) - t0, end - t0, usage["completion_tokens"],
                   details.get("accepted_prediction_tokens", 0),
-                  details.get("rejected_prediction_tokens", 0))
+                  details.get("rejected_prediction_tokens", 0), "".join(text))
 
 
 def run_level(url: str, model: str, prompts: list[list[dict]], method: str, concurrency: int,
               requests: int, max_tokens: int, api_key: str | None = None) -> tuple[list[Sample], float]:
     """``requests`` requests, ``concurrency`` in flight at a time (closed loop), the prompts
-    in turn; returns the samples and the wall time."""
+    in turn; returns the samples (a failed request too, with its ``error``) and the wall time."""
     counter = iter(range(requests))
     lock = threading.Lock()
     samples: list[Sample] = []
@@ -84,8 +90,12 @@ def run_level(url: str, model: str, prompts: list[list[dict]], method: str, conc
                 i = next(counter, None)
             if i is None:
                 return
-            s = request(url, model, prompts[i % len(prompts)], method, max_tokens, api_key)
-            s.concurrency = concurrency
+            t0 = time.perf_counter()
+            try:
+                s = request(url, model, prompts[i % len(prompts)], method, max_tokens, api_key)
+            except Exception as e:  # noqa: BLE001 (counted and reported: a load test wants none)
+                s = Sample(method, 0, 0.0, time.perf_counter() - t0, 0, 0, 0, error=f"{type(e).__name__}: {e}")
+            s.concurrency, s.prompt = concurrency, i % len(prompts)
             with lock:
                 samples.append(s)
 
@@ -103,12 +113,16 @@ def _q(values: list[float], q: float) -> float:
 
 def summarize(samples: list[Sample], wall_s: float) -> dict:
     """Throughput (tokens/s over the level's wall time), TTFT and TPOT median / p90 (s),
-    acceptance rate (accepted / proposed draft tokens, None without drafts)."""
+    acceptance rate (accepted / proposed draft tokens, None without drafts), errors (the
+    failed requests, left out of the rest)."""
+    errors = sum(s.error is not None for s in samples)
+    done = len(samples) - errors
+    samples = [s for s in samples if s.error is None] or [Sample("", 0, 0.0, 0.0, 0, 0, 0)]
     tokens = sum(s.completion_tokens for s in samples)
     tpot = [(s.e2e_s - s.ttft_s) / (s.completion_tokens - 1) for s in samples if s.completion_tokens > 1]
     ttft = [s.ttft_s for s in samples]
     proposed = sum(s.accepted + s.rejected for s in samples)
-    return {"requests": len(samples), "tokens": tokens, "wall_s": round(wall_s, 3),
+    return {"requests": done, "errors": errors, "tokens": tokens, "wall_s": round(wall_s, 3),
             "throughput_tok_s": round(tokens / wall_s, 3),
             "ttft_median_s": round(_q(ttft, 0.5), 4), "ttft_p90_s": round(_q(ttft, 0.9), 4),
             "tpot_median_s": round(_q(tpot, 0.5), 4) if tpot else None,
@@ -122,7 +136,7 @@ def report(results: dict) -> str:
     lines = [f"# specdecode bench-serve\n\ncommand: `{results['command']}`\n",
              f"date: {results['date']}; speculation on: `{on}`, off: `{off}`; "
              f"{results['max_tokens']} tokens a request, greedy\n",
-             "| concurrency | method | requests | throughput tok/s | on / off | TTFT median (p90) s "
+             "| concurrency | method | requests (errors) | throughput tok/s | on / off | TTFT median (p90) s "
              "| TPOT median (p90) s | acceptance |", "|---|---|---|---|---|---|---|---|"]
     for level in results["levels"]:
         c = level["concurrency"]
@@ -131,9 +145,14 @@ def report(results: dict) -> str:
             r = level[m]
             acc = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "—"
             tpot = f"{r['tpot_median_s']:.3f} ({r['tpot_p90_s']:.3f})" if r["tpot_median_s"] else "—"
-            lines.append(f"| {c} | {m} | {r['requests']} | {r['throughput_tok_s']:.2f} | "
+            lines.append(f"| {c} | {m} | {r['requests']} ({r.get('errors', 0)}) | {r['throughput_tok_s']:.2f} | "
                          f"{f'{ratio:.2f}×' if m == on else ''} | {r['ttft_median_s']:.3f} "
                          f"({r['ttft_p90_s']:.3f}) | {tpot} | {acc} |")
+    check = results.get("check")
+    if check is not None:
+        lines.append(f"\ncheck: {check['compared']} responses compared with the target's solo "
+                     f"greedy run: {check['mismatches']} mismatches, {check['errors']} errors, "
+                     f"{check['left_running']} requests left running after the load")
     return "\n".join(lines) + "\n"
 
 
@@ -155,3 +174,27 @@ def run(url: str, model: str, prompts: list[list[dict]], method_on: str, method_
         levels.append(level)
     return {"method_on": method_on, "method_off": method_off, "max_tokens": max_tokens,
             "levels": levels}
+
+
+def check(results: dict, solo_texts: dict[int, str], left_running: int) -> dict:
+    """Compare every response with the solo run of its prompt (``solo_texts``: prompt index
+    -> text); adds ``results["check"]`` (compared, mismatches, errors, left_running, the
+    first mismatches) and returns it."""
+    compared = mismatches = errors = 0
+    first = []
+    for level in results["levels"]:
+        for m in (results["method_on"], results["method_off"]):
+            for s in level[m]["samples"]:
+                if s["error"] is not None:
+                    errors += 1
+                    continue
+                compared += 1
+                if s["text"] != solo_texts[s["prompt"]]:
+                    mismatches += 1
+                    if len(first) < 3:
+                        first.append({"method": m, "concurrency": level["concurrency"],
+                                      "prompt": s["prompt"], "got": s["text"][:200],
+                                      "want": solo_texts[s["prompt"]][:200]})
+    results["check"] = {"compared": compared, "mismatches": mismatches, "errors": errors,
+                        "left_running": left_running, "first_mismatches": first}
+    return results["check"]

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import api
 from ..bench import serving
 from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
 from ..methods import METHODS, Method
@@ -58,6 +59,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default=str(SPEC_BENCH_PATH), help="a Spec-Bench question.jsonl")
     p.add_argument("--max-batch", type=int, default=None,
                    help="the started server's batch (default: the highest concurrency)")
+    p.add_argument("--check", action="store_true",
+                   help="after the load, compare every response with the target's solo greedy "
+                        "run of its prompt, and count errors and requests left running "
+                        "(the started server only)")
     p.add_argument("--out", default=None, help="write results.json and report.md here")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_bench_serve, args))
@@ -75,6 +80,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"Spec-Bench question file not found: {args.dataset}; pass --dataset "
                          "PATH (a question.jsonl of Spec-Bench's format)") from None
     prompts = [[{"role": "user", "content": t.turns[0]}] for t in tasks]
+    if args.check and args.url is not None:
+        raise ValueError("--check runs the solo runs on the server's own models: leave out --url")
     on, off = Method(args.method), Method(args.off_method)
     uv = None
     if args.url is None:
@@ -101,10 +108,23 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
                               args.requests, args.max_tokens, args.api_key, progress)
+        if args.check:  # what the worker still holds once every client has its answer
+            time.sleep(1.0)
+            left = len(worker._live) + len(worker._pending) + worker.waiting
     finally:
         if uv is not None:
             worker.stop()
             uv.should_exit = True
+    if args.check:
+        worker._thread.join(60)  # its batch closed: the target is free for the solo runs
+        used = sorted({s["prompt"] for lv in results["levels"] for m in (on.value, off.value)
+                       for s in lv[m]["samples"]})
+        print(f"# --check: {len(used)} solo runs", file=sys.stderr)
+        solo = {i: api.generate(worker.target, prompts[i], method="ar", max_new_tokens=args.max_tokens).text
+                for i in used}
+        c = serving.check(results, solo, left)
+        print(f"# check: {c['mismatches']} mismatches in {c['compared']} responses, "
+              f"{c['errors']} errors, {c['left_running']} left running", file=sys.stderr)
     results["command"] = "specdecode " + " ".join(sys.argv[1:])
     results["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     text = serving.report(results)
