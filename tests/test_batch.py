@@ -284,3 +284,27 @@ def test_a_span_of_rows_computes_only_those_rows_with_the_batchs_bits(target):
     for bad in ((2, 2), (-1, 2), (0, 5)):
         with pytest.raises(ValueError, match="span of cache rows"):
             part.forward_span(*bad, x[:1], [1])
+
+
+def test_measured_rates_speculate_only_where_measured_faster():
+    """The guard that keeps a batch from running slower than plain decoding: plain rounds are
+    measured first, then speculative ones; the faster (median, robust to one slow round that
+    paid a draft prefill) is chosen, the other tried every explore_every rounds."""
+    from specdecode.batch import MeasuredRates
+
+    g = MeasuredRates(window=8, min_rounds=3, explore_every=4)
+    choices = []
+    for _ in range(3):
+        choices.append(g.speculate(2))
+        g.record(2, False, 2, 0.1)  # plain: 20 tokens/s
+    assert choices == [False] * 3
+    assert g.speculate(2) is True  # speculation not measured yet
+    for seconds in (1.0, 0.1, 0.1):  # 2 tok/s (a draft prefill), then 30 tokens/s
+        g.record(2, True, 3, seconds)
+    assert g.rate(2, True) == 30 and g.rate(2, False) == 20
+    picks = [g.speculate(2) for _ in range(8)]
+    assert picks == [True, True, True, False, True, True, True, False]  # explores plain
+    for _ in range(8):
+        g.record(2, True, 1, 0.1)  # speculation now slower: 10 tokens/s
+    assert [g.speculate(2) for _ in range(4)] == [False, False, False, True]
+    assert g.speculate(3) is False and g.rate(3, False) is None  # each batch size on its own

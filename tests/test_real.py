@@ -132,3 +132,51 @@ def test_smollm2_seeded_sampling_is_the_same_whatever_speculates(smollm2, temper
     again = specdecode.generate(smollm2, prompt, **common, **runs["suffix session"])  # a fuller cache
     assert again.token_ids == plain.token_ids
     assert accepted["draft K=4"] > 10
+
+
+def test_default_pair_behind_the_server_equals_solo_runs(qwen_pair):
+    """The issue's one server test with the default pair: four concurrent streamed chat
+    requests (hybrid, draft, prompt lookup, plain) through the OpenAI client each equal the
+    request run alone in-process; usage counts what was delivered."""
+    import asyncio
+
+    import openai
+
+    from specdecode.server import Metrics, Worker, create_app, serve_in_thread
+
+    target, draft = qwen_pair
+    cases = [("hybrid", "Write a Python function that reverses a list."),
+             ("draft", "What is a closure in Python? Two sentences."),
+             ("prompt-lookup", "Repeat after me: the quick brown fox jumps over the lazy dog."),
+             ("ar", "Name three sorting algorithms.")]
+    want = [specdecode.generate(target, [{"role": "user", "content": p}], method=m,
+                                draft=draft if m in ("draft", "hybrid") else None, max_new_tokens=24)
+            for m, p in cases]
+    worker = Worker(lambda: qwen_pair, Metrics("qwen"), 8, 4, 1024)
+    uv, port = serve_in_thread(create_app(worker, "qwen", "hybrid"))
+    worker.start()
+    try:
+        assert worker.ready.wait(300), worker.error
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0,
+                                    timeout=300)
+
+        async def one(method, prompt):
+            stream = await client.chat.completions.create(
+                model="qwen", messages=[{"role": "user", "content": prompt}], max_tokens=24,
+                temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body={"method": method})
+            chunks = [c async for c in stream]
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+
+        async def main():
+            return await asyncio.gather(*(one(m, p) for m, p in cases))
+
+        got = asyncio.run(main())
+    finally:
+        worker.stop()
+        uv.should_exit = True
+        worker._thread.join(60)  # its batch released the target for the other tests
+    for (method, _), w, (text, usage) in zip(cases, want, got):
+        assert text == w.text, method
+        eos = w.finish_reason == "stop" and w.token_ids[-1] in target.eos_token_ids
+        assert usage.completion_tokens == len(w.token_ids) - eos, method

@@ -96,6 +96,43 @@ class _Waiting:
     fixed_k: bool
 
 
+class MeasuredRates:
+    """The batch's measured tokens per second in rounds with speculation and without, per
+    number of active rows, and the choice between them: the one measured faster (median of
+    its last ``window`` rounds, robust to a round that paid a draft's prefill), the other
+    tried every ``explore_every`` rounds to keep its figure fresh; plain rounds are measured
+    first, then speculative ones, ``min_rounds`` each. It keeps the batch from running slower
+    than plain decoding where the cost model misjudges (SERVER.md item 21)."""
+
+    def __init__(self, window: int = 8, min_rounds: int = 3, explore_every: int = 16):
+        self.window, self.min_rounds, self.explore_every = window, min_rounds, explore_every
+        self._rates: dict[tuple[int, bool], deque] = {}
+        self._rounds: dict[int, int] = {}
+
+    def rate(self, rows: int, speculative: bool) -> float | None:
+        """Median tokens/s of the last rounds of this kind at this batch size (None: fewer
+        than ``min_rounds``)."""
+        seen = self._rates.get((rows, speculative))
+        if seen is None or len(seen) < self.min_rounds:
+            return None
+        return sorted(seen)[len(seen) // 2]
+
+    def speculate(self, rows: int) -> bool:
+        """Whether this round (``rows`` active) should speculate."""
+        off, on = self.rate(rows, False), self.rate(rows, True)
+        if off is None:
+            return False
+        if on is None:
+            return True
+        n = self._rounds[rows] = self._rounds.get(rows, 0) + 1
+        best = on >= off
+        return (not best) if n % self.explore_every == 0 else best
+
+    def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            self._rates.setdefault((rows, speculative), deque(maxlen=self.window)).append(tokens / seconds)
+
+
 PROBE_EVERY = 8  # rounds without drafts after which a row the policy stopped tries one again
 # the acceptance a row is assumed to start from (the default pair's drafts are accepted 55-75 %
 # of the time, BENCHMARKS.md), worth this many draft tokens of evidence
@@ -127,7 +164,9 @@ class BatchEngine:
     a KV cache of its own, e.g. a fork) and K schedule. forward_seconds: the target's
     measured T(1..n) (:func:`specdecode.profile.verify_profile`); with it, each round's K per
     row is chosen for the whole batch (:func:`choose_lengths`, at most what the row's own
-    schedule asks), without it each row takes its own. debug: check every row's cache
+    schedule asks), and a round speculates only while such rounds are measured faster than
+    rounds without at this number of rows (:class:`MeasuredRates`, ``rates``); without it
+    each row takes its own K. debug: check every row's cache
     invariant after each step.
     """
 
@@ -148,6 +187,7 @@ class BatchEngine:
         self.waiting: deque[_Waiting] = deque()
         self._blocks: dict[Generation, deque] = {}  # blocks made, not yet handed out
         self._overhead_s = 0.0  # a round's time outside its forward pass and drafts (decayed mean)
+        self.rates = MeasuredRates()
 
     def close(self) -> None:
         """Cancel every request still in flight or waiting and free the target."""
@@ -270,8 +310,12 @@ class BatchEngine:
         if not active:
             return [] if not self.active else [(row.gen, []) for row in self.rows if row is not None]
         target = self.target
+        t_start = time.perf_counter()
         wanted = [run.wanted_k() for _, run in active]
-        ks = self._policy(active, wanted) if self.forward_seconds is not None and any(wanted) else wanted
+        ks = wanted
+        if self.forward_seconds is not None and any(wanted):
+            ks = self._policy(active, wanted) if self.rates.speculate(len(active)) else [
+                w if not run.clocked or self.rows[b].fixed_k else 0 for (b, run), w in zip(active, wanted)]
         drafts = {b: run.propose(k) for (b, run), k in zip(active, ks)}
         t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())
@@ -304,6 +348,7 @@ class BatchEngine:
                 self._free(b)
         rest = (now - t_drafted) - (t_scored - t_forward)  # the round outside drafts and the pass
         self._overhead_s = 0.8 * self._overhead_s + 0.2 * max(0.0, rest)
+        self.rates.record(len(active), width > 1, sum(len(e) for _, e in out), now - t_start)
         return out
 
     def _policy(self, active: list[tuple[int, RequestRun]], wanted: list[int]) -> list[int]:
