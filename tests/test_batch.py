@@ -308,3 +308,20 @@ def test_measured_rates_speculate_only_where_measured_faster():
         g.record(2, True, 1, 0.1)  # speculation now slower: 10 tokens/s
     assert [g.speculate(2) for _ in range(4)] == [False, False, False, True]
     assert g.speculate(3) is False and g.rate(3, False) is None  # each batch size on its own
+
+
+def test_the_policy_chooses_k_unless_the_request_gave_one(pair):
+    """A request that names no K is the batch policy's to choose (a default K filled in by the
+    config is not the request's own); an integer num_speculative_tokens is kept."""
+    import specdecode
+
+    target, draft, _ = pair
+    engine = BatchEngine(target.lm, 3, 64, forward_seconds=[1e-3] * 17)
+    try:
+        streams = [specdecode.stream(target, "def f(x):", draft=draft, method="draft", max_new_tokens=8,
+                                     num_speculative_tokens=k, batch=engine) for k in (None, 4, "heuristic")]
+        for s in streams:
+            next(s)  # each joins the batch (the first next() steps it)
+        assert [row.fixed_k for row in engine.rows if row is not None] == [False, True, False]
+    finally:
+        engine.close()

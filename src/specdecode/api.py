@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from .batch import BatchEngine
-from .config import KSchedule, SamplingParams
+from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
                       speculative_config)
@@ -217,13 +217,14 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         one_of(draft_p_min, "draft_p_min", assistant_confidence_threshold,
                "assistant_confidence_threshold"),
         max_matching_ngram_size, suffix_cache)
+    own_k = isinstance(k, int) and not isinstance(k, bool)  # (the config fills in a default K)
     gen, tgt, params, prompt_ids = _start(
         target, prompt, input_ids, draft, spec, chat,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
              seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule,
              logprobs=logprobs),
-        dtype, debug, batch)
+        dtype, debug, batch, own_k)
     tok = tgt.tokenizer
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
 
@@ -322,7 +323,7 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
 
 
 def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, sampling: dict,
-           dtype, debug, batch=None) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
+           dtype, debug, batch=None, own_k=False) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
     params = _sampling_params(**sampling)
     if spec.method.needs_draft_model and draft is None:
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
@@ -343,6 +344,5 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     own = replace(drf, lm=drf.lm.fork(), session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
     draft_s = verify_profile(drf, 0)[0] if drf is not None and batch.forward_seconds else None
-    own_k = spec.schedule is KSchedule.FIXED and spec.num_speculative_tokens is not None
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids
