@@ -41,18 +41,24 @@ def prompt(n, seed):
 
 
 def cases(draft):
-    """(prompt, params, proposer factory, K) of mixed requests."""
+    """(prompt, params, proposer factory, K) of mixed requests; a factory takes the draft
+    model to draft with (default: a fork of the draft, as a request alone has)."""
     greedy = lambda n: SamplingParams(max_new_tokens=n)  # noqa: E731
     sampled = lambda n, seed: SamplingParams(max_new_tokens=n, temperature=0.8, seed=seed)  # noqa: E731
     rep = [11, 23, 5, 42, 17] * 6
+    on_draft = lambda m=None: DraftModelProposer(m if m is not None else draft.fork())  # noqa: E731
     return [
-        (prompt(9, 1), greedy(30), lambda: None, None),
-        (prompt(40, 2), greedy(25), lambda: DraftModelProposer(draft.fork()), 4),
-        (rep, greedy(40), lambda: PromptLookupProposer(), 8),
-        (prompt(3, 3), sampled(30, 7), lambda: DraftModelProposer(draft.fork()), 3),
-        (rep[:17], greedy(20), lambda: SuffixProposer(), 6),
-        (prompt(70, 4), sampled(20, 9), lambda: PromptLookupProposer(), 5),
-        ([5], greedy(12), lambda: DraftModelProposer(draft.fork()), 2),
+        (prompt(9, 1), greedy(30), lambda m=None: None, None),
+        (prompt(40, 2), greedy(25), on_draft, 4),
+        (rep, greedy(40), lambda m=None: PromptLookupProposer(), 8),
+        (prompt(3, 3), sampled(30, 7), on_draft, 3),
+        (rep[:17], greedy(20), lambda m=None: SuffixProposer(), 6),
+        (prompt(70, 4), sampled(20, 9), lambda m=None: PromptLookupProposer(), 5),
+        ([5], greedy(12), on_draft, 2),
+        # the rejection rule's draws depend on the draft's probabilities: the batched draft
+        # pass must give each row the bits of its draft alone
+        (prompt(20, 5), SamplingParams(max_new_tokens=24, temperature=0.9, seed=4,
+                                       acceptance_rule="rejection"), on_draft, 3),
     ]
 
 
@@ -69,8 +75,12 @@ def test_each_row_equals_its_request_alone(target, draft, max_batch):
     model = target.fork()
     engine = BatchEngine(model, max_batch, 160, debug=True)
     try:
-        gens = [engine.add(p, params, proposer=make(), schedule=None if k is None else FixedK(k))
-                for p, params, make, k in reqs]
+        # the draft-model rows draft on the batch's rows of one draft cache (one pass a step)
+        gens = [engine.add(p, params, proposer=make(engine.draft_view(draft)),
+                           schedule=None if k is None else FixedK(k)) for p, params, make, k in reqs]
+        (rows,) = engine._draft_rows.values()
+        sizes, run = [], rows.run
+        rows.run = lambda passes: (sizes.append(len(passes)), run(passes))[1]
         steps = 0
         while engine.waiting or engine.active:
             out = engine.step()
@@ -85,8 +95,9 @@ def test_each_row_equals_its_request_alone(target, draft, max_batch):
         speculative = [g for g, (_, _, make, _) in zip(gens, reqs) if make() is not None]
         assert sum(g.stats.num_draft_tokens for g in speculative) > 0
         assert any(g.stats.num_accepted_tokens < g.stats.num_draft_tokens for g in speculative)
-        if max_batch > 1:  # requests really shared passes
+        if max_batch > 1:  # requests really shared passes, the draft's too
             assert steps < sum(w.stats.num_verify_passes for w in want)
+            assert max(sizes) > 1
     finally:
         engine.close()
 
@@ -209,6 +220,13 @@ def test_batch_policy_speculates_where_it_pays_and_stops_as_the_batch_grows():
     assert choose_lengths([0.6] * 16, [0.03] * 16, [6] * 16, [False] * 16, steep) == [0] * 16
     # a fixed row keeps its own K, whatever pays
     assert choose_lengths([0.05, 0.9], [0.0, 0.0], [5, 8], [True, False], steep)[0] == 5
+    # rows whose drafts run in one pass (DraftRows) pay a draft step once for all of them:
+    # where each row's own steps would not pay, one pass for all does
+    alone = choose_lengths([0.6] * 4, [0.02] * 4, [6] * 4, [False] * 4, flat)
+    together = choose_lengths([0.6] * 4, [0.02] * 4, [6] * 4, [False] * 4, flat, batched=[True] * 4)
+    assert sum(together) > sum(alone)
+    assert choose_lengths([0.6], [0.02], [6], [False], flat, batched=[True]) == \
+        choose_lengths([0.6], [0.02], [6], [False], flat)  # one row: the same cost
 
 
 def test_the_batch_policy_keeps_every_output(target, draft):
@@ -218,8 +236,9 @@ def test_the_batch_policy_keeps_every_output(target, draft):
     times = [0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 18)]
     engine = BatchEngine(target.fork(), 4, 160, debug=True, forward_seconds=times)
     try:
-        gens = [engine.add(p, params, proposer=make(), schedule=None if k is None else FixedK(k))
-                for p, params, make, k in reqs]
+        # the draft-model rows draft on the batch's rows of one draft cache (one pass a step)
+        gens = [engine.add(p, params, proposer=make(engine.draft_view(draft)),
+                           schedule=None if k is None else FixedK(k)) for p, params, make, k in reqs]
         engine.run()
         assert [g.token_ids for g in gens] == [w.token_ids for w in want]
         verified = sum(sum(g.stats.speculation_lengths) for g in gens)

@@ -340,9 +340,13 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     if spec.suffix_cache == "session":
         raise ValueError("suffix_cache='session' shares one proposer between requests, which a "
                          "batch runs side by side: use suffix_cache='request' with batch=")
-    # each row's draft model drafts with a KV cache of its own (a fork shares the weights)
-    own = replace(drf, lm=drf.lm.fork(), session_proposers={}) if drf is not None else None
+    # each row's draft model drafts on a row of the batch's cache for that draft, so that
+    # the rows' draft passes run as one (BatchEngine.draft_view); a model without rows of
+    # their own lengths drafts on a fork of its own
+    draft_s = verify_profile(drf, 0)[0] if drf is not None else None  # (measured on the model itself)
+    view = batch.draft_view(drf.lm) if drf is not None and hasattr(drf.lm, "forward_span") else \
+        drf.lm.fork() if drf is not None else None
+    own = replace(drf, lm=view, session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
-    draft_s = verify_profile(drf, 0)[0] if drf is not None and batch.forward_seconds else None
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids

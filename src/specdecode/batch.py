@@ -34,7 +34,7 @@ from .stats import SpecDecodingStats
 
 def choose_lengths(alphas: list[float], draft_seconds: list[float], wanted: list[int],
                    fixed: list[bool], forward_seconds: list[float],
-                   overhead_s: float = 0.0) -> list[int]:
+                   overhead_s: float = 0.0, batched: list[bool] | None = None) -> list[int]:
     """Each row's K for one batched round: the lengths (k_i <= wanted_i) that maximise the
     batch's expected tokens per second,
     Σ_i E(k_i) / (T(Σ_i (k_i + 1)) + O + Σ_i c_i·k_i),
@@ -43,35 +43,49 @@ def choose_lengths(alphas: list[float], draft_seconds: list[float], wanted: list
     (``forward_seconds``, T(1..)), O the round's time outside the forward pass and the
     drafts (``overhead_s``: logits processing, acceptance, bookkeeping; it favours fewer,
     longer rounds) and c_i the row's drafting time per token (its draft model steps on its
-    own; 0 for lookups). Rows marked ``fixed`` keep k = wanted (a seeded request
+    own; 0 for lookups). Rows marked ``batched`` draft in one pass with each other
+    (:class:`DraftRows`): their drafting costs c·Σ_j T(m_j)/T(1), m_j the rows still drafting at
+    step j, with the target's T(n)/T(1) standing in for the draft's (the same family of
+    model on the same memory-bound CPU). Rows marked ``fixed`` keep k = wanted (a seeded request
     of the rejection rule: its draws depend on K). Greedy: one draft token at a time to the
-    row where it raises the rate most, while it does. As the batch grows, T(n) grows and
-    speculation turns off where it stops paying."""
+    row where it raises the rate most, or to every open row at once where that raises it
+    more, while it does. As the batch grows, T(n) grows and speculation turns off where it
+    stops paying."""
     t1 = forward_seconds[0]
     costs = [t / t1 for t in forward_seconds]
     k = [w if f else 0 for w, f in zip(wanted, fixed)]
 
+    together = batched or [False] * len(alphas)
+    c_batched = max((c for c, b in zip(draft_seconds, together) if b), default=0.0)
+
     def rate(ks):
         tokens = sum(expected_tokens([a] * n, n) for a, n in zip(alphas, ks))
-        seconds = t1 * relative_cost(costs, sum(n + 1 for n in ks)) + overhead_s + \
-            sum(c * n for c, n in zip(draft_seconds, ks))
+        drafting = sum(c * n for c, n, b in zip(draft_seconds, ks, together) if not b)
+        steps = max((n for n, b in zip(ks, together) if b), default=0)
+        drafting += c_batched * sum(relative_cost(costs, sum(1 for n, b in zip(ks, together) if b and n > j))
+                                    for j in range(steps))
+        seconds = t1 * relative_cost(costs, sum(n + 1 for n in ks)) + overhead_s + drafting
         return tokens / seconds
 
     best = rate(k)
     while True:
         step = None
-        for i, (n, w, f) in enumerate(zip(k, wanted, fixed)):
-            if f or n >= w:
-                continue
-            k[i] += 1
+        open_rows = [i for i, (n, w, f) in enumerate(zip(k, wanted, fixed)) if not f and n < w]
+        # one more draft token for one row, or for every row at once (batched rows share
+        # each draft step: one row alone may not pay for a step that all of them do)
+        for move in [[i] for i in open_rows] + ([open_rows] if len(open_rows) > 1 else []):
+            for i in move:
+                k[i] += 1
             r = rate(k)
-            k[i] -= 1
+            for i in move:
+                k[i] -= 1
             if r > best and (step is None or r > step[0]):
-                step = (r, i)
+                step = (r, move)
         if step is None:
             return k
         best = step[0]
-        k[step[1]] += 1
+        for i in step[1]:
+            k[i] += 1
 
 
 class _Status:
@@ -154,6 +168,91 @@ class _Row:
     prefilled: int = 0  # prompt tokens in the row's cache so far
 
 
+SMALL_PASS = 16  # draft passes of up to this many tokens a row are batched; longer ones (a
+# catch-up prefill) run as that row alone, in the chunks a request alone runs
+
+
+class DraftRows:
+    """One draft model's KV cache with a row per batch row, so that the rows' draft passes
+    run as one (a draft step of B rows costs about one of 1 row on a memory-bound CPU).
+
+    draft: the draft's model (forked here: its weights shared, a cache of its own);
+    :meth:`view` gives each request a model of its own (:class:`DraftRowView`) for its
+    proposer; :meth:`run` runs the passes those views asked for. Each row's bits are those
+    of the draft run alone (row-independent kernels; a long pass runs alone).
+    """
+
+    def __init__(self, draft, max_batch: int, max_len: int):
+        self.lm = draft.fork()
+        self.max_len = min(max_len, draft.max_context)
+        self.lm.allocate(max_batch, self.max_len)
+
+    def view(self) -> "DraftRowView":
+        return DraftRowView(self)
+
+    def _set_length(self, row: int, n: int) -> None:
+        lengths = list(self.lm.row_lengths)
+        lengths[row] = n
+        self.lm.rollback_rows(lengths)
+
+    def run(self, passes: list[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Logits [1, n, V] of each (row, input_ids [1, T], n) pass: the short ones in one
+        pass over the span of their rows, the long ones each alone."""
+        out: list[torch.Tensor | None] = [None] * len(passes)
+        short = [i for i, (_, ids, _) in enumerate(passes) if ids.shape[1] <= SMALL_PASS]
+        for i, (row, ids, n) in enumerate(passes):
+            if i not in short:
+                out[i] = self.lm.forward_row(row, ids, n)
+        if short:
+            rows = [passes[i][0] for i in short]
+            first, stop = min(rows), max(rows) + 1
+            width = max(passes[i][1].shape[1] for i in short)
+            n_max = max(passes[i][2] for i in short)
+            x = torch.zeros(stop - first, width, dtype=torch.long)
+            lengths = [0] * (stop - first)
+            for i in short:
+                row, ids, _ = passes[i]
+                x[row - first, :ids.shape[1]] = ids[0]
+                lengths[row - first] = ids.shape[1]
+            logits = self.lm.forward_span(first, stop, x, lengths, num_logits=n_max).logits
+            for i in short:
+                row, _, n = passes[i]
+                out[i] = logits[row - first:row - first + 1, n_max - n:n_max]
+        return out
+
+
+class DraftRowView:
+    """One request's draft model inside a :class:`DraftRows`: the CausalLM calls a
+    :class:`~specdecode.proposers.DraftModelProposer` makes, on the row the batch gives the
+    request (:meth:`bind`)."""
+
+    def __init__(self, rows: DraftRows):
+        self.rows, self.row = rows, None
+        self.vocab_size = rows.lm.vocab_size
+        self.max_context = rows.max_len
+        self.weight_format = rows.lm.weight_format
+
+    def bind(self, row: int) -> None:
+        self.row = row
+        self.rows._set_length(row, 0)
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.lm.row_lengths[self.row]
+
+    def allocate(self, batch: int, max_len: int) -> None:
+        if batch != 1 or max_len > self.max_context:
+            raise ValueError(f"a draft row holds one request of at most {self.max_context} "
+                             f"positions, asked for {batch} x {max_len}")
+        self.rows._set_length(self.row, 0)
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
+        return self.rows.lm.forward_row(self.row, input_ids, num_logits)
+
+    def rollback(self, length: int) -> None:
+        self.rows._set_length(self.row, length)
+
+
 class BatchEngine:
     """Runs many requests on one native target, ``max_batch`` rows at a time.
 
@@ -188,6 +287,17 @@ class BatchEngine:
         self._blocks: dict[Generation, deque] = {}  # blocks made, not yet handed out
         self._overhead_s = 0.0  # a round's time outside its forward pass and drafts (decayed mean)
         self.rates = MeasuredRates()
+        self._draft_rows: dict[int, DraftRows] = {}  # id(draft model) -> its rows
+        self.max_batch = max_batch
+
+    def draft_view(self, draft) -> DraftRowView:
+        """A model for one request's draft-model proposer whose passes this batch runs
+        together with the other requests' passes of the same draft (``draft``: its model;
+        one cache row per batch row, allocated on first use)."""
+        rows = self._draft_rows.get(id(draft))
+        if rows is None:
+            rows = self._draft_rows[id(draft)] = DraftRows(draft, self.max_batch, self.max_len)
+        return rows.view()
 
     def close(self) -> None:
         """Cancel every request still in flight or waiting and free the target."""
@@ -263,6 +373,9 @@ class BatchEngine:
                 continue
             w = self.waiting.popleft()
             locks = hold([], w.proposer)
+            for m in (w.proposer.models() if w.proposer is not None else ()):
+                if isinstance(m, DraftRowView):
+                    m.bind(b)
             target.rollback_rows([0 if r == b else n for r, n in enumerate(target.row_lengths)])
             check = (lambda b=b: target.row_lengths[b]) if self.debug else None
             run = RequestRun(target, w.proposer, w.schedule, w.prompt, w.params, w.eos, w.decode,
@@ -316,7 +429,7 @@ class BatchEngine:
         if self.forward_seconds is not None and any(wanted):
             ks = self._policy(active, wanted) if self.rates.speculate(len(active)) else [
                 w if not run.clocked or self.rows[b].fixed_k else 0 for (b, run), w in zip(active, wanted)]
-        drafts = {b: run.propose(k) for (b, run), k in zip(active, ks)}
+        drafts = self._draft({b: run.propose_steps(k) for (b, run), k in zip(active, ks)})
         t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())
         # only the span of rows from the first active one to the last is computed
@@ -351,8 +464,38 @@ class BatchEngine:
         self.rates.record(len(active), width > 1, sum(len(e) for _, e in out), now - t_start)
         return out
 
+    @staticmethod
+    def _draft(steps: dict) -> dict[int, torch.Tensor]:
+        """Each row's drafts, from its proposal's forward passes (``steps``: row -> generator,
+        :meth:`~specdecode.engine.RequestRun.propose_steps`): every round of passes, those on
+        the rows of one :class:`DraftRows` run as one, the others alone."""
+        out, pending = {}, {}
+
+        def advance(b, value=None):
+            try:
+                pending[b] = steps[b].send(value)
+            except StopIteration as done:
+                out[b] = done.value
+                pending.pop(b, None)
+
+        for b in steps:
+            advance(b)
+        while pending:
+            results, groups = {}, {}
+            for b, (model, ids, n) in pending.items():
+                if isinstance(model, DraftRowView):
+                    groups.setdefault(id(model.rows), (model.rows, []))[1].append((b, model.row, ids, n))
+                else:
+                    results[b] = model.forward(ids, num_logits=n)
+            for rows, passes in groups.values():
+                for (b, *_), logits in zip(passes, rows.run([p[1:] for p in passes])):
+                    results[b] = logits
+            for b in list(pending):
+                advance(b, results[b])
+        return out
+
     def _policy(self, active: list[tuple[int, RequestRun]], wanted: list[int]) -> list[int]:
-        alphas, draft_seconds, fixed, asked = [], [], [], list(wanted)
+        alphas, draft_seconds, fixed, asked, batched = [], [], [], list(wanted), []
         t1 = self.forward_seconds[0]
         for i, (b, run) in enumerate(active):
             st = run.stats
@@ -369,8 +512,10 @@ class BatchEngine:
             if probe:  # the policy stopped this row: one draft token, to see if that changed
                 asked[i] = 1
             fixed.append(probe or not run.clocked or self.rows[b].fixed_k)
+            batched.append(run.proposer is not None and any(
+                isinstance(m, DraftRowView) for m in run.proposer.models()))
         return choose_lengths(alphas, draft_seconds, asked, fixed, self.forward_seconds,
-                              self._overhead_s)
+                              self._overhead_s, batched)
 
     def run(self) -> None:
         """Step until every request has finished, then hand every generation its blocks."""

@@ -19,6 +19,7 @@ import torch
 from .config import SamplingParams, check_k
 from .models.base import CausalLM, busy_lock
 from .proposers import Proposer, RequestState
+from .proposers.base import run_alone
 from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
@@ -266,9 +267,14 @@ class RequestRun:
     def propose(self, k: int) -> torch.Tensor:
         """This round's draft tokens [1, k'] (k' <= k; k' may be 0): at most ``k`` (from
         :meth:`wanted_k`, or fewer where a batch's policy says so)."""
+        return run_alone(self.propose_steps(k))
+
+    def propose_steps(self, k: int):
+        """:meth:`propose` as a generator of the proposer's forward passes
+        (:meth:`~specdecode.proposers.Proposer.propose_steps`); returns the draft tokens."""
         state, schedule, proposer = self.state, self.schedule, self.proposer
         t1 = time.perf_counter()
-        draft = proposer.propose(state, k) if k > 0 else None
+        draft = (yield from proposer.propose_steps(state, k)) if k > 0 else None
         drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
         if draft is not None and draft.free and drafts.shape[1]:
             k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Generator
 
 import torch
 
@@ -145,3 +145,31 @@ class Proposer(ABC):
         next, greedy requests only), keeping those this proposer would have proposed too.
         Proposers with ``reads_guess`` False ignore the guess."""
         return self.propose(state, k)
+
+    # -- the proposal as the forward passes it needs (a batch runs many requests' as one)
+
+    def propose_steps(self, state: RequestState, k: int) -> "Steps":
+        """:meth:`propose` as a generator of the forward passes it needs: it yields
+        ``(model, input_ids [1, T], num_logits)``, is sent that pass's logits [1, num_logits,
+        V], and returns the DraftOutput (:func:`run_alone` runs it alone; the batched engine
+        runs the passes of many requests' draft models as one). Default: no pass."""
+        return self.propose(state, k)
+        yield  # noqa: unreachable (a generator that needs no pass)
+
+    def propose_steps_with_guess(self, state: RequestState, k: int, guess: list[int]) -> "Steps":
+        """:meth:`propose_with_guess` as :meth:`propose_steps` does it."""
+        return self.propose_with_guess(state, k, guess)
+        yield  # noqa: unreachable
+
+
+Steps = Generator[tuple, torch.Tensor, DraftOutput]
+
+
+def run_alone(steps: Steps) -> DraftOutput:
+    """Run a proposal's forward passes one by one on their models; returns its DraftOutput."""
+    try:
+        model, ids, n = next(steps)
+        while True:
+            model, ids, n = steps.send(model.forward(ids, num_logits=n))
+    except StopIteration as done:
+        return done.value

@@ -6,7 +6,7 @@ import torch
 
 from ..models.base import CausalLM
 from ..sampling import gumbel_sample, process_logits, sample, to_probs
-from .base import DraftOutput, Proposer, RequestState
+from .base import DraftOutput, Proposer, RequestState, Steps, run_alone
 
 
 class DraftModelProposer(Proposer):
@@ -79,11 +79,19 @@ class DraftModelProposer(Proposer):
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         """Draft tokens [1, m] (with their distributions [1, m, V] when sampling), m ≤ k; 0
         when the draft is off or unsure of its first token."""
-        return self.propose_with_guess(state, k, [])
+        return run_alone(self.propose_steps_with_guess(state, k, []))
 
     def propose_with_guess(self, state: RequestState, k: int, guess: list[int]) -> DraftOutput:
+        """See :meth:`propose_steps_with_guess` (its passes run one by one)."""
+        return run_alone(self.propose_steps_with_guess(state, k, guess))
+
+    def propose_steps(self, state: RequestState, k: int) -> Steps:
+        return self.propose_steps_with_guess(state, k, [])
+
+    def propose_steps_with_guess(self, state: RequestState, k: int, guess: list[int]) -> Steps:
         """Draft tokens [1, m] (with their distributions [1, m, V] when sampling); m ≤ k
-        without a guess, ≤ max(k, len(guess) + 1) with one, 0 when the draft is off or unsure.
+        without a guess, ≤ max(k, len(guess) + 1) with one, 0 when the draft is off or unsure;
+        as a generator of the draft's forward passes (:meth:`Proposer.propose_steps`).
 
         guess (greedy requests; ignored when sampling): tokens another proposer expects next
         (at most the round's K − 1). The draft reads them in one forward pass and keeps the
@@ -107,12 +115,12 @@ class DraftModelProposer(Proposer):
             self.enabled = False
             return DraftOutput.empty()
         if len(new) > 2 or (len(new) == 2 and self.draft.seq_len == 0):  # see the class docstring
-            self.draft.forward(torch.tensor([new[:-1]]), num_logits=0)
+            yield self.draft, torch.tensor([new[:-1]]), 0
             new = new[-1:]
         context = torch.tensor([state.tokens + guess])
         ids, dists = [], []
         if guess:
-            logits = self.draft.forward(torch.tensor([new + guess]), num_logits=len(guess) + 1)
+            logits = yield self.draft, torch.tensor([new + guess]), len(guess) + 1
             own = False  # the last token is the draft's own (not in the guess)
             for i in range(min(len(guess) + 1, cap)):
                 row = process_logits(logits[:, i:i + 1, :v], params, context[:, :n + i], None,
@@ -132,7 +140,7 @@ class DraftModelProposer(Proposer):
             new = [int(ids[-1])]  # the draft drafts on from its own token
         feed = torch.tensor([new])
         for i in range(len(ids), k):
-            logits = self.draft.forward(feed, num_logits=1)[..., :v]
+            logits = (yield self.draft, feed, 1)[..., :v]
             logits = process_logits(logits, params, context, None, state.num_generated + i,
                                     state.eos_token_ids)[:, 0]
             # noise exists for sampled requests of the gumbel rule only (never greedy)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..costmodel import chained_acceptance, expected_tokens, relative_cost
 from ..models.base import CausalLM
-from .base import DraftOutput, Forecast, Proposer, RequestState
+from .base import DraftOutput, Forecast, Proposer, RequestState, Steps, run_alone
 from .draft_model import DraftModelProposer
 
 
@@ -203,6 +203,9 @@ class HybridProposer(Proposer):
         return max((d, rate) for d, rate in rates if rate >= (1 - self.tuning.explore) * top)
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
+        return run_alone(self.propose_steps(state, k))
+
+    def propose_steps(self, state: RequestState, k: int) -> Steps:
         tune = self.tuning
         n = len(state.tokens)
         best = None  # (rate, length, arm, forecast) of the best lookup, the first on ties
@@ -230,7 +233,7 @@ class HybridProposer(Proposer):
             if not guess:  # scoring only unused forecasts would bias the lookups' calibration
                 for other in self.lookups:
                     other.proposer.discard_last_proposal()
-            drafted = self.drafter.propose_with_guess(state, d, guess)
+            drafted = yield from self.drafter.propose_steps_with_guess(state, d, guess)
             m = drafted.token_ids.shape[1]
             if m:
                 self._drafted = (n, min(m, self.draft_k))
