@@ -27,6 +27,7 @@ import torch
 from .config import SamplingParams
 from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
+from .models.native import SDPA_MIN_TOKENS
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
@@ -168,8 +169,10 @@ class _Row:
     prefilled: int = 0  # prompt tokens in the row's cache so far
 
 
-SMALL_PASS = 16  # draft passes of up to this many tokens a row are batched; longer ones (a
-# catch-up prefill) run as that row alone, in the chunks a request alone runs
+# draft passes of up to this many tokens a row are batched (the attention kernel's range, so
+# each row takes the path it takes alone); longer ones (a lazy prefill) run as that row alone,
+# in the chunks a request alone runs
+SMALL_PASS = SDPA_MIN_TOKENS
 
 
 class DraftRows:
