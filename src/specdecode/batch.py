@@ -267,8 +267,8 @@ class BatchEngine:
     measured T(1..n) (:func:`specdecode.profile.verify_profile`); with it, each round's K per
     row is chosen for the whole batch (:func:`choose_lengths`, at most what the row's own
     schedule asks), and a round speculates only while such rounds are measured faster than
-    rounds without at this number of rows (:class:`MeasuredRates`, ``rates``); without it
-    each row takes its own K. debug: check every row's cache
+    rounds without at this number of rows (:class:`MeasuredRates`, ``rates``); a lone row,
+    and every row without it, takes its own schedule's K. debug: check every row's cache
     invariant after each step.
     """
 
@@ -429,7 +429,8 @@ class BatchEngine:
         t_start = time.perf_counter()
         wanted = [run.wanted_k() for _, run in active]
         ks = wanted
-        if self.forward_seconds is not None and any(wanted):
+        # a lone row takes its own schedule's K, as the request alone would
+        if self.forward_seconds is not None and any(wanted) and len(active) > 1:
             ks = self._policy(active, wanted) if self.rates.speculate(len(active)) else [
                 w if not run.clocked or self.rows[b].fixed_k else 0 for (b, run), w in zip(active, wanted)]
         drafts = self._draft({b: run.propose_steps(k) for (b, run), k in zip(active, ks)})

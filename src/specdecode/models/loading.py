@@ -243,7 +243,7 @@ class IncompatibleDraftError(ValueError):
 
 # target -> drafts already checked against it: the check compares whole vocabularies (tens of
 # milliseconds for 150k tokens), so it runs once per pair, not once per request
-_PAIRED: "weakref.WeakKeyDictionary[LoadedModel, weakref.WeakSet[LoadedModel]]" = weakref.WeakKeyDictionary()
+_PAIRED: "weakref.WeakKeyDictionary[object, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -254,8 +254,11 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     that passed is not checked again (llama.cpp checks at init, ``common/speculative.cpp``).
     Raises IncompatibleDraftError saying what to do.
     """
-    checked = _PAIRED.setdefault(target, weakref.WeakSet())
-    if draft in checked:
+    # keyed on the tokenizers where there are some: a batch gives each request a copy of the
+    # draft's LoadedModel (its own KV cache row) with the same tokenizer
+    key_t, key_d = target.tokenizer or target, draft.tokenizer or draft
+    checked = _PAIRED.setdefault(key_t, weakref.WeakSet())
+    if key_d in checked:
         return
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is not None and dt is not None and (
@@ -266,7 +269,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             "speculation needs the same tokenizer: pick a draft of the target's own family "
             "(CLI --draft NAME|PATH, Python draft=...; the model itself works too), or decode "
             "without a draft (CLI --method ar, Python method='ar').")
-    checked.add(draft)
+    checked.add(key_d)
 
 
 def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT_DTYPE,
