@@ -30,11 +30,14 @@ min_tokens, acceptance_rule, return_token_sources (the page's view: each chunk's
 runs by who supplied it, with the speculation counters). Up to --max-batch requests share
 each verify pass (continuous batching; each output is still its solo run's), a bounded
 queue holds the others. The draft model is loaded when --method needs
-one or --draft names one; only then may requests ask for the draft and hybrid methods. The default method is ar (plain batched
-decoding) for now: measured with `specdecode bench-serve` on a 2-core CPU, the hybrid made
-0.83-0.96x plain decoding's throughput at concurrency 1-8 (each row's draft model steps
-alone, and prefills before the first token; BENCHMARKS.md); a request may still ask for a
-method ("method" in extra_body), and --method sets the default.
+one or --draft names one; only then may requests ask for the draft and hybrid methods.
+Each step the rows' draft passes run as one pass, each round's K per row is chosen for the
+whole batch, and a round speculates only while that is measured faster than plain rounds.
+The default method is ar (plain batched decoding) for now: measured with `specdecode
+bench-serve` on a 2-core CPU, the hybrid made 1.10x plain decoding's throughput at
+concurrency 1, 0.99x at 4, but 0.88-0.92x at 2 and 8 (a hybrid request's draft prefill
+stalls the batch once; BENCHMARKS.md section 7b); a request may still ask for a method
+("method" in extra_body), and --method sets the default.
 
 examples:
   specdecode serve
