@@ -104,3 +104,32 @@ def test_export_refuses_what_the_engines_cannot_load(tmp_path, dirs, capsys):
     assert code == 0 and "STANDALONE" in capsys.readouterr().out
     assert (tmp_path / "e" / "target" / "model.safetensors").exists()
     assert 'TARGET="${TARGET:-$HERE/target}"' in (tmp_path / "e" / "launch.sh").read_text()
+
+
+def test_the_exported_directory_can_be_moved_and_launched(tmp_path, dirs):
+    """launch.sh run from a moved DIR, with a stand-in `vllm` on PATH that prints what it
+    was given: the draft path in the config is the moved one, the target is TARGET, extra
+    arguments pass through; the config carries rope_theta for transformers 4."""
+    import shutil
+    import stat
+    import subprocess
+
+    export("vllm", tmp_path / "a", dirs["target"], dirs["draft"], Method.DRAFT, progress=False)
+    moved = tmp_path / "elsewhere" / "b"
+    shutil.move(str(tmp_path / "a"), moved)
+    fake = tmp_path / "bin" / "vllm"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env bash\npython3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", TARGET="Org/Target")
+    out = subprocess.run([str(moved / "launch.sh"), "--port", "8001"], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    out = json.loads(out)
+    assert out[:2] == ["serve", "Org/Target"] and out[-2:] == ["--port", "8001"]
+    config = json.loads(out[out.index("--speculative-config") + 1])
+    assert config["model"] == str(moved / "draft") and config["method"] == "draft_model"
+    source = json.loads((dirs["draft"] / "config.json").read_text())
+    written = json.loads((moved / "draft" / "config.json").read_text())
+    theta = source.get("rope_theta", (source.get("rope_parameters") or {}).get("rope_theta"))
+    assert written["rope_theta"] == theta and written["dtype"] == "bfloat16"
+    assert (moved / "draft" / "model.safetensors").stat().st_mode & 0o044 == 0o044

@@ -371,6 +371,12 @@ def test_metrics_count_speculation_with_vllm_names(server):
                               extra_body={"method": "draft"})
     status, _, text = server.get("/metrics")
     assert value("specdecode:spec_decode_num_draft_tokens_total") > draft_tokens
+    # idle again: nothing running, nothing waiting (the gauges are set after a round too)
+    deadline = time.time() + 5
+    while value("specdecode:num_requests_running") and time.time() < deadline:
+        time.sleep(0.05)
+        text = server.get("/metrics")[2]
+    assert value("specdecode:num_requests_running") == 0 == value("specdecode:num_requests_waiting")
 
 
 def test_bench_serve_client_measures_both_methods_at_each_level(server, alone):

@@ -111,7 +111,13 @@ def write_hf_dir(src: Path, dst: Path, vocab_size: int | None = None,
                 [t, t.new_zeros(vocab_size - t.shape[0], *t.shape[1:])])
         tensors[name] = t.contiguous()
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "model.safetensors").chmod(0o644)  # as the other files: readable by the server's user
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
+        # transformers 4 (what many vLLM / SGLang releases pin) reads it at the top level;
+        # without it, it would fall back to 10000 and the draft would be another model
+        config["rope_theta"] = rope["rope_theta"]
     if vocab_size is not None:
         config["vocab_size"] = vocab_size
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -216,7 +222,13 @@ def _launch_script(r: ExportResult, served: str) -> str:
             "set -euo pipefail", 'HERE="$(cd "$(dirname "$0")" && pwd)"',
             f'TARGET="${{TARGET:-{served}}}"']
     if r.engine == "vllm":
-        spec = ' --speculative-config "$(cat "$HERE/speculative_config.json")"' if r.config else ""
+        # the draft's path as it is now, wherever DIR was moved to
+        spec = ""
+        if r.config and "model" in r.config:
+            spec = (' --speculative-config "$(sed "s#' + str(r.out / "draft") + '#$HERE/draft#" '
+                    '"$HERE/speculative_config.json")"')
+        elif r.config:
+            spec = ' --speculative-config "$(cat "$HERE/speculative_config.json")"'
         cmd = f'exec vllm serve "$TARGET"{spec} "$@"'
     else:
         flags = " ".join(shlex.quote(f) for f in r.flags).replace(
@@ -228,7 +240,8 @@ def _launch_script(r: ExportResult, served: str) -> str:
 def _notes(r: ExportResult, method: Method, target_name: str, with_target: bool) -> str:
     lines = [f"# {r.engine} export of specdecode's `{method.value}` method", "",
              f"- target: {target_name}" + (" (also written here as `target/`, bf16)" if with_target else
-                                          " (not copied: the launch script serves it from there, or TARGET)"),
+                                          " (not copied: `launch.sh` serves this machine's copy unless "
+                                          "TARGET names another, e.g. the target's hub id)"),
              "- draft: `draft/` (bf16 safetensors, config, tokenizer)" if (r.out / "draft").exists()
              else "- draft: none (a lookup method)",
              f"- {r.engine} method: " + (f"`{r.method}`" if r.method else "none (no equivalent)")]
@@ -236,7 +249,12 @@ def _notes(r: ExportResult, method: Method, target_name: str, with_target: bool)
         lines += ["- `speculative_config.json`: vLLM's `--speculative-config`"]
     if r.flags:
         lines += ["- SGLang flags: `" + " ".join(r.flags).replace(str(r.out), "DIR") + "`"]
-    lines += ["- `launch.sh`: starts the server (`TARGET=... ./launch.sh --port 8000`)", ""]
+    lines += ["- `launch.sh`: starts the server (`TARGET=... ./launch.sh --port 8000`); DIR may be "
+              "moved: it finds `draft/` beside itself", "",
+              "The draft is specdecode's copy of it (a model fetched as GGUF is the dequantized "
+              "GGUF), so it drafts as it does here. The engine verifies with its own target and "
+              "kernels: its output is its target's, not token for token specdecode's q4 one. "
+              "`config.json` carries `rope_theta` at the top level too, for transformers 4.", ""]
     if r.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in r.notes] + [""]
     return "\n".join(lines)

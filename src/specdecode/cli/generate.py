@@ -93,7 +93,11 @@ def colored(spans) -> str:
         if key == "accepted":
             key = "draft" if info.proposer.startswith("draft") else "lookup"
         code = _CODES.get(key)
-        out.append(f"{code}{text}\033[0m" if code and text else text)
+        if not code:
+            out.append(text)
+            continue
+        # colour each line's part apart: a colour carried over a newline paints the next line
+        out.append("\n".join(f"{code}{part}\033[0m" if part else "" for part in text.split("\n")))
     return "".join(out)
 
 

@@ -152,6 +152,8 @@ class Worker:
             if self._live:
                 self.metrics.batch_size.observe(len(self._live))
             self._round()
+            self.metrics.running.set(len(self._live))  # (the loop may block next, idle)
+            self.metrics.waiting.set(self.waiting + len(self._pending))
         for c in self._live:
             c.chunks.close()
         if self.engine is not None:

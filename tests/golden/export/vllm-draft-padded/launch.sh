@@ -3,4 +3,4 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 TARGET="${TARGET:-TARGET_DIR}"
-exec vllm serve "$TARGET" --speculative-config "$(cat "$HERE/speculative_config.json")" "$@"
+exec vllm serve "$TARGET" --speculative-config "$(sed "s#DIR/draft#$HERE/draft#" "$HERE/speculative_config.json")" "$@"
