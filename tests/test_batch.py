@@ -344,35 +344,3 @@ def test_the_policy_chooses_k_unless_the_request_gave_one(pair):
         assert [row.fixed_k for row in engine.rows if row is not None] == [False, True, False]
     finally:
         engine.close()
-
-
-def test_a_lazy_draft_is_prefilled_in_chunks_before_the_first_round(pair, monkeypatch):
-    """A hybrid request's draft, which alone prefills lazily in one long pass at its first
-    draft (stalling every row of a batch), is prefilled in the steps' bounded chunks before
-    the request's first round; the output is still the request's own (greedy)."""
-    import specdecode
-    from specdecode.batch import DraftRows
-
-    target, draft, _ = pair
-    monkeypatch.setattr(type(target.lm), "PREFILL_CHUNK", 64)
-    text = "def add(a, b):\n    return a + b\n" * 12
-    want = specdecode.generate(target, text, draft=draft, method="hybrid", max_new_tokens=12)
-    engine = BatchEngine(target.lm, 2, 512, forward_seconds=[1e-3] * 17)
-    widths = []
-    run = DraftRows.run
-    monkeypatch.setattr(DraftRows, "run", lambda self, passes: (widths.extend(p[1].shape[1] for p in passes),
-                                                                run(self, passes))[1])
-    views = []
-    forward = specdecode.batch.DraftRowView.forward
-    monkeypatch.setattr(specdecode.batch.DraftRowView, "forward", lambda self, ids, n=None: (
-        views.append(ids.shape[1]), forward(self, ids, n))[1])
-    try:
-        chunks = list(specdecode.stream(target, text, draft=draft, method="hybrid",
-                                        max_new_tokens=12, batch=engine))
-        got = chunks[-1].result
-    finally:
-        engine.close()
-    assert got.token_ids == want.token_ids
-    n = len(want.prompt_token_ids) - 1
-    assert sum(views) == n and max(views) <= 64 and len(views) > 2  # the prefill, in chunks
-    assert all(w <= 65 for w in widths)  # no long draft pass inside a round

@@ -10,10 +10,8 @@ to its own length. Requests join free rows between steps and leave when they end
 request's prefill is the one-row passes of a request alone
 (:meth:`~specdecode.models.native.Transformer.forward_row`), one chunk of at most
 ``PREFILL_CHUNK`` tokens a step (the chunks a request alone runs, so the same bits), so it
-stalls the rows already generating by one chunk's pass at most; a hybrid's draft, which alone
-prefills lazily in one pass at its first draft, is prefilled the same way next
-(:meth:`BatchEngine._lazy_draft`); the request takes part in the verify pass of the step its
-prefill ends. With the native runtime's row-independent kernels (q4, int8, int4 on the CPU
+stalls the rows already generating by one chunk's pass at most; it takes part in the verify
+pass of the step its prefill ends. With the native runtime's row-independent kernels (q4, int8, int4 on the CPU
 kernel: linears, attention) a row's logits are bit for bit those of its request run alone,
 so each output equals its solo run, greedy or seeded, whatever else is in the batch.
 """
@@ -30,7 +28,7 @@ from .config import SamplingParams
 from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
 from .models.native import SDPA_MIN_TOKENS
-from .proposers import DraftModelProposer, Proposer
+from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 
@@ -169,8 +167,6 @@ class _Row:
     fixed_k: bool = False
     prompt: list[int] | None = None  # the prompt while its prefill runs; None once it is done
     prefilled: int = 0  # prompt tokens in the row's cache so far
-    draft_prefill: "DraftRowView | None" = None  # a lazy draft's prompt prefill, while it runs
-    draft_prefilled: int = 0
 
 
 # draft passes of up to this many tokens a row are batched (the attention kernel's range, so
@@ -396,20 +392,6 @@ class BatchEngine:
         chunk = getattr(self.target, "PREFILL_CHUNK", 512)
         budget = chunk
         for b, row in enumerate(self.rows):
-            if row is None or row.draft_prefill is None:
-                continue
-            prompt = row.run.state.tokens[:-1]
-            n = min(len(prompt) - row.draft_prefilled, chunk - row.draft_prefilled % chunk)
-            if n > budget and budget < chunk:
-                return
-            row.draft_prefill.forward(torch.tensor([prompt[row.draft_prefilled:row.draft_prefilled + n]]), 0)
-            row.draft_prefilled += n
-            budget -= n
-            if row.draft_prefilled == len(prompt):
-                row.draft_prefill = None
-            if budget <= 0:
-                return
-        for b, row in enumerate(self.rows):
             if row is None or row.prompt is None:
                 continue
             todo = len(row.prompt) - 1 - row.prefilled  # the last prompt token starts the first round
@@ -425,23 +407,8 @@ class BatchEngine:
             if row.prefilled == len(row.prompt) - 1:
                 row.prompt = None
                 row.run.begin(row.t0)
-                row.draft_prefill = self._lazy_draft(row.run)
             if budget <= 0:
                 break
-
-    @staticmethod
-    def _lazy_draft(run: RequestRun) -> "DraftRowView | None":
-        """The draft row to prefill in the steps' chunks before the request's first round,
-        where its proposer would prefill the draft lazily (the hybrid), in one long pass that
-        stalls every row at its first draft: for greedy and gumbel requests, whose output
-        does not depend on the draft's bits (a seeded rejection-rule request keeps the lazy
-        pass of a request alone)."""
-        drafter = getattr(run.proposer, "drafter", run.proposer)
-        if not isinstance(drafter, DraftModelProposer) or not drafter.lazy_prefill or not drafter.enabled \
-                or run.params.rule == "rejection" or len(run.state.tokens) < 3:
-            return None
-        view = drafter.draft
-        return view if isinstance(view, DraftRowView) and view.seq_len == 0 else None
 
     def _free(self, b: int) -> None:
         for lock in self.rows[b].locks:
@@ -455,8 +422,7 @@ class BatchEngine:
         the batch as needed. Empty when nothing is left to run."""
         self._admit()
         self._prefill()
-        active = [(b, row.run) for b, row in enumerate(self.rows)
-                  if row is not None and row.prompt is None and row.draft_prefill is None]
+        active = [(b, row.run) for b, row in enumerate(self.rows) if row is not None and row.prompt is None]
         if not active:
             return [] if not self.active else [(row.gen, []) for row in self.rows if row is not None]
         target = self.target
