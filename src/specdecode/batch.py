@@ -204,7 +204,7 @@ class DraftRows:
         out: list[torch.Tensor | None] = [None] * len(passes)
         short = [i for i, (_, ids, _) in enumerate(passes) if ids.shape[1] <= SMALL_PASS]
         for i, (row, ids, n) in enumerate(passes):
-            if i not in short:
+            if ids.shape[1] > SMALL_PASS:
                 out[i] = self.lm.forward_row(row, ids, n)
         if short:
             rows = [passes[i][0] for i in short]

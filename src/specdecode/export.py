@@ -99,17 +99,18 @@ def write_hf_dir(src: Path, dst: Path, vocab_size: int | None = None,
             action = "padded"
     dst.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    names = [(f, n) for f in files for n in safe_open(f, "pt").keys()]
-    for f, name in tqdm(names, desc=f"export {src.name} ({str(dtype).removeprefix('torch.')})",
+    handles = [safe_open(f, "pt") for f in files]  # each file opened once
+    names = [(h, n) for h in handles for n in h.keys()]
+    for h, name in tqdm(names, desc=f"export {src.name} ({str(dtype).removeprefix('torch.')})",
                         unit="tensor", disable=not progress):
-        with safe_open(f, "pt") as h:
-            t = h.get_tensor(name)
+        t = h.get_tensor(name)
         if t.is_floating_point():
             t = t.to(dtype)
         if action != "same" and name in ROW_TENSORS:
             t = t[:vocab_size] if action == "cut" else torch.cat(
                 [t, t.new_zeros(vocab_size - t.shape[0], *t.shape[1:])])
         tensors[name] = t.contiguous()
+    del handles, names
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "model.safetensors").chmod(0o644)  # as the other files: readable by the server's user
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
