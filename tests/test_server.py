@@ -609,3 +609,43 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
     assert results["check"]["compared"] == 2 * (2 + 4) and results["check"]["mismatches"] == 0
     assert results["check"]["errors"] == 0 == results["check"]["left_running"]
     assert "0 mismatches, 0 errors, 0 requests left running" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_serve_command_as_the_readme_starts_it(tmp_path_factory):
+    """`specdecode serve` in a process of its own (the README's first server command), on
+    the tiny pair: /health turns 200, the page and one chat completion through the official
+    client answer, and SIGTERM ends it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    dirs = tiny_dirs_in(tmp_path_factory)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--target", str(dirs["target"]),
+                             "--draft", str(dirs["draft"]), "--method", "hybrid", "--port", str(port),
+                             "--max-len", "512"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.time() < deadline, "the server did not become healthy"
+            time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
+            assert "watch speculation" in r.read().decode()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
