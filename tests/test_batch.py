@@ -11,6 +11,7 @@ import torch
 from specdecode.batch import BatchEngine
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
+from specdecode.models import quant
 from specdecode.models.native import attention_kernel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer, SuffixProposer
 from specdecode.schedule import FixedK
@@ -255,12 +256,20 @@ def test_an_empty_prompt_list_is_named(pair):
         specdecode.generate(pair[0], [], max_new_tokens=2)
 
 
-def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monkeypatch):
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monkeypatch, weights):
     """A request whose prompt is several PREFILL_CHUNKs joins a row that is generating: each
     step runs one chunk of its prefill (chunks cut where a request alone cuts them) and the
-    generating row still gets its block every step; both outputs equal their solo runs."""
+    generating row still gets its block every step; both outputs equal their solo runs.
+    int4: Q4_K linears, whose chunks (more than PREFILL_MIN_TOKENS tokens) multiply in bf16
+    where the CPU has AMX-BF16 (a path whose bits depend on the pass's shape)."""
     chunk = 128  # (smaller than the default 512, for the tiny model's context)
     monkeypatch.setattr(type(target), "PREFILL_CHUNK", chunk)
+    long_passes = []
+    if weights == "int4":
+        target = tiny_model(0, int8="vnni", int4=True, **SHAPES)
+        bf16_linear = quant._bf16_linear
+        monkeypatch.setattr(quant, "_bf16_linear", lambda x, *a: (long_passes.append(x.shape[1]), bf16_linear(x, *a))[1])
     long_prompt = prompt(2 * chunk + 100, 8)
     short = (prompt(12, 9), SamplingParams(max_new_tokens=40), lambda: DraftModelProposer(draft.fork()), 3)
     longer = (long_prompt, SamplingParams(max_new_tokens=8), lambda: None, None)
@@ -282,6 +291,10 @@ def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monke
         assert len(during) == 3 and all(during[:2])  # the short row went on between chunks
         engine.run()
         assert [a.token_ids, b.token_ids] == [w.token_ids for w in want]
+        if weights == "int4":  # the solo run's chunks and the batch's, 7 linears a layer
+            per_chunk = 7 * target.args.n_layers
+            assert long_passes == ([chunk] * 2 * per_chunk + [99] * per_chunk) * 2 \
+                if quant.bf16_prefill() else not long_passes
     finally:
         engine.close()
 

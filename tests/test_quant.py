@@ -615,3 +615,75 @@ def test_int4_draft_and_int4_target_keep_the_targets_plain_decoding():
         gen, _ = run(target, DraftModelProposer(draft), 5, prompt, params)
         assert gen.token_ids == plain.token_ids
         assert gen.stats.acceptance_rate > 0.1  # accepted at times (4 bits on a tiny random model)
+
+
+def _long_pass_reference(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+    """What a long pass computes on the bf16 path: x and the weight rounded to bf16,
+    multiplied by torch, the product rounded to bf16, then fp32 plus the bias."""
+    y = torch.nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    return y if bias is None else y + bias
+
+
+def test_long_pass_bounds_keep_every_verify_pass_on_the_exact_kernels():
+    """A verify pass has at most SDPA_MIN_TOKENS tokens a row; prefill chunks are longer."""
+    assert native.SDPA_MIN_TOKENS < quant.PREFILL_MIN_TOKENS < Transformer.PREFILL_CHUNK
+
+
+@pytest.mark.parametrize("n, k", [(48, 256), (32, 192), (1536, 512)])
+def test_q4k_weights_dequantize_to_bf16_as_torch_rounds_them(n, k):
+    """The kernel's bf16 weights equal torch's rounding of gguf-py's fp32 dequantization,
+    bit for bit, the padding inputs (k < K) dropped."""
+    _, lin = _int4_linear(n, k, seed=4)
+    lib = quant.vnni_kernel()[0]
+    if lib is None:
+        pytest.fail("the VNNI kernel is not built on this machine")
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    lib.sd_q4k_dequantize_bf16(*quant._pointers(lin, quant.Q4K_BUFFERS), n, lin.padded_in, k, out.data_ptr())
+    assert torch.equal(out.view(torch.int16), lin.weight().to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("n, k", [(48, 256), (1536, 96)])
+def test_int8_weights_dequantize_to_bf16_as_torch_rounds_them(n, k):
+    torch.manual_seed(5)
+    lin = quant.Int8Linear.from_float(torch.randn(n, k), None, "vnni")
+    lib = quant.vnni_kernel()[0]
+    if lib is None:
+        pytest.fail("the VNNI kernel is not built on this machine")
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    lib.sd_int8_dequantize_bf16(*quant._pointers(lin, ("qweight", "wscale")), n, k, out.data_ptr())
+    want = (lin.weight_kn().t().float() * lin.wscale[:, None]).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["q4k", "int8"])
+def test_long_passes_multiply_in_bf16_where_the_cpu_has_amx_bf16(kind):
+    """Passes of more than PREFILL_MIN_TOKENS tokens a row: on a CPU with AMX-BF16 (and AMX
+    on), exactly the bf16 product of the dequantized weight; with AMX off, or elsewhere, the
+    integer kernel's bits. Shorter passes keep the integer kernel's bits either way."""
+    torch.manual_seed(6)
+    if kind == "q4k":
+        w, lin = _int4_linear(64, 512, seed=6)
+        w = lin.weight()
+    else:
+        lin = quant.Int8Linear.from_float(torch.randn(64, 512), torch.randn(64), "vnni")
+        w = lin.weight_kn().t().float() * lin.wscale[:, None]
+    t = quant.PREFILL_MIN_TOKENS + 1
+    x = torch.randn(1, t, 512)
+    on = "amx_bf16" in _cpu_flags() and quant.vnni_kernel()[0] is not None
+    try:
+        assert quant.set_amx(True) is ("amx_int8" in _cpu_flags() and quant.vnni_kernel()[0] is not None)
+        assert quant.bf16_prefill() is (on and quant.amx_in_use())
+        long_on, short_on = lin(x), lin(x[:, :t - 1])
+        quant.set_amx(False)
+        assert not quant.bf16_prefill()
+        long_off, short_off = lin(x), lin(x[:, :t - 1])
+    finally:
+        quant.set_amx(True)
+    exact = lin(x[0]).unsqueeze(0)  # 2-D: the integer kernel's rows
+    assert torch.equal(long_off, exact) and torch.equal(short_off, exact[:, :t - 1])
+    assert torch.equal(short_on, exact[:, :t - 1])
+    if quant.bf16_prefill():
+        assert torch.equal(long_on, _long_pass_reference(x, w, lin.bias))
+        assert not torch.equal(long_on, exact)
+    else:
+        assert torch.equal(long_on, exact)

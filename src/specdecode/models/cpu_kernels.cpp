@@ -52,6 +52,15 @@ inline void store_row(__m512i acc, int32_t xsum, float xs, __m512 wsv, const flo
     _mm512_storeu_ps(y, v);
 }
 
+// 16 floats rounded to the nearest bf16, ties to even (torch's conversion of finite values).
+inline void store_bf16(__m512 v, uint16_t* dst) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(r));
+}
+
 // acc[i][m] += sum over 4 bytes of wu (weights + 128, unsigned) * x (signed), then
 // y = ((acc - 128 * rowsum(x)) * xs) * ws (+ bias) for NB blocks of 16 channels at n0.
 template <int MB>
@@ -243,6 +252,30 @@ int sd_set_amx(int on) {
 #endif
 }
 
+// Int8 weights packed for vnni (N % 16 == 0, K % 4 == 0 and K % 16 == 0) dequantized to
+// bf16 [N, K]: (w + 128 - 128) * ws[n] in fp32, rounded to the nearest bf16, ties to even
+// (torch's (weight_kn().t().float() * ws[:, None]).to(torch.bfloat16)), for long passes
+// (quant.py, Int8Linear).
+void sd_int8_dequantize_bf16(const uint8_t* wp, const float* ws, int64_t N, int64_t K,
+                             uint16_t* out) {
+    const int64_t nblocks = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const uint8_t* w = wp + nb * 16 * K;
+        for (int j = 0; j < 16; j++) {
+            const __m512 s = _mm512_set1_ps(ws[nb * 16 + j]);
+            uint16_t* row = out + (nb * 16 + j) * K;
+            for (int64_t k = 0; k < K; k += 16) {  // 4 bytes of channel j per 64-byte k-quad
+                const uint8_t* q = w + (k / 4) * 64 + 4 * j;
+                const __m128i x = _mm_set_epi32(*(const int32_t*)(q + 192), *(const int32_t*)(q + 128),
+                                                *(const int32_t*)(q + 64), *(const int32_t*)q);
+                const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(x), _mm512_set1_epi32(128));
+                store_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), row + k);
+            }
+        }
+    }
+}
+
 int sd_amx_in_use() {
 #ifdef __AMX_INT8__
     return use_amx;
@@ -429,6 +462,51 @@ void sd_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int64
                            d + nb * 16 * (K / 256), dmin + nb * 16 * (K / 256),
                            sc + nb * 16 * (K / 32), mn + nb * 16 * (K / 32), xs + m0, bias,
                            y + m0 * N, N, nb * 16);
+        }
+    }
+}
+
+// Q4_K weights packed as above (N % 16 == 0, K % 256 == 0) dequantized to bf16 [N, Kin]
+// (Kin <= K, Kin % 16 == 0: the inputs past Kin dropped), for long passes (a prefill), which
+// multiply in bf16 on the tile unit (quant.py, Q4KLinear). Each value is gguf-py's fp32
+// (d * sc) * q - dmin * m, rounded to the nearest bf16, ties to even: the bits of torch's
+// q4k_dequantize(...).to(torch.bfloat16) (weights are finite, so no NaN case).
+void sd_q4k_dequantize_bf16(const uint8_t* wq, const uint16_t* d, const uint16_t* dmin,
+                            const uint8_t* sc, const uint8_t* mn, int64_t N, int64_t K,
+                            int64_t Kin, uint16_t* out) {
+    const int64_t nblocks = N / 16, groups = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const uint8_t* w = wq + nb * 16 * K / 2;
+        const uint16_t* dn = d + nb * 16 * (K / 256);
+        const uint16_t* dmn = dmin + nb * 16 * (K / 256);
+        const uint8_t* scn = sc + nb * 16 * (K / 32);
+        const uint8_t* mnn = mn + nb * 16 * (K / 32);
+        const __m128i low = _mm_set1_epi8(0x0F);
+        alignas(64) float a[16], bm[16];
+        for (int64_t g = 0; g < groups && 32 * g < Kin; g++) {
+            __m512 av, bv;
+            group_scales(dn, dmn, scn, mnn, g, av, bv);
+            _mm512_store_ps(a, av);
+            _mm512_store_ps(bm, bv);
+            const uint8_t* wg = w + g * 256;
+            for (int j = 0; j < 16; j++) {
+                // channel j's 16 bytes of the group: 4 per packed vector v (k = 8 v + b and
+                // 8 v + 4 + b in its low and high nibbles)
+                const __m128i x = _mm_set_epi32(*(const int32_t*)(wg + 192 + 4 * j),
+                                                *(const int32_t*)(wg + 128 + 4 * j),
+                                                *(const int32_t*)(wg + 64 + 4 * j),
+                                                *(const int32_t*)(wg + 4 * j));
+                const __m128i lo = _mm_and_si128(x, low);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
+                const __m128i halves[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};
+                uint16_t* row = out + (nb * 16 + j) * Kin + 32 * g;
+                for (int h = 0; h < 2 && 32 * g + 16 * h < Kin; h++) {
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h]));
+                    store_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a[j]), q),
+                                             _mm512_set1_ps(bm[j])), row + 16 * h);
+                }
+            }
         }
     }
 }

@@ -16,6 +16,13 @@ with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 9+) on the tile unit (the
 sums, the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
 AVX512); elsewhere ``torch._int_mm``. Set ``SPECDECODE_INT8_KERNEL=torch`` to use the latter
 anyway.
+
+Long passes (prefill chunks: more than ``PREFILL_MIN_TOKENS`` tokens a row, never a verify
+pass) are bound by arithmetic, not by reading the weights: on CPUs with AMX-BF16 they
+dequantize the weight to bf16 and multiply on the tile unit (oneDNN through torch), about 3x
+the integer kernels' rate at 512 tokens, and closer to the unquantized product (no int8
+activations). Their bits depend on the pass's shape, which every path of a request gives
+alike (:func:`_bf16_linear`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -104,6 +112,10 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_attend.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
+    lib.sd_int8_dequantize_bf16.argtypes = [P, P, I, I, P]
+    lib.sd_int8_dequantize_bf16.restype = None
+    lib.sd_q4k_dequantize_bf16.argtypes = [P, P, P, P, P, I, I, I, P]
+    lib.sd_q4k_dequantize_bf16.restype = None
     lib.sd_set_amx.argtypes = [ctypes.c_int]
     lib.sd_set_amx.restype = ctypes.c_int
     lib.sd_amx_in_use.argtypes = []
@@ -126,6 +138,67 @@ def amx_in_use() -> bool:
     """Whether passes of a few rows run on the AMX tile unit now (see :func:`set_amx`)."""
     lib = vnni_kernel()[0]
     return bool(lib is not None and lib.sd_amx_in_use())
+
+
+# Q4_K passes of more tokens a row than this (prefill chunks; a verify pass has at most
+# native.SDPA_MIN_TOKENS = 65) multiply in bf16 on the AMX tile unit, the weights dequantized
+# for the call: the tile unit's bf16 rate is about 3x the Q4_K kernel's at such sizes
+# (BENCHMARKS.md, prefill), the per-group float steps of Q4_K leaving its int8 tiles idle.
+PREFILL_MIN_TOKENS = 96
+# a weight dequantized for one call takes at most this many bytes (bigger ones, such as an
+# output layer over the vocabulary, keep the Q4_K kernel)
+PREFILL_MAX_BYTES = 64 << 20
+
+
+@functools.cache
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        return any(ln.startswith("flags") and "amx_bf16" in ln.split() for ln in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
+def bf16_prefill() -> bool:
+    """Whether long passes (more than ``PREFILL_MIN_TOKENS`` tokens a row) of the int8 and
+    Q4_K linears multiply in bf16 on the tile unit: the CPU has AMX-BF16 and the tile unit is
+    in use (:func:`set_amx`; ``SPECDECODE_AMX=0`` keeps every pass on the integer kernels)."""
+    return amx_in_use() and _cpu_has_amx_bf16()
+
+
+def _long_pass(x: torch.Tensor, out_features: int, in_features: int) -> bool:
+    return (x.dim() == 3 and x.shape[1] > PREFILL_MIN_TOKENS and x.device.type == "cpu"
+            and 2 * out_features * in_features <= PREFILL_MAX_BYTES and bf16_prefill())
+
+
+def takes_bf16(linear: nn.Module, x: torch.Tensor) -> bool:
+    """Whether this int8 or Q4_K ``linear`` runs the pass of ``x`` in bf16 (see
+    :func:`bf16_prefill`)."""
+    if isinstance(linear, Q4KLinear) or (isinstance(linear, Int8Linear) and linear.layout == "vnni"):
+        return vnni_kernel()[0] is not None and _long_pass(x, linear.out_features, linear.in_features)
+    return False
+
+
+_bf16_scratch = threading.local()
+
+
+def _bf16_linear(x: torch.Tensor, dequantize, out_features: int, in_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """A long pass (x [B, T, in], T > PREFILL_MIN_TOKENS) of an int8 or Q4_K linear: x and
+    the weight in bf16 (``dequantize(pointer)`` writes the weight, bf16 [out, in], into a
+    buffer of the calling thread, grown, never shrunk), multiplied by oneDNN on the tile
+    unit, the output rounded to bf16 (+ bias in fp32), in x's dtype. A row's bits depend on
+    the pass's shape, not on the other rows' values: every path of a request (alone,
+    batched, prefill chunks cut alike) gives its passes the same shapes, so the same bits;
+    a verify pass (at most native.SDPA_MIN_TOKENS tokens) never comes here."""
+    buf = getattr(_bf16_scratch, "buf", None)
+    if buf is None or buf.numel() < out_features * in_features:
+        buf = _bf16_scratch.buf = torch.empty(out_features * in_features, dtype=torch.bfloat16)
+    w = buf[:out_features * in_features].view(out_features, in_features)
+    dequantize(w.data_ptr())
+    y = nn.functional.linear(x.to(torch.bfloat16), w)
+    if bias is not None:
+        y = y.float() + bias
+    return y.to(x.dtype)
 
 
 def _build(cxx: str, out: Path) -> str | None:
@@ -253,9 +326,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
         n = self.out_features
         lib = vnni_kernel()[0] if self.layout == "vnni" else None
+        if lib is not None and _long_pass(x, n, self.in_features):
+            return _bf16_linear(x, lambda out: lib.sd_int8_dequantize_bf16(
+                *_pointers(self, ("qweight", "wscale")), n, self.in_features, out),
+                n, self.in_features, self.bias)
+        x2 = x.reshape(-1, shape[-1]).float()
         if lib is not None and x2.device.type == "cpu":
             x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], n)
@@ -358,8 +435,12 @@ class Q4KLinear(nn.Module):
             raise RuntimeError(f"Q4_K weights need the AVX512-VNNI kernel, which is not in use "
                                f"({why}); load the model with dtype int8")
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()
         n = self.out_features
+        if _long_pass(x, n, self.in_features):
+            return _bf16_linear(x, lambda out: lib.sd_q4k_dequantize_bf16(
+                *_pointers(self, Q4K_BUFFERS), n, self.padded_in, self.in_features, out),
+                n, self.in_features, self.bias)
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
         y = torch.empty(x2.shape[0], n)
         lib.sd_q4k_linear_x(x2.data_ptr(), x2.shape[0], self.in_features, self.padded_in,
                             *_pointers(self, (*Q4K_BUFFERS, "bias")), n, y.data_ptr())
@@ -371,7 +452,6 @@ class Q4KLinear(nn.Module):
 
 
 Q4K_BUFFERS = ("qweight", "d", "dmin", "sc", "mn")
-
 
 def q4k_dequantize(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     """fp32 [out, in] of :class:`Q4KLinear` buffers, computed as gguf-py dequantizes Q4_K:
