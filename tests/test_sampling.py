@@ -36,7 +36,7 @@ from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import GumbelNoise, gumbel_sample, process_logits, to_probs
-from specdecode.verify import gumbel_verify, rejection_sample
+from specdecode.verify import greedy_verify, gumbel_verify, rejection_sample
 
 
 
@@ -149,6 +149,9 @@ def test_greedy_verification_accepts_exactly_the_matching_prefix(k):
             assert (out[:, :j] == argmax[:, :j]).all()
             assert (out[:, j] == argmax[:, j]).all()
             assert (out[:, j + 1:] == -1).all()
+        # greedy_verify, the engine's rule for greedy requests: the same blocks, no draws
+        fast, fast_na = greedy_verify(drafts, logits)
+        assert torch.equal(fast, out) and torch.equal(fast_na, na)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The speculative decoding loop (DESIGN.md), as a generator of token ids.
 
 Each round: the proposer proposes k draft tokens; the target scores ``last + drafts`` in one
-verify pass; the request's acceptance rule (:func:`~specdecode.verify.rejection_sample`, or
+verify pass; the request's acceptance rule (:func:`~specdecode.verify.rejection_sample`,
+:func:`~specdecode.verify.greedy_verify` for greedy requests, its T -> 0 case, or
 :func:`~specdecode.verify.gumbel_verify` for ``SamplingParams.rule == "gumbel"``) keeps an
 accepted prefix plus one recovered or bonus token; stop conditions are checked on every
 token of that block; both caches roll back to the committed length. Plain autoregressive decoding is the same loop
@@ -24,7 +25,7 @@ from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
-from .verify import gumbel_verify, rejection_sample
+from .verify import greedy_verify, gumbel_verify, rejection_sample
 
 
 TOKEN_KINDS = ("accepted", "recovered", "bonus", "target")
@@ -301,6 +302,8 @@ class RequestRun:
                                    state.eos_token_ids)
         if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
             out, num_accepted = gumbel_verify(drafts, processed, noise.rows(n, k + 1, processed.device)[None])
+        elif params.greedy:
+            out, num_accepted = greedy_verify(drafts, processed)
         else:
             out, num_accepted = rejection_sample(drafts, draft.probs if draft is not None else None,
                                                  to_probs(processed, params), self.generator)

@@ -1,6 +1,6 @@
 """The acceptance rules of speculative decoding, pure functions of tensors: which draft
 tokens the target keeps, and the one recovered or bonus token after them — speculative
-sampling (:func:`rejection_sample`, greedy included as its T -> 0 case) and the
+sampling (:func:`rejection_sample`; :func:`greedy_verify`, its T -> 0 case) and the
 drafter-invariant Gumbel rule (:func:`gumbel_verify`). A tree verifier joins them here."""
 
 from __future__ import annotations
@@ -90,3 +90,25 @@ def gumbel_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
     num_accepted = (draft_token_ids == samples[:, :k]).long().cumprod(1).sum(1)
     keep = torch.arange(k + 1, device=samples.device)[None] <= num_accepted[:, None]
     return torch.where(keep, samples, torch.full_like(samples, -1)), num_accepted
+
+
+def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: draft tokens are kept while they equal the target's argmax, and
+    the argmax at the first mismatch (or after all K) is the recovered or bonus token. It is
+    :func:`rejection_sample` with the one-hot target of greedy decoding (T -> 0: a draft
+    token other than the argmax has p = 0 and is rejected, the argmax has p = 1 and is
+    kept, and the residual at a rejection is the argmax's one-hot), without its random
+    draws and its multinomial over the vocabulary (3.3 ms a row for 151,936 tokens).
+
+    draft_token_ids: [B,K] int64; target_logits: [B,K+1,V] processed logits. Returns
+    (output_ids [B,K+1] padded with -1, num_accepted [B]) as :func:`rejection_sample`.
+    """
+    b, k = draft_token_ids.shape
+    if target_logits.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}, expected [{b},{k + 1},V]")
+    best = target_logits.argmax(-1)  # [B,K+1]
+    num_accepted = (draft_token_ids == best[:, :k]).long().cumprod(1).sum(1)
+    keep = torch.arange(k + 1, device=best.device)[None] <= num_accepted[:, None]
+    return torch.where(keep, best, torch.full_like(best, -1)), num_accepted
+
