@@ -608,7 +608,24 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["check"]["compared"] == 2 * (2 + 4) and results["check"]["mismatches"] == 0
     assert results["check"]["errors"] == 0 == results["check"]["left_running"]
-    assert "0 mismatches, 0 errors, 0 requests left running" in (tmp_path / "out" / "report.md").read_text()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "0 mismatches, 0 errors, 0 requests left running" in report
+    # concurrency 1 beside the library alone: both methods, the server's figure the level's
+    for m in ("draft", "ar"):
+        r = results["beside_generate"][m]
+        assert r["server_tok_s"] == results["levels"][0][m]["throughput_tok_s"] and r["generate_tok_s"] > 0
+        assert r["ratio"] == pytest.approx(r["server_tok_s"] / r["generate_tok_s"], rel=1e-2)
+        assert f"{m} {r['server_tok_s']:.2f} against {r['generate_tok_s']:.2f} tok/s" in report
+
+
+def test_beside_generate_needs_concurrency_1_first():
+    from specdecode.bench import serving
+
+    results = {"levels": [{"concurrency": 2, "ar": {"throughput_tok_s": 5.0}}]}
+    with pytest.raises(ValueError, match="concurrency 2, not 1"):
+        serving.beside_generate(results, {"ar": [(10, 1.0)]})
+    results["levels"][0]["concurrency"] = 1
+    assert serving.beside_generate(results, {"ar": [(10, 1.0), (30, 3.0)]}) == {"ar": 0.5}
 
 
 def test_the_serve_command_as_the_readme_starts_it(tmp_path_factory):

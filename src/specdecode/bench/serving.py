@@ -153,6 +153,12 @@ def report(results: dict) -> str:
         lines.append(f"\ncheck: {check['compared']} responses compared with the target's solo "
                      f"greedy run: {check['mismatches']} mismatches, {check['errors']} errors, "
                      f"{check['left_running']} requests left running after the load")
+    solo = results.get("beside_generate")
+    if solo is not None:
+        lines.append("\nconcurrency 1 beside the library alone (`specdecode generate`'s path: the "
+                     "same requests in turn, no server): " + ", ".join(
+                         f"{m} {r['server_tok_s']:.2f} against {r['generate_tok_s']:.2f} tok/s "
+                         f"({r['ratio']:.2f}×)" for m, r in solo.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -198,3 +204,22 @@ def check(results: dict, solo_texts: dict[int, str], left_running: int) -> dict:
     results["check"] = {"compared": compared, "mismatches": mismatches, "errors": errors,
                         "left_running": left_running, "first_mismatches": first}
     return results["check"]
+
+
+def beside_generate(results: dict, solo_runs: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """Concurrency 1's throughput against the same requests run by the library alone
+    (``solo_runs``: method -> [(tokens, seconds)] of each request, in turn); adds
+    ``results["beside_generate"]`` (method -> server and library tokens/s and their ratio)
+    and returns method -> ratio. Raises ValueError when the first level is not
+    concurrency 1."""
+    level = results["levels"][0]
+    if level["concurrency"] != 1:
+        raise ValueError(f"the first level is concurrency {level['concurrency']}, not 1")
+    out = {}
+    for m, runs in solo_runs.items():
+        lib = sum(n for n, _ in runs) / sum(t for _, t in runs)
+        server = level[m]["throughput_tok_s"]
+        out[m] = {"server_tok_s": server, "generate_tok_s": round(lib, 3), "ratio": round(server / lib, 3)}
+    results["beside_generate"] = out
+    return {m: r["ratio"] for m, r in out.items()}
+

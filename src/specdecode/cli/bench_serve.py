@@ -61,8 +61,9 @@ def add_parser(sub) -> None:
                    help="the started server's batch (default: the highest concurrency)")
     p.add_argument("--check", action="store_true",
                    help="after the load, compare every response with the target's solo greedy "
-                        "run of its prompt, and count errors and requests left running "
-                        "(the started server only)")
+                        "run of its prompt, and count errors and requests left running; then "
+                        "time concurrency 1's requests through the library alone, as "
+                        "`specdecode generate` runs them (the started server only)")
     p.add_argument("--out", default=None, help="write results.json and report.md here")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_bench_serve, args))
@@ -125,6 +126,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         c = serving.check(results, solo, left)
         print(f"# check: {c['mismatches']} mismatches in {c['compared']} responses, "
               f"{c['errors']} errors, {c['left_running']} left running", file=sys.stderr)
+        if results["levels"][0]["concurrency"] == 1:
+            # concurrency 1 beside what `specdecode generate` does: the same requests, in
+            # turn, through the library in this process (no server, no batch)
+            solo_runs = {}
+            for m in (on.value, off.value):
+                runs = []
+                for s in results["levels"][0][m]["samples"]:
+                    t0 = time.perf_counter()
+                    r = api.generate(worker.target, prompts[s["prompt"]], method=m,
+                                     draft=worker.draft if Method(m).needs_draft_model else None,
+                                     max_new_tokens=args.max_tokens)
+                    runs.append((len(r.token_ids), time.perf_counter() - t0))
+                solo_runs[m] = runs
+            g = serving.beside_generate(results, solo_runs)
+            print("# concurrency 1 / generate: " + ", ".join(f"{m} {r:.2f}x" for m, r in g.items()),
+                  file=sys.stderr)
     results["command"] = "specdecode " + " ".join(sys.argv[1:])
     results["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     text = serving.report(results)
