@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .. import api
@@ -61,12 +62,34 @@ def add_parser(sub) -> None:
                    help="the started server's batch (default: the highest concurrency)")
     p.add_argument("--check", action="store_true",
                    help="after the load, compare every response with the target's solo greedy "
-                        "run of its prompt, and count errors and requests left running; then "
-                        "time concurrency 1's requests through the library alone, as "
-                        "`specdecode generate` runs them (the started server only)")
+                        "run of its prompt, and count errors and requests left running; and time "
+                        "concurrency 1's requests again, each through the server then through "
+                        "the library alone as `specdecode generate` runs it (the started "
+                        "server only)")
     p.add_argument("--out", default=None, help="write results.json and report.md here")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_bench_serve, args))
+
+
+def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompts: list,
+                     methods: tuple[Method, ...], args: argparse.Namespace) -> None:
+    """Concurrency 1's requests again, each through the server then through the library
+    alone (what `specdecode generate` runs: a fork of the served target, its own KV cache),
+    in turn, so that a drift of the machine moves both alike; adds the paired ratios
+    (:func:`serving.beside_generate`)."""
+    target = replace(worker.target, lm=worker.target.lm.fork(), session_proposers={})
+    pairs = {}
+    for m in methods:
+        draft = worker.draft if m.needs_draft_model else None
+        for s in results["levels"][0][m.value]["samples"]:
+            served = serving.request(url, model, prompts[s["prompt"]], m.value, args.max_tokens, args.api_key)
+            t0 = time.perf_counter()
+            alone = api.generate(target, prompts[s["prompt"]], method=m.value, draft=draft,
+                                 max_new_tokens=args.max_tokens)
+            pairs.setdefault(m.value, []).append(((served.completion_tokens, served.e2e_s),
+                                                  (len(alone.token_ids), time.perf_counter() - t0)))
+    g = serving.beside_generate(results, pairs)
+    print("# concurrency 1 / generate: " + ", ".join(f"{m} {r:.2f}x" for m, r in g.items()), file=sys.stderr)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -109,6 +132,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
                               args.requests, args.max_tokens, args.api_key, progress)
+        if args.check and results["levels"][0]["concurrency"] == 1:
+            _beside_generate(results, worker, url, model, prompts, (on, off), args)
         if args.check:  # what the worker still holds once every client has its answer
             time.sleep(1.0)
             left = len(worker._live) + len(worker._pending) + worker.waiting
@@ -126,22 +151,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         c = serving.check(results, solo, left)
         print(f"# check: {c['mismatches']} mismatches in {c['compared']} responses, "
               f"{c['errors']} errors, {c['left_running']} left running", file=sys.stderr)
-        if results["levels"][0]["concurrency"] == 1:
-            # concurrency 1 beside what `specdecode generate` does: the same requests, in
-            # turn, through the library in this process (no server, no batch)
-            solo_runs = {}
-            for m in (on.value, off.value):
-                runs = []
-                for s in results["levels"][0][m]["samples"]:
-                    t0 = time.perf_counter()
-                    r = api.generate(worker.target, prompts[s["prompt"]], method=m,
-                                     draft=worker.draft if Method(m).needs_draft_model else None,
-                                     max_new_tokens=args.max_tokens)
-                    runs.append((len(r.token_ids), time.perf_counter() - t0))
-                solo_runs[m] = runs
-            g = serving.beside_generate(results, solo_runs)
-            print("# concurrency 1 / generate: " + ", ".join(f"{m} {r:.2f}x" for m, r in g.items()),
-                  file=sys.stderr)
     results["command"] = "specdecode " + " ".join(sys.argv[1:])
     results["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     text = serving.report(results)
