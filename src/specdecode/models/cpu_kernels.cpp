@@ -101,6 +101,7 @@ const block_fn BLOCKS[MAXMB + 1] = {nullptr, block<1>, block<2>, block<3>, block
 
 #ifdef __AMX_INT8__
 bool use_amx = false;
+bool use_amx_bf16 = false;
 // The fewest rows a pass takes to the tile unit (measured on the 1.5B target, 2 cores:
 // int8 2 rows 0.99x the AVX512 time, 8 rows 0.88x. Q4_K: with the weights prefetched
 // (PREFETCH_BYTES) the AVX512 loop is faster up to 8 rows, where the tile loop's two tile
@@ -245,35 +246,16 @@ int sd_set_amx(int on) {
         available = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     }
     use_amx = on && available;
+#ifdef __AMX_BF16__
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    use_amx_bf16 = use_amx && (d >> 22 & 1);  // AMX-BF16
+#endif
     return use_amx;
 #else
     (void)on;
     return 0;
 #endif
-}
-
-// Int8 weights packed for vnni (N % 16 == 0, K % 4 == 0 and K % 16 == 0) dequantized to
-// bf16 [N, K]: (w + 128 - 128) * ws[n] in fp32, rounded to the nearest bf16, ties to even
-// (torch's (weight_kn().t().float() * ws[:, None]).to(torch.bfloat16)), for long passes
-// (quant.py, Int8Linear).
-void sd_int8_dequantize_bf16(const uint8_t* wp, const float* ws, int64_t N, int64_t K,
-                             uint16_t* out) {
-    const int64_t nblocks = N / 16;
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const uint8_t* w = wp + nb * 16 * K;
-        for (int j = 0; j < 16; j++) {
-            const __m512 s = _mm512_set1_ps(ws[nb * 16 + j]);
-            uint16_t* row = out + (nb * 16 + j) * K;
-            for (int64_t k = 0; k < K; k += 16) {  // 4 bytes of channel j per 64-byte k-quad
-                const uint8_t* q = w + (k / 4) * 64 + 4 * j;
-                const __m128i x = _mm_set_epi32(*(const int32_t*)(q + 192), *(const int32_t*)(q + 128),
-                                                *(const int32_t*)(q + 64), *(const int32_t*)q);
-                const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(x), _mm512_set1_epi32(128));
-                store_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), row + k);
-            }
-        }
-    }
 }
 
 int sd_amx_in_use() {
@@ -462,51 +444,6 @@ void sd_q4k_linear(const int8_t* xq, const float* xs, const int32_t* gsum, int64
                            d + nb * 16 * (K / 256), dmin + nb * 16 * (K / 256),
                            sc + nb * 16 * (K / 32), mn + nb * 16 * (K / 32), xs + m0, bias,
                            y + m0 * N, N, nb * 16);
-        }
-    }
-}
-
-// Q4_K weights packed as above (N % 16 == 0, K % 256 == 0) dequantized to bf16 [N, Kin]
-// (Kin <= K, Kin % 16 == 0: the inputs past Kin dropped), for long passes (a prefill), which
-// multiply in bf16 on the tile unit (quant.py, Q4KLinear). Each value is gguf-py's fp32
-// (d * sc) * q - dmin * m, rounded to the nearest bf16, ties to even: the bits of torch's
-// q4k_dequantize(...).to(torch.bfloat16) (weights are finite, so no NaN case).
-void sd_q4k_dequantize_bf16(const uint8_t* wq, const uint16_t* d, const uint16_t* dmin,
-                            const uint8_t* sc, const uint8_t* mn, int64_t N, int64_t K,
-                            int64_t Kin, uint16_t* out) {
-    const int64_t nblocks = N / 16, groups = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const uint8_t* w = wq + nb * 16 * K / 2;
-        const uint16_t* dn = d + nb * 16 * (K / 256);
-        const uint16_t* dmn = dmin + nb * 16 * (K / 256);
-        const uint8_t* scn = sc + nb * 16 * (K / 32);
-        const uint8_t* mnn = mn + nb * 16 * (K / 32);
-        const __m128i low = _mm_set1_epi8(0x0F);
-        alignas(64) float a[16], bm[16];
-        for (int64_t g = 0; g < groups && 32 * g < Kin; g++) {
-            __m512 av, bv;
-            group_scales(dn, dmn, scn, mnn, g, av, bv);
-            _mm512_store_ps(a, av);
-            _mm512_store_ps(bm, bv);
-            const uint8_t* wg = w + g * 256;
-            for (int j = 0; j < 16; j++) {
-                // channel j's 16 bytes of the group: 4 per packed vector v (k = 8 v + b and
-                // 8 v + 4 + b in its low and high nibbles)
-                const __m128i x = _mm_set_epi32(*(const int32_t*)(wg + 192 + 4 * j),
-                                                *(const int32_t*)(wg + 128 + 4 * j),
-                                                *(const int32_t*)(wg + 64 + 4 * j),
-                                                *(const int32_t*)(wg + 4 * j));
-                const __m128i lo = _mm_and_si128(x, low);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
-                const __m128i halves[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};
-                uint16_t* row = out + (nb * 16 + j) * Kin + 32 * g;
-                for (int h = 0; h < 2 && 32 * g + 16 * h < Kin; h++) {
-                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h]));
-                    store_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a[j]), q),
-                                             _mm512_set1_ps(bm[j])), row + 16 * h);
-                }
-            }
         }
     }
 }
@@ -733,3 +670,213 @@ void sd_silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 }
 
 }  // extern "C"
+
+// Long passes (prefill chunks) of the int8 and Q4_K linears on the AMX-BF16 tile unit:
+// y [M, N] fp32 = x [M, K] (rounded to bf16) times the weight dequantized to bf16 (see
+// q4k_panel), products summed in fp32 by
+// TDPBF16PS. The weight is the A operand (16 output channels x 32 inputs a tile, rows as they
+// are dequantized) and x, packed in pairs, the B operand, so each 16 x 16 result tile is
+// y^T. Per panel of 32 channels the weights are dequantized once into a buffer of the
+// thread (K x 64 bytes: in its L2) and serve every row of x. Each output is the sum over the
+// groups of 32 inputs in order, whatever M and the other rows: a row's bits are its own, so
+// rows of several requests can share a pass.
+namespace {
+
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+inline uint16_t bf16_bits(float f) {  // nearest, ties to even (finite values)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// x [M, K] fp32 -> pairs for B tiles: xb[(mb * G + g) * 256 + r * 16 + m] = the bf16 pair
+// (x[16 mb + m][32 g + 2 r], x[...][32 g + 2 r + 1]); rows past M are zeros.
+void pack_x(const float* x, int64_t M, int64_t K, uint32_t* xb) {
+    const int64_t G = K / 32, MB = (M + 15) / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t mb = 0; mb < MB; mb++)
+        for (int m = 0; m < 16; m++) {
+            const int64_t row = 16 * mb + m;
+            for (int64_t g = 0; g < G; g++) {
+                uint32_t* t = xb + (mb * G + g) * 256 + m;
+                if (row >= M) {
+                    for (int r = 0; r < 16; r++) t[r * 16] = 0;
+                    continue;
+                }
+                const float* xr = x + row * K + 32 * g;
+                for (int r = 0; r < 16; r++)
+                    t[r * 16] = bf16_bits(xr[2 * r]) | ((uint32_t)bf16_bits(xr[2 * r + 1]) << 16);
+            }
+        }
+}
+
+// One panel's weights in bf16: wp[g * 32 + c][0..31] = channel n0 + c, inputs 32 g .. 32 g +
+// 31, each gguf-py's fp32 value ((d * sc) * q - dmin * m for Q4_K, q * ws for int8) rounded
+// to the nearest bf16, ties to even.
+typedef void (*panel_fn)(const void* const* w, int64_t n0, int64_t K, int64_t Kp, uint16_t* wp);
+
+void q4k_panel(const void* const* w, int64_t n0, int64_t K, int64_t Kp, uint16_t* wp) {
+    const uint8_t* wq = (const uint8_t*)w[0];
+    const uint16_t* d = (const uint16_t*)w[1];
+    const uint16_t* dmin = (const uint16_t*)w[2];
+    const uint8_t* sc = (const uint8_t*)w[3];
+    const uint8_t* mn = (const uint8_t*)w[4];
+    const __m128i low = _mm_set1_epi8(0x0F);
+    alignas(64) float a[16], bm[16];
+    for (int half = 0; half < 2; half++) {
+        const int64_t nb = n0 / 16 + half;
+        const uint8_t* wn = wq + nb * 16 * Kp / 2;
+        for (int64_t g = 0; g < K / 32; g++) {
+            __m512 av, bv;
+            group_scales(d + nb * 16 * (Kp / 256), dmin + nb * 16 * (Kp / 256),
+                         sc + nb * 16 * (Kp / 32), mn + nb * 16 * (Kp / 32), g, av, bv);
+            _mm512_store_ps(a, av);
+            _mm512_store_ps(bm, bv);
+            const uint8_t* wg = wn + g * 256;
+            for (int j = 0; j < 16; j++) {
+                const __m128i x = _mm_set_epi32(*(const int32_t*)(wg + 192 + 4 * j),
+                                                *(const int32_t*)(wg + 128 + 4 * j),
+                                                *(const int32_t*)(wg + 64 + 4 * j),
+                                                *(const int32_t*)(wg + 4 * j));
+                const __m128i lo = _mm_and_si128(x, low);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
+                const __m128i halves[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};
+                uint16_t* row = wp + (g * 32 + 16 * half + j) * 32;
+                for (int h = 0; h < 2; h++) {
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h]));
+                    store_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a[j]), q),
+                                             _mm512_set1_ps(bm[j])), row + 16 * h);
+                }
+            }
+        }
+    }
+}
+
+void int8_panel(const void* const* w, int64_t n0, int64_t K, int64_t, uint16_t* wp) {
+    const uint8_t* q8 = (const uint8_t*)w[0];
+    const float* ws = (const float*)w[1];
+    for (int c = 0; c < 32; c++) {
+        const int64_t n = n0 + c;
+        const uint8_t* wn = q8 + (n / 16) * 16 * K + 4 * (n % 16);
+        const __m512 s = _mm512_set1_ps(ws[n]);
+        for (int64_t k = 0; k < K; k += 16) {
+            const uint8_t* q = wn + (k / 4) * 64;
+            const __m128i x = _mm_set_epi32(*(const int32_t*)(q + 192), *(const int32_t*)(q + 128),
+                                            *(const int32_t*)(q + 64), *(const int32_t*)q);
+            const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(x), _mm512_set1_epi32(128));
+            store_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), wp + ((k / 32) * 32 + c) * 32 + k % 32);
+        }
+    }
+}
+
+// Tiles: 0, 1 weights (channels c0 .. c0+15, c0+16 ..); 2, 3 x pairs (rows of two blocks of
+// 16); 4..7 the sums, tile 4 + 2 a + b = channels of a, rows of b.
+void configure_bf16() {
+    TileConfig c;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+void bf16_linear(panel_fn panel, const void* const* w, const float* x, int64_t M, int64_t K,
+                 int64_t Kp, const float* bias, int64_t N, float* y) {
+    const int64_t G = K / 32, MB = (M + 15) / 16, panels = N / 32;
+    std::vector<uint32_t> xb(MB * G * 256);
+    pack_x(x, M, K, xb.data());
+#pragma omp parallel
+    {
+        configure_bf16();
+        std::vector<uint16_t> wp(G * 32 * 32);
+        alignas(64) float c[16][16];
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n0 = 32 * p;
+            panel(w, n0, K, Kp, wp.data());
+            for (int64_t mb = 0; mb < MB; mb += 2) {
+                const int nbx = mb + 1 < MB ? 2 : 1;
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_zero(7);
+                const uint32_t* x0 = xb.data() + mb * G * 256;
+                const uint32_t* x1 = x0 + (nbx > 1 ? G * 256 : 0);
+                for (int64_t g = 0; g < G; g++) {
+                    // the next group's tiles into L1 while these multiply
+                    const char* nw = (const char*)(wp.data() + (g + 1) * 1024);
+                    const char* n0x = (const char*)(x0 + (g + 1) * 256);
+                    const char* n1x = (const char*)(x1 + (g + 1) * 256);
+                    for (int l = 0; l < 2048; l += 64) _mm_prefetch(nw + l, _MM_HINT_T0);
+                    for (int l = 0; l < 1024; l += 64) {
+                        _mm_prefetch(n0x + l, _MM_HINT_T0);
+                        _mm_prefetch(n1x + l, _MM_HINT_T0);
+                    }
+                    _tile_loadd(0, wp.data() + g * 1024, 64);
+                    _tile_loadd(1, wp.data() + g * 1024 + 512, 64);
+                    _tile_loadd(2, x0 + g * 256, 64);
+                    _tile_loadd(3, x1 + g * 256, 64);
+                    _tile_dpbf16ps(4, 0, 2);
+                    _tile_dpbf16ps(5, 0, 3);
+                    _tile_dpbf16ps(6, 1, 2);
+                    _tile_dpbf16ps(7, 1, 3);
+                }
+                for (int t = 0; t < 4; t++) {
+                    const int a = t / 2, b = t % 2;
+                    if (b >= nbx) continue;
+                    switch (t) {  // the tile number must be a constant
+                        case 0: _tile_stored(4, c, 64); break;
+                        case 1: _tile_stored(5, c, 64); break;
+                        case 2: _tile_stored(6, c, 64); break;
+                        default: _tile_stored(7, c, 64); break;
+                    }
+                    for (int m = 0; m < 16; m++) {
+                        const int64_t row = 16 * (mb + b) + m;
+                        if (row >= M) break;
+                        float* yr = y + row * N + n0 + 16 * a;
+                        for (int j = 0; j < 16; j++)
+                            yr[j] = bias ? c[j][m] + bias[n0 + 16 * a + j] : c[j][m];
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Whether sd_q4k_linear_bf16 / sd_int8_linear_bf16 can run (AMX-BF16, the tile unit in use).
+int sd_amx_bf16_in_use() {
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+    return use_amx_bf16;
+#else
+    return 0;
+#endif
+}
+
+// y [M, N] of a long pass on the tile unit (see above): x fp32 [M, K] (K % 32 == 0, the
+// weights cover Kp >= K inputs), Q4_K weights as sd_q4k_linear's; N % 32 == 0.
+void sd_q4k_linear_bf16(const float* x, int64_t M, int64_t K, int64_t Kp, const uint8_t* wq,
+                        const uint16_t* d, const uint16_t* dmin, const uint8_t* sc,
+                        const uint8_t* mn, const float* bias, int64_t N, float* y) {
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+    const void* w[5] = {wq, d, dmin, sc, mn};
+    bf16_linear(q4k_panel, w, x, M, K, Kp, bias, N, y);
+#endif
+}
+
+// The same for int8 weights packed for vnni (K % 32 == 0, N % 32 == 0).
+void sd_int8_linear_bf16(const float* x, int64_t M, int64_t K, const uint8_t* wp,
+                         const float* ws, const float* bias, int64_t N, float* y) {
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+    const void* w[2] = {wp, ws};
+    bf16_linear(int8_panel, w, x, M, K, K, bias, N, y);
+#endif
+}
+
+}  // extern "C"
+

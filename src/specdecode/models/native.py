@@ -245,11 +245,11 @@ class Attention(nn.Module):
             y = attend_rows(mask, q, cache)
             return self.o_proj(y.view(b, t, a.n_heads * a.head_dim))
         if t > SDPA_MIN_TOKENS:  # long prefill: the fused kernel
-            # in bf16 where the linears of the pass are (quant.takes_bf16): 4x faster on
-            # the tile unit, and its output goes to o_proj in bf16 anyway
+            # in bf16 where the linears of the pass multiply in bf16 (quant.takes_bf16):
+            # 4x faster on the tile unit
             dt = torch.bfloat16 if quant.takes_bf16(self.o_proj, x) else q.dtype
             y = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), attn_mask=mask,
-                                               enable_gqa=a.n_kv_heads != a.n_heads)
+                                               enable_gqa=a.n_kv_heads != a.n_heads).to(q.dtype)
         elif mask is None and isinstance(where, int):  # decode / verify of one chain
             y = attend_prefixes(q, k, v, where)
         else:  # rows of their own lengths, trees: grouped matmuls, no copy of the cache
@@ -260,7 +260,7 @@ class Attention(nn.Module):
                 mask = mask.repeat((1,) * (mask.dim() - 2) + (g, 1))
                 scores = scores.masked_fill(~mask, float("-inf"))
             y = (_softmax(scores).to(q.dtype) @ v).view(b, a.n_heads, t, a.head_dim)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)).to(x.dtype)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim))
 
 
 class Prefixes(NamedTuple):
@@ -371,12 +371,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x):
-        if quant.takes_bf16(self.gate_proj, x):
-            # a long pass (a prefill chunk) in bf16 throughout the MLP: its linears multiply
-            # in bf16 anyway (quant.takes_bf16), so its wide activations are not converted
-            # to fp32 and back between them
-            xb = x.to(torch.bfloat16)
-            return self.down_proj(F.silu(self.gate_proj(xb)) * self.up_proj(xb)).to(x.dtype)
         gate, up = self.gate_proj(x), self.up_proj(x)
         lib = cpu_kernels(gate.device, gate.dtype)
         if lib is None or not (gate.is_contiguous() and up.is_contiguous()):

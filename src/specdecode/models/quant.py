@@ -19,10 +19,9 @@ anyway.
 
 Long passes (prefill chunks: more than ``PREFILL_MIN_TOKENS`` tokens a row, never a verify
 pass) are bound by arithmetic, not by reading the weights: on CPUs with AMX-BF16 they
-dequantize the weight to bf16 and multiply on the tile unit (oneDNN through torch), about 3x
-the integer kernels' rate at 512 tokens, and closer to the unquantized product (no int8
-activations). Their bits depend on the pass's shape, which every path of a request gives
-alike (:func:`_bf16_linear`).
+multiply in bf16 on the tile unit, the weights dequantized panel by panel in the kernel,
+faster than the integer kernels and closer to the unquantized product (no int8
+activations); each row's bits are still its own (:func:`_bf16_linear`).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -56,7 +54,7 @@ FORMAT_VERSION = 2  # of the cached int8 weights; bump when quantize_state chang
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 KERNEL_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp",
                 "-ffp-contract=off", "-shared", "-fPIC")
-AMX_FLAGS = ("-mamx-tile", "-mamx-int8")  # only the tile code uses them; dropped if g++ lacks them
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mamx-bf16")  # only the tile code uses them; dropped if g++ lacks them
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 
@@ -112,10 +110,12 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_attend.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
-    lib.sd_int8_dequantize_bf16.argtypes = [P, P, I, I, P]
-    lib.sd_int8_dequantize_bf16.restype = None
-    lib.sd_q4k_dequantize_bf16.argtypes = [P, P, P, P, P, I, I, I, P]
-    lib.sd_q4k_dequantize_bf16.restype = None
+    lib.sd_int8_linear_bf16.argtypes = [P, I, I, P, P, P, I, P]
+    lib.sd_int8_linear_bf16.restype = None
+    lib.sd_q4k_linear_bf16.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
+    lib.sd_q4k_linear_bf16.restype = None
+    lib.sd_amx_bf16_in_use.argtypes = []
+    lib.sd_amx_bf16_in_use.restype = ctypes.c_int
     lib.sd_set_amx.argtypes = [ctypes.c_int]
     lib.sd_set_amx.restype = ctypes.c_int
     lib.sd_amx_in_use.argtypes = []
@@ -140,34 +140,26 @@ def amx_in_use() -> bool:
     return bool(lib is not None and lib.sd_amx_in_use())
 
 
-# Q4_K passes of more tokens a row than this (prefill chunks; a verify pass has at most
-# native.SDPA_MIN_TOKENS = 65) multiply in bf16 on the AMX tile unit, the weights dequantized
-# for the call: the tile unit's bf16 rate is about 3x the Q4_K kernel's at such sizes
-# (BENCHMARKS.md, prefill), the per-group float steps of Q4_K leaving its int8 tiles idle.
+# Passes of more tokens a row than this (prefill chunks; a verify pass has at most
+# native.SDPA_MIN_TOKENS = 65) of the int8 and Q4_K linears multiply in bf16 on the AMX tile
+# unit (cpu_kernels.cpp, sd_q4k_linear_bf16): bound by arithmetic at such sizes, they run at
+# the tile unit's bf16 rate instead of the integer kernels' (the per-group float steps of
+# Q4_K leave its int8 tiles idle); BENCHMARKS.md, prefill.
 PREFILL_MIN_TOKENS = 96
-# a weight dequantized for one call takes at most this many bytes (bigger ones, such as an
-# output layer over the vocabulary, keep the Q4_K kernel)
-PREFILL_MAX_BYTES = 64 << 20
-
-
-@functools.cache
-def _cpu_has_amx_bf16() -> bool:
-    try:
-        return any(ln.startswith("flags") and "amx_bf16" in ln.split() for ln in open("/proc/cpuinfo"))
-    except OSError:
-        return False
 
 
 def bf16_prefill() -> bool:
     """Whether long passes (more than ``PREFILL_MIN_TOKENS`` tokens a row) of the int8 and
-    Q4_K linears multiply in bf16 on the tile unit: the CPU has AMX-BF16 and the tile unit is
-    in use (:func:`set_amx`; ``SPECDECODE_AMX=0`` keeps every pass on the integer kernels)."""
-    return amx_in_use() and _cpu_has_amx_bf16()
+    Q4_K linears multiply in bf16 on the tile unit: the CPU has AMX-BF16, the kernel was built
+    with it, and the tile unit is in use (:func:`set_amx`; ``SPECDECODE_AMX=0`` keeps every
+    pass on the integer kernels)."""
+    lib = vnni_kernel()[0]
+    return bool(lib is not None and lib.sd_amx_bf16_in_use())
 
 
 def _long_pass(x: torch.Tensor, out_features: int, in_features: int) -> bool:
     return (x.dim() == 3 and x.shape[1] > PREFILL_MIN_TOKENS and x.device.type == "cpu"
-            and 2 * out_features * in_features <= PREFILL_MAX_BYTES and bf16_prefill())
+            and in_features % 32 == 0 and out_features % 32 == 0 and bf16_prefill())
 
 
 def takes_bf16(linear: nn.Module, x: torch.Tensor) -> bool:
@@ -178,27 +170,17 @@ def takes_bf16(linear: nn.Module, x: torch.Tensor) -> bool:
     return False
 
 
-_bf16_scratch = threading.local()
-
-
-def _bf16_linear(x: torch.Tensor, dequantize, out_features: int, in_features: int,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """A long pass (x [B, T, in], T > PREFILL_MIN_TOKENS) of an int8 or Q4_K linear: x and
-    the weight in bf16 (``dequantize(pointer)`` writes the weight, bf16 [out, in], into a
-    buffer of the calling thread, grown, never shrunk), multiplied by oneDNN on the tile
-    unit, the output rounded to bf16 (+ bias in fp32), in x's dtype. A row's bits depend on
-    the pass's shape, not on the other rows' values: every path of a request (alone,
-    batched, prefill chunks cut alike) gives its passes the same shapes, so the same bits;
-    a verify pass (at most native.SDPA_MIN_TOKENS tokens) never comes here."""
-    buf = getattr(_bf16_scratch, "buf", None)
-    if buf is None or buf.numel() < out_features * in_features:
-        buf = _bf16_scratch.buf = torch.empty(out_features * in_features, dtype=torch.bfloat16)
-    w = buf[:out_features * in_features].view(out_features, in_features)
-    dequantize(w.data_ptr())
-    y = nn.functional.linear(x.to(torch.bfloat16), w)
-    if bias is not None:
-        y = y.float() + bias
-    return y.to(x.dtype)
+def _bf16_linear(linear: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
+    """A long pass (x [B, T, in], T > PREFILL_MIN_TOKENS) of an int8 or Q4_K linear on the
+    tile unit: ``run(x pointer, rows, y pointer)`` calls the kernel. fp32 in and out (x
+    rounded to bf16 inside, products summed in fp32). Each row's output is its own, bit for
+    bit (a fixed order of sums whatever the other rows); it differs from the integer
+    kernels' (a verify pass, at most native.SDPA_MIN_TOKENS tokens, never comes here)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float().contiguous()
+    y = torch.empty(x2.shape[0], linear.out_features)
+    run(x2.data_ptr(), x2.shape[0], y.data_ptr())
+    return y.to(x.dtype).view(*shape[:-1], linear.out_features)
 
 
 def _build(cxx: str, out: Path) -> str | None:
@@ -329,9 +311,8 @@ class Int8Linear(nn.Module):
         n = self.out_features
         lib = vnni_kernel()[0] if self.layout == "vnni" else None
         if lib is not None and _long_pass(x, n, self.in_features):
-            return _bf16_linear(x, lambda out: lib.sd_int8_dequantize_bf16(
-                *_pointers(self, ("qweight", "wscale")), n, self.in_features, out),
-                n, self.in_features, self.bias)
+            return _bf16_linear(self, x, lambda xp, m, yp: lib.sd_int8_linear_bf16(
+                xp, m, self.in_features, *_pointers(self, ("qweight", "wscale", "bias")), n, yp))
         x2 = x.reshape(-1, shape[-1]).float()
         if lib is not None and x2.device.type == "cpu":
             x2 = x2.contiguous()
@@ -437,9 +418,8 @@ class Q4KLinear(nn.Module):
         shape = x.shape
         n = self.out_features
         if _long_pass(x, n, self.in_features):
-            return _bf16_linear(x, lambda out: lib.sd_q4k_dequantize_bf16(
-                *_pointers(self, Q4K_BUFFERS), n, self.padded_in, self.in_features, out),
-                n, self.in_features, self.bias)
+            return _bf16_linear(self, x, lambda xp, m, yp: lib.sd_q4k_linear_bf16(
+                xp, m, self.in_features, self.padded_in, *_pointers(self, (*Q4K_BUFFERS, "bias")), n, yp))
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
         y = torch.empty(x2.shape[0], n)
         lib.sd_q4k_linear_x(x2.data_ptr(), x2.shape[0], self.in_features, self.padded_in,
