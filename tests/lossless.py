@@ -30,12 +30,6 @@ def chi2_critical(df: int, alpha: float = ALPHA) -> float:
     return (lo + hi) / 2
 
 
-def test_chi2_critical_values_match_tables():
-    table = {1: 10.828, 2: 13.816, 5: 20.515, 10: 29.588, 20: 45.315, 30: 59.703, 35: 66.619}
-    for df, x in table.items():
-        assert chi2_critical(df) == pytest.approx(x, abs=2e-3)
-
-
 def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson statistic of ``counts`` against ``probs`` (same shape, flattened).
 

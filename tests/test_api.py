@@ -17,7 +17,6 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +29,8 @@ from specdecode.models import HFCausalLM, resolve_model_path
 from specdecode.stats import SpecDecodingStats
 
 from helpers import MockLM, local_tokenizer
-from tiny_dirs import (ASCII_TEXT, EOS, PROMPT, UNICODE_TEXT, VOCAB, WIDE_VOCAB, build_tiny_dirs,
-                       tiny_dirs_in, write_tiny_gguf)
+from tiny_dirs import (ASCII_TEXT, EOS, PROMPT, UNICODE_TEXT, VOCAB, WIDE_VOCAB, tiny_dirs_in,
+                       write_tiny_gguf)
 
 
 def _fewer_page_faults() -> None:

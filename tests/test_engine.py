@@ -8,7 +8,6 @@ never hard-coded.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import pytest

@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from helpers import MockLM, tiny_model
+from helpers import tiny_model
 from lossless import (E_PROMPT, EV, N_RUNS, assert_lossless, chi2_critical, chi2_stat, engine_joint,
                       mock_draft, mock_target, probs_of)
 from specdecode.config import SamplingParams
@@ -124,6 +124,12 @@ def test_narrow_draft_vocab_rows_it_lacks_have_q_zero():
     assert na.tolist() == [0, 2]
     assert out[0].tolist() == [18, -1, -1, -1]
     assert out[1].tolist() == [2, 5, 19, -1]
+
+
+def test_chi2_critical_values_match_tables():
+    table = {1: 10.828, 2: 13.816, 5: 20.515, 10: 29.588, 20: 45.315, 30: 59.703, 35: 66.619}
+    for df, x in table.items():
+        assert chi2_critical(df) == pytest.approx(x, abs=2e-3)
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])

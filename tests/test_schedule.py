@@ -191,7 +191,6 @@ def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
 
 def test_inapplicable_options_raise():
     from specdecode.config import KSchedule
-    from specdecode.methods import SpeculativeConfig
 
     with pytest.raises(ValueError, match="suffix_cache applies"):
         SpeculativeConfig("draft", suffix_cache="session")

@@ -63,8 +63,8 @@ def _fmt(v, spec=".2f", suffix=""):
 
 
 def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: str = "overall") -> str:
-    lines = [f"| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | vs llamacpp-ar* | "
-             f"ceiling | τ | acceptance | draft / verify time | mismatches | peak memory† |",
+    lines = ["| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | vs llamacpp-ar* | "
+             "ceiling | τ | acceptance | draft / verify time | mismatches | peak memory† |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, rows in summary.items():
         r = rows.get(subtask)

@@ -281,10 +281,11 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
         else:
             log.write_text("")
 
-        def on_task_done(task_records):
+        def append_records(task_records):
             with log.open("a") as f:
                 for r in task_records:
                     f.write(json.dumps(asdict(r)) + "\n")
+        on_task_done = append_records
 
     records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud,
                         previous=previous, on_task_done=on_task_done)
