@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import gumbel_sample, sample
+from .sampling import sample
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -86,10 +86,8 @@ def gumbel_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
     if target_logits.shape[:2] != (b, k + 1) or noise.shape[:2] != (b, k + 1):
         raise ValueError(f"target_logits {tuple(target_logits.shape)} and noise {tuple(noise.shape)} "
                          f"must both be [{b},{k + 1},V]")
-    samples = gumbel_sample(target_logits, noise)  # [B,K+1]
-    num_accepted = (draft_token_ids == samples[:, :k]).long().cumprod(1).sum(1)
-    keep = torch.arange(k + 1, device=samples.device)[None] <= num_accepted[:, None]
-    return torch.where(keep, samples, torch.full_like(samples, -1)), num_accepted
+    # the greedy rule on the perturbed logits: their argmax is the Gumbel-max sample
+    return greedy_verify(draft_token_ids, target_logits + noise[..., :target_logits.shape[-1]])
 
 
 def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor

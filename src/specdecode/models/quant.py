@@ -166,9 +166,8 @@ def _long_pass(x: torch.Tensor, out_features: int, in_features: int) -> bool:
 def takes_bf16(linear: nn.Module, x: torch.Tensor) -> bool:
     """Whether this int8 or Q4_K ``linear`` runs the pass of ``x`` in bf16 (see
     :func:`bf16_prefill`)."""
-    if isinstance(linear, Q4KLinear) or (isinstance(linear, Int8Linear) and linear.layout == "vnni"):
-        return vnni_kernel()[0] is not None and _long_pass(x, linear.out_features, linear.in_features)
-    return False
+    return (isinstance(linear, Q4KLinear) or (isinstance(linear, Int8Linear) and linear.layout == "vnni")) \
+        and _long_pass(x, linear.out_features, linear.in_features)
 
 
 def _bf16_linear(linear: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
@@ -433,6 +432,7 @@ class Q4KLinear(nn.Module):
 
 
 Q4K_BUFFERS = ("qweight", "d", "dmin", "sc", "mn")
+
 
 def q4k_dequantize(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     """fp32 [out, in] of :class:`Q4KLinear` buffers, computed as gguf-py dequantizes Q4_K:
