@@ -20,7 +20,7 @@ from typing import Iterator
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
-from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule,
+from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, split_method,
                       speculative_config)
 from .models.loading import DEFAULT_DTYPE, LoadedModel, load
 from .profile import verify_profile
@@ -300,7 +300,8 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     new = kwargs.get("max_new_tokens", 128)
     max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
     method = kwargs.get("method")
-    speculative = (Method.parse(method) is not Method.AR) if method is not None else any(
+    speculative = (Method.parse(split_method(method)[0] if isinstance(method, str) else method)
+                   is not Method.AR) if method is not None else any(
         kwargs.get(a) is not None for a in ("draft", "assistant_model", "prompt_lookup_num_tokens"))
     # T(1..17) for the batch's K policy (and the hybrid's, auto K's cost model), measured
     # before the batch holds the target (once per machine, then cached on disk)

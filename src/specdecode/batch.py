@@ -377,7 +377,7 @@ class BatchEngine:
             w = self.waiting.popleft()
             locks = hold([], w.proposer)
             for m in (w.proposer.models() if w.proposer is not None else ()):
-                if isinstance(m, DraftRowView):
+                if hasattr(m, "bind"):  # a draft row, or a self-draft on the target's row
                     m.bind(b)
             target.rollback_rows([0 if r == b else n for r, n in enumerate(target.row_lengths)])
             check = (lambda b=b: target.row_lengths[b]) if self.debug else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Callable
 
 from .config import MAX_K, KSchedule, check_k
@@ -22,12 +23,15 @@ from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
-# suffix_cache
+# suffix_cache, skip (a layer-skip draft's layers), exit_layer, self_draft_dtype
 OPTIONS = {
     "draft": "a draft model (draft=, assistant_model=, --draft and its --draft-* options) applies",
     "draft_p_min": "draft_p_min applies",
     "ngram": "n-gram sizes (min_ngram, max_ngram) apply",
     "suffix_cache": "suffix_cache applies",
+    "skip": "skipped layers (skip_layers=, skip_profile=; layers=, profile=) apply",
+    "exit_layer": "an exit layer (exit_layer=; layer=) applies",
+    "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
 }
 
 
@@ -38,7 +42,7 @@ class MethodSpec:
     name: its name everywhere (``--method``, ``method=``, the bench, stats).
     summary: who proposes, one line (CLI and bench help).
     proposer: its proposer class (None: plain decoding); its ``default_k`` is the method's
-        default K.
+        default K unless ``k`` gives another.
     build: (config, target, draft or None) -> the request's proposer (None for plain decoding).
     needs_draft_model: a draft model must be given (and is checked against the target).
     options: the :data:`OPTIONS` it honours; giving another is an error.
@@ -50,10 +54,13 @@ class MethodSpec:
     build: Callable[["SpeculativeConfig", LoadedModel, "LoadedModel | None"], "Proposer | None"]
     needs_draft_model: bool = False
     options: frozenset[str] = frozenset()
+    k: int | None = None  # its default K where it is not its proposer class's
 
     @property
     def default_k(self) -> int | None:
-        return self.proposer.default_k if self.proposer is not None else None
+        if self.proposer is None:
+            return None
+        return self.k or self.proposer.default_k
 
 
 def _own_draft(target: LoadedModel, draft: LoadedModel):
@@ -79,6 +86,89 @@ def _hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft: LoadedModel) 
                           draft_cost=verify_profile(draft, 0)[0] / times[0])
 
 
+def _native(target: LoadedModel, method: str):
+    lm = target.lm
+    if not hasattr(lm, "self_draft"):
+        raise ValueError(f"method {method!r} drafts with the target's own layers, which needs the "
+                         f"native runtime; this target is {type(lm).__name__} (load it with "
+                         "backend='native')")
+    return lm
+
+
+def _skip_layers(spec: "SpeculativeConfig", target: LoadedModel) -> list[int]:
+    """The layers a layer-skip draft runs: all but ``skip_layers``, or those of the profile
+    ``skip_profile``, or of the target's cached default profile (made on first use)."""
+    from .layer_skip import SkipProfile, check_skip, default_profile
+
+    lm = _native(target, spec.method.value)
+    nl = lm.args.n_layers
+    if spec.skip_layers is not None:
+        skip = check_skip(spec.skip_layers, nl)
+    elif spec.skip_profile is not None:
+        skip = SkipProfile.load(spec.skip_profile, nl).skip
+    else:
+        skip = default_profile(target).skip
+    return [i for i in range(nl) if i not in skip]
+
+
+def _exit_layers(spec: "SpeculativeConfig", target: LoadedModel) -> list[int]:
+    lm = _native(target, "early-exit")
+    nl = lm.args.n_layers
+    if spec.exit_layer is None:
+        raise ValueError("method 'early-exit' needs its exit layer E: early-exit:layer=E "
+                         f"(exit_layer=E), 1 <= E < {nl}")
+    if not 1 <= spec.exit_layer < nl:
+        raise ValueError(f"exit layer {spec.exit_layer} is out of range: allowed 1..{nl - 1} "
+                         f"(this target has {nl} layers)")
+    return list(range(spec.exit_layer))
+
+
+# precision ranks of weight formats: a self-draft must be of a lower one than its target
+_PRECISION = {"float32": 4, "bfloat16": 3, "float16": 3, "int8": 2, "q4": 1, "int4": 1}
+SELF_DRAFT_DTYPES = ("int8", "int4")
+
+
+def _self_draft_weights(spec: "SpeculativeConfig", target: LoadedModel):
+    """The target's weights at ``self_draft_dtype`` (default int4), loaded once from its
+    files and kept on the loaded target (``LoadedModel.self_drafts``)."""
+    from .models.loading import load
+
+    lm = _native(target, "self-draft")
+    dtype = spec.self_draft_dtype or "int4"
+    own = _PRECISION.get(lm.weight_format.split("-")[0])
+    if own is None or _PRECISION[dtype] >= own:
+        lower = [d for d in SELF_DRAFT_DTYPES if own is not None and _PRECISION[d] < own]
+        raise ValueError(f"a self-draft in {dtype} is not below this target's {lm.weight_format} "
+                         "weights, so it would cost as much as the target: "
+                         + (f"use dtype={' or '.join(lower)}" if lower else
+                            "load the target in float32 or int8 for a self-draft"))
+    if dtype not in target.self_drafts:
+        if target.path is None:
+            raise ValueError("a self-draft loads the target's files again: this target has no path")
+        target.self_drafts[dtype] = load(target.path, dtype=dtype, role="draft", tokenizer=False,
+                                         backend="native").lm
+    return target.self_drafts[dtype]
+
+
+def _self_draft(spec: "SpeculativeConfig", target: LoadedModel, layers, weights=None):
+    return DraftModelProposer(_native(target, spec.method.value).self_draft(layers, weights),
+                              p_min=spec.draft_p_min, lazy_prefill=True)
+
+
+def _self_hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft) -> HybridProposer:
+    from .layer_skip import SkipProfile, default_profile
+
+    layers = _skip_layers(spec, target)
+    nl = target.lm.args.n_layers
+    profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile else \
+        default_profile(target) if spec.skip_layers is None else None
+    cost = profile.draft_cost if profile is not None else len(layers) / nl
+    times = verify_profile(target, spec.max_speculative_tokens)
+    return HybridProposer(_suffix(spec, target),
+                          HybridProposer.draft_for(target.lm.self_draft(layers), spec.draft_p_min),
+                          verify_cost=[t / times[0] for t in times], draft_cost=cost)
+
+
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("ar", "nobody: plain autoregressive decoding (the baseline)", None,
                lambda spec, target, draft: None),
@@ -96,6 +186,22 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("hybrid", "suffix matching or the draft model, whichever promises more tokens/s",
                HybridProposer, _hybrid, needs_draft_model=True,
                options=frozenset({"draft", "draft_p_min", "suffix_cache"})),
+    MethodSpec("layer-skip", "the target with some of its layers skipped drafts on its own KV cache",
+               DraftModelProposer,
+               lambda spec, target, draft: _self_draft(spec, target, _skip_layers(spec, target)),
+               options=frozenset({"skip", "draft_p_min"}), k=3),
+    MethodSpec("early-exit", "the target's first E layers and its LM head draft (early-exit checkpoints)",
+               DraftModelProposer,
+               lambda spec, target, draft: _self_draft(spec, target, _exit_layers(spec, target)),
+               options=frozenset({"exit_layer", "draft_p_min"}), k=3),
+    MethodSpec("self-draft", "the target's own weights at a lower precision draft on its KV cache",
+               DraftModelProposer,
+               lambda spec, target, draft: _self_draft(spec, target, None,
+                                                       _self_draft_weights(spec, target)),
+               options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
+    MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
+               "(no second model)", HybridProposer, _self_hybrid,
+               options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
 )}
 
 
@@ -137,8 +243,11 @@ class SpeculativeConfig:
     the heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
     schedules. The other fields are :data:`OPTIONS`, each honoured by the methods that name
     it: ``draft_p_min`` (None = the method's default), ``max_ngram`` / ``min_ngram``
-    (``ngram``), ``suffix_cache``. Raises ValueError naming a bad value, or an option the
-    method does not honour (never silently ignored).
+    (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_profile`` (``skip``: the layers a
+    layer-skip draft skips, or a ``tune-skip`` profile file; neither: the target's cached
+    default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
+    None: int4). Raises ValueError naming a bad value, or an option the method does not
+    honour (never silently ignored).
     """
 
     method: Method = Method.DRAFT
@@ -149,6 +258,10 @@ class SpeculativeConfig:
     max_ngram: int = 5
     min_ngram: int = 2
     suffix_cache: str = "request"
+    skip_layers: tuple[int, ...] | None = None
+    skip_profile: str | None = None
+    exit_layer: int | None = None
+    self_draft_dtype: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -174,10 +287,28 @@ class SpeculativeConfig:
                              "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")
         if self.suffix_cache not in ("request", "session"):
             raise ValueError(f"suffix_cache = {self.suffix_cache!r} is invalid; allowed: 'request', 'session'")
+        if self.skip_layers is not None:
+            if isinstance(self.skip_layers, (str, bytes)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.skip_layers):
+                raise ValueError(f"skip_layers = {self.skip_layers!r} is invalid; allowed: layer "
+                                 "indices (integers >= 0)")
+            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+            if self.skip_profile is not None:
+                raise ValueError("give skip_layers or skip_profile, not both")
+        if self.skip_profile is not None and not isinstance(self.skip_profile, (str, Path)):
+            raise ValueError(f"skip_profile = {self.skip_profile!r} is invalid; allowed: a file path")
+        e = self.exit_layer
+        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
+            raise ValueError(f"exit_layer = {e!r} is invalid; allowed: an integer >= 1")
+        if self.self_draft_dtype not in (None, *SELF_DRAFT_DTYPES):
+            raise ValueError(f"self_draft_dtype = {self.self_draft_dtype!r} is invalid; allowed: "
+                             f"{', '.join(SELF_DRAFT_DTYPES)}")
         given = {"draft_p_min": p is not None,
                  "ngram": (self.min_ngram, self.max_ngram) != (SpeculativeConfig.min_ngram,
                                                                SpeculativeConfig.max_ngram),
-                 "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache}
+                 "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
+                 "skip": self.skip_layers is not None or self.skip_profile is not None,
+                 "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -187,15 +318,83 @@ class SpeculativeConfig:
                              f"{self.max_speculative_tokens})")
 
 
+def _layer_list(value: str) -> tuple[int, ...]:
+    """"3+5-8+12" (or with commas) -> (3, 5, 6, 7, 8, 12)."""
+    out = []
+    try:
+        for part in filter(None, value.replace(",", "+").split("+")):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"layers={value!r} is invalid; allowed: layer indices joined by '+', "
+                         "ranges as A-B, e.g. layers=3+5-8+12") from None
+    return tuple(out)
+
+
+def _positive(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is invalid; allowed: an integer") from None
+
+
+# the options a method name may carry ("layer-skip:layers=3+5-8"): key -> (its registry
+# option, its SpeculativeConfig fields from the text)
+METHOD_OPTIONS = {
+    "layers": ("skip", lambda v: {"skip_layers": _layer_list(v)}),
+    "profile": ("skip", lambda v: {"skip_profile": v}),
+    "layer": ("exit_layer", lambda v: {"exit_layer": _positive("layer", v)}),
+    "dtype": ("self_draft_dtype", lambda v: {"self_draft_dtype": v}),
+}
+
+
+def method_options(method: str, opts: dict) -> dict:
+    """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
+    dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
+    early-exit, dtype= for self-draft); keys the method does not honour are left in ``opts``.
+    Raises ValueError for a bad value."""
+    honoured = METHODS[method].options
+    out = {}
+    for key, (option, parse) in METHOD_OPTIONS.items():
+        if option in honoured and key in opts:
+            out.update(parse(opts.pop(key)))
+    return out
+
+
+def split_method(text: str) -> tuple[str, dict]:
+    """"layer-skip:layers=3+5-8" -> ("layer-skip", {"skip_layers": (3, 5, 6, 7, 8)}): a method
+    name with its own options (:data:`METHOD_OPTIONS`). Raises ValueError naming an unknown
+    method, or an option it does not take."""
+    name, *parts = text.split(":")
+    Method.parse(name)
+    opts = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"method option {part!r} in {text!r} must look like key=value")
+        opts[key] = value
+    fields = method_options(name, opts)
+    if opts:
+        mine = [k for k, (o, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
+        raise ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; "
+                         f"allowed: {', '.join(mine) or 'none'}")
+    return name, fields
+
+
 def speculative_config(method: "str | Method | None", has_draft: bool,
                        num_speculative_tokens: int | str | None = None,
                        max_speculative_tokens: int = 16, draft_p_min: float | None = None,
                        max_ngram: int | None = None, suffix_cache: str = "request") -> SpeculativeConfig:
     """The :class:`SpeculativeConfig` of the API's / CLI's arguments: method None means
     "draft" when a draft model is given (``has_draft``), else "ar"; a draft model given to a
-    method without one is an error, like every option a method does not honour; K is an integer, "heuristic" or "auto";
+    method without one is an error, like every option a method does not honour; a method may
+    carry its own options (``"layer-skip:layers=3+5-8"``, :func:`split_method`); K is an
+    integer, "heuristic" or "auto";
     ``max_ngram`` alone sets the shortest n-gram to min(2, max_ngram). Raises ValueError
     naming a bad or inapplicable value."""
+    own = {}
+    if isinstance(method, str) and not isinstance(method, Method) and ":" in method:
+        method, own = split_method(method)
     method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
     if has_draft and "draft" not in method.spec.options:
         raise ValueError(f"{_inapplicable('draft', method.value)}: drop the draft model, or choose "
@@ -215,7 +414,7 @@ def speculative_config(method: "str | Method | None", has_draft: bool,
                              "invalid; allowed: an integer 1..32")
         ngram = dict(max_ngram=max_ngram, min_ngram=min(SpeculativeConfig.min_ngram, max_ngram))
     return SpeculativeConfig(method, k, schedule, max_speculative_tokens, draft_p_min,
-                             suffix_cache=suffix_cache, **ngram)
+                             suffix_cache=suffix_cache, **ngram, **own)
 
 
 def build_proposer(spec: SpeculativeConfig, target: LoadedModel,

@@ -58,6 +58,18 @@ PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profile
 PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode cache>/profiles
 
 
+def profile_path(model: LoadedModel, *what) -> tuple[str, Path]:
+    """The key and cache file of something measured once on this model on this machine
+    (``what`` tells the measurements apart): per model, dtype, kernels, thread count, torch
+    version, CPU and ``PROFILE_VERSION``."""
+    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), type(model.lm).__name__,
+                      model.lm.weight_format, _kernel_source(), quant.amx_in_use(),
+                      torch.get_num_threads(),
+                      torch.__version__, platform.machine(), platform.processor(), _cpu_model(), *what])
+    return key, (PROFILE_DIR or registry.cache_dir() / "profiles") / (
+        hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
 def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     """A model's forward times T(1..max_k+1) in seconds (:class:`~specdecode.schedule.AutoK`'s cost model; with
     max_k = 0, a draft model's T(1)), measured once by :func:`measure_forward_times` — one
@@ -72,12 +84,7 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     cached = model.forward_seconds
     if cached is not None and len(cached) >= n:
         return cached[:n]
-    key = json.dumps([PROFILE_VERSION, str(model.path or model.name), type(model.lm).__name__,
-                      model.lm.weight_format, _kernel_source(), quant.amx_in_use(),
-                      torch.get_num_threads(),
-                      torch.__version__, platform.machine(), platform.processor(), _cpu_model(), n])
-    path = (PROFILE_DIR or registry.cache_dir() / "profiles") / (
-        hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    key, path = profile_path(model, n)
     times = None
     try:
         times = json.loads(path.read_text())["forward_seconds"]

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
-from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule
+from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule, method_options
 from ..models import llamacpp
 from ..models.loading import (LoadedModel, check_compatible, default_eos_token_ids, load,
                               resolve_model_path)
@@ -115,7 +115,9 @@ OPTION_PARSERS: dict[str, tuple[str, str, Callable[[str], dict]]] = {
 def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
     """The SpeculativeConfig of method ``name`` with bench options (consumed from ``opts``):
     k=N|heuristic|auto and max_k=N (every speculative method), and the options the method's
-    registry entry honours: p_min=P (draft_p_min), ngram=MIN-MAX, cache=request|session.
+    registry entry honours: p_min=P (draft_p_min), ngram=MIN-MAX, cache=request|session, and
+    the method's own (:data:`specdecode.methods.METHOD_OPTIONS`: layers=, profile=, layer=,
+    dtype= of self-draft).
     Raises ValueError naming a bad option."""
     k = opts.pop("k", None)
     schedule = KSchedule.FIXED
@@ -129,6 +131,7 @@ def speculative_config(name: str, opts: dict) -> SpeculativeConfig:
     for key, (_, _, parse) in OPTION_PARSERS.items():
         if key in opts:
             kwargs.update(parse(opts.pop(key)))
+    kwargs.update(method_options(name, opts))
     return SpeculativeConfig(name, k, schedule, **kwargs)
 
 

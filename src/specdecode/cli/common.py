@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
-from ..methods import METHODS, Method
+from ..methods import METHODS, Method, split_method
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, load_pair
@@ -109,6 +109,21 @@ def apply_threads(args: argparse.Namespace) -> int:
     return threads
 
 
+def method_arg(text: str) -> str:
+    """--method's value, checked (a method name with its own options, see
+    :func:`specdecode.methods.split_method`)."""
+    try:
+        split_method(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def method_of(args: argparse.Namespace) -> Method:
+    """The Method of --method (without its options)."""
+    return Method(args.method.split(":", 1)[0])
+
+
 def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT) -> None:
     """--target, --draft, --method and the weights and backends of both (generate, serve)."""
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
@@ -117,9 +132,13 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
     p.add_argument("--draft", default=None,
                    help=f"draft model for --method draft or hybrid, same forms as --target "
                         f"(default: {registry.DEFAULT_DRAFT})")
-    p.add_argument("--method", default=default_method.value, choices=list(METHODS),
+    p.add_argument("--method", default=default_method.value, type=method_arg,
+                   metavar="METHOD[:KEY=VALUE...]",
                    help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
-                        + f". Default: {default_method.value}")
+                        + ". Own options: layer-skip:layers=3+5-8 (the layers skipped) or "
+                        "layer-skip:profile=FILE (from `specdecode tune-skip`; neither: the target's "
+                        "default profile, made once and cached), early-exit:layer=E, "
+                        f"self-draft:dtype=int8|int4. Default: {default_method.value}")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="target weights. auto (default): q4 for a known model or a .gguf file on "
                         "an AVX512-VNNI CPU, else int8. q4: the GGUF file's own Q4_K blocks, the "

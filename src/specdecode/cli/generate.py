@@ -10,7 +10,7 @@ import time
 from ..api import _check_utf8, _sampling_params, stream
 from ..config import ACCEPTANCE_RULES
 from ..methods import METHODS, Method, speculative_config
-from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
+from .common import (EXIT_CODES_HELP, add_model_arguments, method_of, add_threads_argument, apply_threads,
                      k_argument, load_models, max_k_argument, run_command)
 
 GENERATE_HELP = """\
@@ -129,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
     prompt = _read_stdin() if args.prompt == "-" else args.prompt
     _check_utf8(prompt, "standard input" if args.prompt == "-" else "--prompt")
-    method = Method(args.method)
+    method = method_of(args)
     threads = apply_threads(args)
     # check every value before spending seconds on loading models
     params = _sampling_params(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
@@ -144,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k or 16,
                      draft_p_min=args.draft_p_min, max_matching_ngram_size=args.max_ngram)
     draft_given = any(v is not None for v in (args.draft, args.draft_dtype, args.draft_backend))
-    speculative_config(method, draft_given, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
+    speculative_config(args.method, draft_given, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
                   seed=args.seed, stop=args.stop, acceptance_rule=args.acceptance_rule)
-    chunks = stream(target, prompt, draft=draft, method=method, **spec_args, **common)
+    chunks = stream(target, prompt, draft=draft, method=args.method, **spec_args, **common)
     info = sys.stderr if args.json else sys.stdout
     if not args.json:
         print(f"# loaded {target.name} ({target.lm.weight_format})"

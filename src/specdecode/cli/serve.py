@@ -80,6 +80,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
+    if ":" in args.method:
+        raise ValueError(f"--method {args.method}: the server takes a method name; options such as "
+                         "layers= apply to `specdecode generate` and the bench (layer-skip and self "
+                         "use the target's default profile here)")
     method = Method(args.method)
     threads = apply_threads(args)
     name = model_name(args)
@@ -92,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
     print(f"# serving {name} (method {method.value}; "
-          + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix")
+          + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix, layer-skip, self")
           + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
           "the models are loaded", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

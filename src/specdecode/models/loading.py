@@ -36,7 +36,9 @@ class LoadedModel:
     State that lives as long as the loaded model:
     ``forward_seconds``: its measured forward times T(1..n) in seconds, once profiled
     (:func:`specdecode.profile.verify_profile`); ``session_proposers``: proposers whose state
-    carries over between this model's requests (``suffix_cache="session"``), by method name.
+    carries over between this model's requests (``suffix_cache="session"``), by method name;
+    ``self_drafts``: its weights at lower precisions drafting for it (``--method
+    self-draft``), by dtype.
     Compared by identity (two loads of the same files are two models, with two KV caches).
     """
 
@@ -47,6 +49,7 @@ class LoadedModel:
     path: Path | None = field(default=None, repr=False)
     forward_seconds: list[float] | None = field(default=None, repr=False)
     session_proposers: dict[str, object] = field(default_factory=dict, repr=False)
+    self_drafts: dict[str, object] = field(default_factory=dict, repr=False)
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:

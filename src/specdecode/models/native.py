@@ -513,6 +513,12 @@ class Transformer(nn.Module):
         other.row_lengths, other._layer_lengths = [0], None
         return other
 
+    def self_draft(self, layers: list[int] | None = None,
+                   weights: "Transformer | None" = None) -> "SelfDraft":
+        """This model as its own draft model, drafting on its own KV cache: see
+        :class:`SelfDraft`."""
+        return SelfDraft(self, layers, weights)
+
     def _set_lengths(self, lengths: list[int]):
         self.row_lengths = lengths
         if self._layer_lengths is not None:
@@ -923,3 +929,92 @@ class Transformer(nn.Module):
         if pack:
             pack_linears(model)
         return model.eval()
+
+
+class SelfDraft:
+    """The target as its own draft model (self-speculative decoding): a subset of its layers
+    (layer skipping, Draft & Verify arXiv:2309.08168, SWIFT arXiv:2410.06916; early exit,
+    LayerSkip arXiv:2404.16710) and/or its weights at a lower precision (``weights``: a
+    quantized copy, QSpec arXiv:2410.11305), drafting on the target's own KV cache.
+
+    The CausalLM a :class:`~specdecode.proposers.DraftModelProposer` drives (``seq_len``,
+    ``allocate``, ``forward``, ``rollback``), with no cache of its own and no prefill:
+
+    - The committed prefix is read from the target's cache, which holds the full model's
+      keys and values of every committed token but the last (the engine's invariant). So
+      ``seq_len`` is never below the target's length: the draft is always caught up.
+    - Drafted tokens are written into the target's buffers past the target's length, in
+      the layers the draft runs only. A slot at or past a row's length is invisible to the
+      target, and the verify pass of the round (the last token + every draft token)
+      overwrites each slot the draft wrote before the target's length passes it: the draft
+      never leaves a trace in the cache the target reads (tests compare it with plain
+      decoding's after every round).
+
+    target: the native Transformer that verifies. layers: sorted unique layer indices to run
+    (None: all; the final norm and LM head always run). weights: a Transformer of the same
+    architecture whose layers and head draft instead of the target's (its activations'
+    dtype must be the target's cache dtype). Rows: row 0 of a one-row target, or the row a
+    batched engine gives the request (:meth:`bind`).
+    Raises ValueError for bad layers or weights of another shape or dtype.
+    """
+
+    def __init__(self, target: Transformer, layers: list[int] | None = None,
+                 weights: Transformer | None = None):
+        nl = target.args.n_layers
+        if layers is not None:
+            layers = list(layers)
+            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < nl for i in layers) \
+                    or any(a >= b for a, b in zip(layers, layers[1:])):
+                raise ValueError(f"layers={layers}: allowed: sorted unique layer indices in 0..{nl - 1}")
+        source = target if weights is None else weights
+        if weights is not None:
+            if (weights.args.n_layers, weights.args.dim, weights.args.n_kv_heads, weights.args.head_dim,
+                    weights.args.vocab_size) != (nl, target.args.dim, target.args.n_kv_heads,
+                                                 target.args.head_dim, target.args.vocab_size):
+                raise ValueError("the self-draft's weights must be the target's architecture "
+                                 "(layers, width, KV heads, vocabulary)")
+            if weights.model.norm.weight.dtype != target.model.norm.weight.dtype:
+                raise ValueError(f"the self-draft's activations are {weights.model.norm.weight.dtype}, "
+                                 f"the target's KV cache {target.model.norm.weight.dtype}: they must agree")
+        self.target, self.layers = target, layers
+        self._lm = copy.copy(source)  # its own pointers; weights shared, caches set per pass
+        self.row, self._len = 0, 0
+        self.vocab_size = target.vocab_size
+        self.max_context = target.max_context
+        self.weight_format = source.weight_format
+
+    def bind(self, row: int) -> None:
+        """Draft on row ``row`` of a batched target (its request's row)."""
+        self.row, self._len = row, 0
+
+    @property
+    def seq_len(self) -> int:
+        return max(self._len, self.target.row_lengths[self.row])
+
+    def allocate(self, batch: int, max_len: int) -> None:
+        if batch != 1 or max_len > self.target.max_len:
+            raise ValueError(f"a self-draft drafts one request inside the target's cache of "
+                             f"{self.target.max_len} positions, asked for {batch} x {max_len}")
+        self._len = 0
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
+        """Append input_ids [1, T] at seq_len.. in the layers that draft; logits [1, n, V]."""
+        t, lm, start = self.target, self._lm, self.seq_len
+        if start + input_ids.shape[1] > t.max_len:
+            raise ValueError(f"KV cache overflow: {start}+{input_ids.shape[1]} positions > "
+                             f"allocated {t.max_len}")
+        views = []
+        for c in t.caches:  # this row's slices of the target's buffers
+            view = KVCache.__new__(KVCache)
+            view.k, view.v = c.k[self.row:self.row + 1], c.v[self.row:self.row + 1]
+            views.append(view)
+        lm.caches, lm.max_len, lm._cos, lm._sin = views, t.max_len, t._cos, t._sin
+        lm.row_lengths, lm._layer_lengths = [start], None
+        logits = lm.forward_rows(input_ids, num_logits=num_logits, layers=self.layers).logits
+        self._len = start + input_ids.shape[1]
+        return logits
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot roll back to {length}: the self-draft holds {self.seq_len} positions")
+        self._len = length

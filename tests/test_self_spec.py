@@ -1,0 +1,279 @@
+"""Self-speculative decoding: the target drafts for itself (layer skipping, early exit, its
+own weights at a lower precision) on its own KV cache, and the output stays the target's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from helpers import PROMPTS, ref, run, tiny_model
+from lossless import EV, N_RUNS, assert_lossless
+from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
+from specdecode.methods import SpeculativeConfig, build_proposer, speculative_config, split_method
+from specdecode.models.loading import LoadedModel
+from specdecode.proposers import DraftModelProposer
+
+GREEDY = SamplingParams(max_new_tokens=40)
+LAYERS = 4
+
+
+def _target(int8=None, seed=0, **kw):
+    return tiny_model(seed, n_layers=LAYERS, int8=int8, **kw)
+
+
+def _cache(lm, n):
+    """The first n positions of every layer's keys and values (row 0)."""
+    return [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in lm.caches]
+
+
+class _Recording(DraftModelProposer):
+    """Records the target's cache after every round (on_accept runs after the rollback)."""
+
+    def __init__(self, target, layers, weights=None):
+        super().__init__(target.self_draft(layers, weights), lazy_prefill=True)
+        self.target, self.snapshots = target, []
+
+    def on_accept(self, state):
+        super().on_accept(state)
+        self.snapshots.append((len(state.tokens) - 1, _cache(self.target, self.target.seq_len)))
+
+
+@pytest.mark.parametrize("int8", [None, "kn"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("layers", [[0, 2], [0], [0, 1, 2, 3]], ids=["skip-1-3", "exit-1", "all"])
+def test_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, layers):
+    """Greedy output equals plain decoding; after every round the cache the target reads
+    equals what plain decoding built for the same tokens (int8: bit for bit, fp32: to
+    rounding, as its verify rows do)."""
+    tgt, prompt = _target(int8), PROMPTS["twenty"]
+    plain = Engine(tgt, None, None).generate(prompt, GREEDY).run()
+    full = _cache(tgt, tgt.seq_len)
+    proposer = _Recording(tgt, layers)
+    gen, blocks = run(tgt, proposer, 3, prompt, GREEDY)
+    assert gen.token_ids == plain.token_ids
+    assert gen.stats.num_draft_tokens > 0 and len(proposer.snapshots) == len(blocks)
+    if layers == [0, 1, 2, 3]:  # the full model as its own draft: every draft is accepted
+        assert gen.stats.acceptance_rate == 1.0
+    for n, snap in proposer.snapshots:
+        assert n == tgt.seq_len or n <= len(prompt) + len(plain.token_ids)
+        for (k, v), (k0, v0) in zip(snap, full):
+            if int8:
+                assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
+            else:
+                torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_a_draft_that_wrote_below_the_targets_length_would_be_caught():
+    """The cache check above fails when the draft's entries are left where the target reads:
+    here the draft's pass is kept (no verify over that slot) by writing it at the target's
+    length and then advancing the target over it."""
+    tgt = _target("kn")
+    prompt = PROMPTS["twenty"]
+    tgt.allocate(1, 64)
+    tgt.forward(torch.tensor([prompt[:-1]]), num_logits=0)
+    draft = tgt.self_draft([0])
+    draft.allocate(1, 64)
+    draft.forward(torch.tensor([prompt[-1:]]), num_logits=1)
+    layer0 = tgt.caches[0].k[0, :, len(prompt) - 1].clone()
+    tgt.forward(torch.tensor([prompt[-1:]]), num_logits=1)  # the verify pass overwrites the slot
+    assert torch.equal(layer0, tgt.caches[0].k[0, :, len(prompt) - 1])  # layer 0 runs alike
+    # a skipped layer's entry in the last layer differs from the draft's residual stream
+    other = tiny_model(0, n_layers=LAYERS, int8="kn")
+    other.allocate(1, 64)
+    other.forward(torch.tensor([prompt[:-1]]), num_logits=0)
+    d2 = other.self_draft([0, 3])
+    d2.allocate(1, 64)
+    d2.forward(torch.tensor([prompt[-1:]]), num_logits=1)
+    stale = other.caches[3].k[0, :, len(prompt) - 1].clone()
+    other.forward(torch.tensor([prompt[-1:]]), num_logits=1)
+    assert not torch.equal(stale, other.caches[3].k[0, :, len(prompt) - 1])
+
+
+def test_self_draft_at_a_lower_precision_is_lossless():
+    """self-draft: the fp32 target's int8 copy drafts on the fp32 target's cache."""
+    tgt = _target()
+    weights = _target("kn")
+    prompt = PROMPTS["twenty"]
+    plain = Engine(tgt, None, None).generate(prompt, GREEDY).run()
+    gen, _ = run(tgt, _Recording(tgt, None, weights), 4, prompt, GREEDY)
+    assert gen.token_ids == plain.token_ids
+    assert gen.stats.acceptance_rate > 0.8  # the same weights, rounded: nearly always right
+
+
+def test_self_draft_rejects_weights_of_another_shape_or_dtype():
+    tgt = _target()
+    with pytest.raises(ValueError, match="architecture"):
+        tgt.self_draft(None, tiny_model(0, n_layers=2))
+    with pytest.raises(ValueError, match="must agree"):
+        tgt.self_draft(None, _target().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="allowed: sorted unique"):
+        tgt.self_draft([2, 1])
+    with pytest.raises(ValueError, match="allowed: sorted unique"):
+        tgt.self_draft([0, LAYERS])
+
+
+def test_layer_skip_in_the_batched_engine_equals_each_solo_run():
+    """Rows with their own layer-skip drafts on their own cache rows: each output is its
+    solo run's (the draft of one row never touches another's)."""
+    from specdecode.batch import BatchEngine
+
+    tgt = _target("kn")
+    prompts = [PROMPTS["twenty"], PROMPTS["repetitive"], PROMPTS["one"]]
+    solo = [Engine(tgt, None, None).generate(p, GREEDY).run().token_ids for p in prompts]
+    engine = BatchEngine(tgt, 3, 200, debug=True)
+    gens = [engine.add(p, GREEDY, proposer=DraftModelProposer(tgt.self_draft([0, 2]), lazy_prefill=True))
+            for p in prompts]
+    engine.run()
+    engine.close()
+    assert [g.token_ids for g in gens] == solo
+    assert all(g.stats.num_draft_tokens > 0 for g in gens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["rejection", "gumbel"])
+def test_layer_skip_sampling_follows_the_target(rule):
+    """20k seeded requests of a 6-token model drafting with one of its two layers: the joint
+    of the first two tokens is the target's (enumerated with one-token passes)."""
+    tgt = tiny_model(3, vocab_size=EV, scale=1.0)
+    params = SamplingParams(max_new_tokens=3, temperature=1.3, top_k=5)
+    prompt = [2, 3]
+
+    def probs(ids):
+        tgt.allocate(1, 8)
+        logits = tgt.forward(torch.tensor([ids]), num_logits=1)[0, -1]
+        logits[logits.argsort()[0]] = -float("inf")  # top_k 5 of 6
+        return torch.softmax(logits / 1.3, -1).double()
+
+    p1 = probs(prompt)
+    joint = p1[:, None] * torch.stack([probs(prompt + [a]) for a in range(EV)])
+    engine = Engine(tgt, DraftModelProposer(tgt.self_draft([0]), lazy_prefill=True), 2, debug=True)
+    counts = torch.zeros(EV, EV, dtype=torch.long)
+    proposed = 0
+    for seed in range(N_RUNS):
+        gen = engine.generate(prompt, dataclasses.replace(params, seed=seed, acceptance_rule=rule)).run()
+        counts[gen.token_ids[0], gen.token_ids[1]] += 1
+        proposed += gen.stats.num_draft_tokens
+    assert proposed > N_RUNS
+    assert_lossless(counts, joint)
+
+
+# -- choosing the layers
+
+def _loaded(lm):
+    from helpers import local_tokenizer
+
+    return LoadedModel(lm=lm, tokenizer=local_tokenizer(), name="tiny", eos_token_ids=())
+
+
+def test_teacher_forced_agreement_is_exact_for_the_full_model_and_measures_skips():
+    lm = _target("kn")
+    samples = [(PROMPTS["twenty"] + list(ref(tuple(PROMPTS["twenty"]), GREEDY, (), lm))[:20], 20)]
+    ev = _Evaluator(lm, samples)
+    assert ev.matches(list(range(LAYERS))) == [[True] * 20]
+    # the agreement of a skip = an actual one-step draft in the engine's position
+    some = ev.matches([0, 3])[0]
+    ids, n0 = samples[0]
+    draft = lm.self_draft([0, 3])
+    for i, hit in enumerate(some):
+        lm.allocate(1, 64)
+        lm.forward(torch.tensor([ids[:n0 - 1 + i]]), num_logits=0)
+        draft.allocate(1, 64)
+        tok = int(draft.forward(torch.tensor([[ids[n0 - 1 + i]]]), num_logits=1)[0, -1].argmax())
+        assert hit == (tok == ids[n0 + i])
+    assert not all(some)  # the tiny model's layers matter: the measure sees it
+
+
+def test_predicted_speedup_follows_the_cost_model():
+    # always right, free: K = MAX_K tokens a pass over a verify of equal cost
+    k, s = predicted_speedup([[True] * 50], 0.0, [1.0] * 10)
+    assert k == 8 and s == pytest.approx(1 + 8 * 42 / 50 + sum(range(1, 9)) / 50)
+    # never right: K = 1 costs a draft pass for nothing
+    k, s = predicted_speedup([[False] * 10], 0.5, [1.0] * 10)
+    assert k == 1 and s == pytest.approx(1 / 1.5)
+
+
+def test_tune_skip_writes_a_profile_the_method_loads(tmp_path):
+    from helpers import local_tokenizer
+
+    lm = _target("kn", vocab_size=len(local_tokenizer()))
+    target = _loaded(lm)
+    prompts = (("completion", "a b c d e f"), ("completion", "g h i j k"))
+    profile = tune_skip(target, max_new_tokens=12, progress=False, prompts=prompts)
+    assert profile.n_layers == LAYERS and profile.skip and len(profile.skip) < LAYERS
+    best = max(profile.search, key=lambda e: e["predicted_speedup"])
+    assert list(profile.skip) == best["skip"] and profile.k == best["k"]
+    assert len(profile.calibration["single_layer_agreement"]) == LAYERS
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert SkipProfile.load(path, LAYERS) == profile
+    spec = speculative_config(f"layer-skip:profile={path}", False)
+    proposer = build_proposer(spec, target, None)
+    assert proposer.draft.layers == profile.layers()
+    gen, _ = run(lm, proposer, spec.num_speculative_tokens, PROMPTS["twenty"], GREEDY)
+    assert gen.token_ids == Engine(lm, None, None).generate(PROMPTS["twenty"], GREEDY).run().token_ids
+
+
+def test_skip_profile_errors_name_the_file_and_the_fix(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="bad.json.*tune-skip"):
+        SkipProfile.load(bad)
+    good = SkipProfile((1,), 3, 0.9, 0.5, 1.1, 4)
+    good.save(tmp_path / "g.json")
+    with pytest.raises(ValueError, match="4 layers, this target has 28"):
+        SkipProfile.load(tmp_path / "g.json", 28)
+    d = json.loads((tmp_path / "g.json").read_text())
+    d["skip"] = [9]
+    (tmp_path / "g.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="0..3"):
+        SkipProfile.load(tmp_path / "g.json")
+
+
+# -- the methods' options
+
+def test_method_strings_carry_their_own_options():
+    assert split_method("layer-skip:layers=3+5-7") == ("layer-skip", {"skip_layers": (3, 5, 6, 7)})
+    assert split_method("early-exit:layer=2") == ("early-exit", {"exit_layer": 2})
+    assert split_method("self-draft:dtype=int8") == ("self-draft", {"self_draft_dtype": "int8"})
+    spec = speculative_config("layer-skip:layers=1", False, 2)
+    assert spec.skip_layers == (1,) and spec.num_speculative_tokens == 2
+    assert SpeculativeConfig("layer-skip").num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="takes no option.*allowed: layer"):
+        split_method("early-exit:layers=2")
+    with pytest.raises(ValueError, match="allowed: layer indices joined by"):
+        split_method("layer-skip:layers=a")
+    with pytest.raises(ValueError, match="int8, int4"):
+        SpeculativeConfig("self-draft", self_draft_dtype="int2")
+    with pytest.raises(ValueError, match="skip_layers or skip_profile"):
+        SpeculativeConfig("layer-skip", skip_layers=(1,), skip_profile="x.json")
+    with pytest.raises(ValueError, match="'layer-skip' and 'self', not 'draft'"):
+        SpeculativeConfig("draft", skip_layers=(1,))
+
+
+def test_methods_build_their_self_drafts_and_refuse_bad_values():
+    lm = _target("kn")
+    target = _loaded(lm)
+    ls = build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1, 3)), target, None)
+    assert ls.draft.layers == [0, 2] and ls.draft.target is lm
+    ee = build_proposer(SpeculativeConfig("early-exit", exit_layer=2), target, None)
+    assert ee.draft.layers == [0, 1]
+    with pytest.raises(ValueError, match="early-exit:layer=E"):
+        build_proposer(SpeculativeConfig("early-exit"), target, None)
+    with pytest.raises(ValueError, match="allowed 1..3"):
+        build_proposer(SpeculativeConfig("early-exit", exit_layer=4), target, None)
+    with pytest.raises(ValueError, match="0..3"):
+        build_proposer(SpeculativeConfig("layer-skip", skip_layers=(7,)), target, None)
+    with pytest.raises(ValueError, match="leaves no draft"):
+        build_proposer(SpeculativeConfig("layer-skip", skip_layers=(0, 1, 2, 3)), target, None)
+    # an int8 target's int8 copy would cost as much: int4 is allowed, int8 refused
+    with pytest.raises(ValueError, match="not below this target's int8.*dtype=int4"):
+        build_proposer(SpeculativeConfig("self-draft", self_draft_dtype="int8"), target, None)
+    from specdecode.models.hf import HFCausalLM
+    with pytest.raises(ValueError, match="native runtime"):
+        build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1,)),
+                       LoadedModel(lm=HFCausalLM.__new__(HFCausalLM), name="hf"), None)
