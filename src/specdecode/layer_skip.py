@@ -290,10 +290,15 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
                        tuple(evaluated[n] for n in sorted(evaluated)))
 
 
+def default_profile_path(target: LoadedModel) -> Path:
+    """Where the target's default profile is cached."""
+    return profile_path(target, "layer-skip", PROFILE_FORMAT)[1]
+
+
 def default_profile(target: LoadedModel, progress: bool = True) -> SkipProfile:
     """The target's layer-skip profile, made by :func:`tune_skip` once and cached per model
     and machine (as the forward-time profiles are: :func:`specdecode.profile.profile_path`)."""
-    _, path = profile_path(target, "layer-skip", PROFILE_FORMAT)
+    path = default_profile_path(target)
     try:
         return SkipProfile.load(path, target.lm.args.n_layers)
     except ValueError:

@@ -1,5 +1,5 @@
 """The command line: ``specdecode generate`` (the main job), ``serve``, ``bench``,
-``bench-serve``, ``export`` and ``models``.
+``bench-serve``, ``export``, ``models`` and ``tune-skip``.
 
 Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
 """
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, bench_serve, export, generate, models, serve
+from . import bench, bench_serve, export, generate, models, serve, tune_skip
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_parser(sub)
     export.add_parser(sub)
     models.add_parser(sub)
+    tune_skip.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,72 @@
+"""``specdecode tune-skip``: choose the layers a layer-skip draft skips, and write the profile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..layer_skip import CALIBRATION_PROMPTS, default_profile_path, tune_skip
+from ..models import registry
+from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load
+from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command
+
+TUNE_HELP = f"""\
+Find which of the target's decoder layers its own draft can skip (--method layer-skip): the
+draft is the target with those layers left out, drafting on the target's KV cache; the full
+model verifies, so the output is the target's whatever is skipped.
+
+Candidates are scored by predicted tokens per second: the teacher-forced agreement of the
+draft with the target on {len(CALIBRATION_PROMPTS)} calibration prompts (written for this, none from the bench)
+times the draft pass's measured cost. The search ranks the layers by the agreement when each
+alone is skipped, then skips the n lowest-ranked for n = 2, 4, ...: a few dozen evaluations
+(the module specdecode.layer_skip says why that suffices). Minutes for the default target.
+
+Without --out the profile becomes the target's default, the one `--method layer-skip` and
+`--method self` use when given no layers (made on their first use otherwise).
+
+examples:
+  specdecode tune-skip                        # the default target's default profile
+  specdecode tune-skip --out skip.json
+  specdecode generate --method layer-skip:profile=skip.json --prompt "..."
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune-skip", help="choose the layers a layer-skip draft skips",
+                       description=TUNE_HELP, epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=registry.DEFAULT_TARGET,
+                   help=f"target: a known name, model directory, .gguf file or hub id (default "
+                        f"{registry.DEFAULT_TARGET})")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
+                   help="the target's weights, as `specdecode generate --dtype` (default auto)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the profile here (default: the target's cached default profile)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens of each calibration prompt's continuation measured (default 32)")
+    add_threads_argument(p)
+    p.set_defaults(func=lambda args: run_command(cmd_tune_skip, args))
+
+
+def cmd_tune_skip(args: argparse.Namespace) -> int:
+    if not 4 <= args.max_new_tokens <= 512:
+        raise ValueError(f"--max-new-tokens must be 4..512, got {args.max_new_tokens}")
+    apply_threads(args)
+    target = load(args.target, dtype=args.dtype, backend="native")
+    profile = tune_skip(target, max_new_tokens=args.max_new_tokens)
+    out = args.out or default_profile_path(target)
+    if args.out is None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    print(f"{len(profile.search)} candidates evaluated; best: skip {len(profile.skip)} of "
+          f"{profile.n_layers} layers {list(profile.skip)}, K = {profile.k}, agreement "
+          f"{profile.acceptance:.3f}, draft pass {profile.draft_cost:.2f} x T(1), predicted "
+          f"{profile.predicted_speedup:.2f}x plain decoding")
+    if profile.predicted_speedup < 1:
+        print("layer skipping does not pay for this target on this machine (predicted < 1x); "
+              "it still works and stays lossless", file=sys.stderr)
+    for e in profile.search:
+        print(f"  skip {len(e['skip']):2d}: agreement {e['acceptance']:.3f}, cost {e['draft_cost']:.2f}, "
+              f"K {e['k']}, predicted {e['predicted_speedup']:.2f}x")
+    print(f"wrote {out}")
+    return 0
