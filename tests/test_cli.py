@@ -429,3 +429,51 @@ def test_generate_color_shades_each_token_by_who_supplied_it(capsys, dirs, targe
     assert "colours:" in out
     assert run(capsys, "generate", "--target", dirs["target"], "--prompt", "x", "--color",
                "--json")[0] != 0
+
+
+# -- self-speculative methods (the tiny target has 2 layers)
+
+def test_generate_layer_skip_from_the_command_line_is_the_targets_output(capsys, dirs):
+    obj = run_json(capsys, dirs, "--method", "layer-skip:layers=1", "--compare")
+    assert obj["identical"] is True and obj["stats"]["num_draft_tokens"] > 0
+
+
+def test_tune_skip_writes_a_profile_that_generate_loads(capsys, dirs, tmp_path):
+    out = tmp_path / "skip.json"
+    code, text, err = run(capsys, "tune-skip", "--target", dirs["target"], "--out", out,
+                          "--max-new-tokens", 8, "--threads", 1)
+    assert code == 0, err
+    assert "candidates evaluated" in text and f"wrote {out}" in text
+    profile = json.loads(out.read_text())
+    assert profile["n_layers"] == 2 and len(profile["skip"]) == 1
+    obj = run_json(capsys, dirs, "--method", f"layer-skip:profile={out}", "--compare")
+    assert obj["identical"] is True
+
+
+def test_self_draft_int4_copy_of_the_int8_target_is_its_output(capsys, dirs):
+    obj = run_json(capsys, dirs, "--method", "self-draft", "--compare")
+    assert obj["identical"] is True and obj["stats"]["num_draft_tokens"] > 0
+
+
+def test_method_self_tunes_its_default_profile_once(capsys, dirs):
+    first = run_json(capsys, dirs, "--method", "self", "--compare")
+    assert first["identical"] is True
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--method", "self",
+                         "--prompt", PROMPT, "--max-new-tokens", 5)
+    assert code == 0 and "choosing the layers" not in err  # cached: not searched again
+
+
+@pytest.mark.parametrize("method,message", [
+    ("layer-skip:layers=5", "0..1"),
+    ("early-exit", "early-exit:layer=E"),
+    ("early-exit:layer=2", "allowed 1..1"),
+    ("layer-skip:layer=1", "takes no option"),
+    ("self-draft:dtype=int8", "not below this target's int8"),
+])
+def test_self_spec_errors_say_what_to_do(capsys, dirs, method, message):
+    try:
+        code, out, err = run(capsys, "generate", "--target", dirs["target"], "--method", method,
+                             "--prompt", PROMPT, "--max-new-tokens", 5)
+    except SystemExit as e:  # argparse refuses the method string itself
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2 and message in err

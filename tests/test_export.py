@@ -89,6 +89,9 @@ def test_export_refuses_what_the_engines_cannot_load(tmp_path, dirs, capsys):
         export("vllm", tmp_path / "a", dirs["target"], dirs["foreign"], Method.DRAFT, progress=False)
     with pytest.raises(ValueError, match="nothing to export"):
         export("vllm", tmp_path / "b", dirs["target"], None, Method.AR, progress=False)
+    for method in (Method.LAYER_SKIP, Method.SELF, Method.SELF_DRAFT, Method.EARLY_EXIT):
+        with pytest.raises(ValueError, match="nothing reproduces it there"):
+            export("sglang", tmp_path / "s", dirs["target"], None, method, progress=False)
     with pytest.raises(ValueError, match="tgi"):
         export("tgi", tmp_path / "c", dirs["target"], None, Method.SUFFIX, progress=False)
     (tmp_path / "full").mkdir()

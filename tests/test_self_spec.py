@@ -9,13 +9,14 @@ import json
 import pytest
 import torch
 
-from helpers import PROMPTS, ref, run, tiny_model
+from helpers import PROMPTS, randint, ref, run, tiny_model
 from lossless import EV, N_RUNS, assert_lossless
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
 from specdecode.methods import SpeculativeConfig, build_proposer, speculative_config, split_method
 from specdecode.models.loading import LoadedModel
+from specdecode.models.native import SelfDraft
 from specdecode.proposers import DraftModelProposer
 
 GREEDY = SamplingParams(max_new_tokens=40)
@@ -123,15 +124,29 @@ def test_layer_skip_in_the_batched_engine_equals_each_solo_run():
     from specdecode.batch import BatchEngine
 
     tgt = _target("kn")
-    prompts = [PROMPTS["twenty"], PROMPTS["repetitive"], PROMPTS["one"]]
+    prompts = [PROMPTS["twenty"], PROMPTS["repetitive"], PROMPTS["one"], randint(30, 9)]
     solo = [Engine(tgt, None, None).generate(p, GREEDY).run().token_ids for p in prompts]
-    engine = BatchEngine(tgt, 3, 200, debug=True)
-    gens = [engine.add(p, GREEDY, proposer=DraftModelProposer(tgt.self_draft([0, 2]), lazy_prefill=True))
-            for p in prompts]
-    engine.run()
-    engine.close()
+    together = []
+    real = SelfDraft.forward_together
+
+    def spy(passes):
+        together.append(len(passes))
+        return real(passes)
+
+    SelfDraft.forward_together = staticmethod(spy)
+    try:
+        engine = BatchEngine(tgt, 4, 200, debug=True)
+        # two rows skip layers 1 and 3, one layer 3 only, one exits after layer 0
+        layers = [[0, 2], [0, 1, 2], [0, 2], [0]]
+        gens = [engine.add(p, GREEDY, proposer=DraftModelProposer(tgt.self_draft(ls), lazy_prefill=True))
+                for p, ls in zip(prompts, layers)]
+        engine.run()
+        engine.close()
+    finally:
+        SelfDraft.forward_together = staticmethod(real)
     assert [g.token_ids for g in gens] == solo
     assert all(g.stats.num_draft_tokens > 0 for g in gens)
+    assert max(together) == 2  # the two rows of the same layers drafted in one pass
 
 
 @pytest.mark.slow
@@ -242,7 +257,7 @@ def test_method_strings_carry_their_own_options():
     assert split_method("self-draft:dtype=int8") == ("self-draft", {"self_draft_dtype": "int8"})
     spec = speculative_config("layer-skip:layers=1", False, 2)
     assert spec.skip_layers == (1,) and spec.num_speculative_tokens == 2
-    assert SpeculativeConfig("layer-skip").num_speculative_tokens == 3
+    assert SpeculativeConfig("layer-skip").num_speculative_tokens == 1
     with pytest.raises(ValueError, match="takes no option.*allowed: layer"):
         split_method("early-exit:layers=2")
     with pytest.raises(ValueError, match="allowed: layer indices joined by"):

@@ -349,5 +349,9 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
         drf.lm.fork() if drf is not None else None
     own = replace(drf, lm=view, session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
+    if draft_s is None and proposer is not None and batch.forward_seconds:
+        # a self-draft's cost: its share of the target's T(1)
+        costs = [m.cost for m in proposer.models() if hasattr(m, "cost")]
+        draft_s = batch.forward_seconds[0] * costs[0] if costs else None
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids

@@ -27,7 +27,7 @@ import torch
 from .config import SamplingParams
 from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
-from .models.native import SDPA_MIN_TOKENS
+from .models.native import SDPA_MIN_TOKENS, SelfDraft
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
@@ -472,7 +472,8 @@ class BatchEngine:
     def _draft(steps: dict) -> dict[int, torch.Tensor]:
         """Each row's drafts, from its proposal's forward passes (``steps``: row -> generator,
         :meth:`~specdecode.engine.RequestRun.propose_steps`): every round of passes, those on
-        the rows of one :class:`DraftRows` run as one, the others alone."""
+        the rows of one :class:`DraftRows` run as one, and so do self-drafts' of one target and
+        layers (:meth:`SelfDraft.forward_together`); the others alone."""
         out, pending = {}, {}
 
         def advance(b, value=None):
@@ -486,13 +487,19 @@ class BatchEngine:
             advance(b)
         while pending:
             results, groups = {}, {}
+            own: dict[tuple, list] = {}  # self-drafts on the target's rows, by same_pass key
             for b, (model, ids, n) in pending.items():
                 if isinstance(model, DraftRowView):
                     groups.setdefault(id(model.rows), (model.rows, []))[1].append((b, model.row, ids, n))
+                elif isinstance(model, SelfDraft) and ids.shape[1] <= SMALL_PASS:
+                    own.setdefault(model.same_pass(), []).append((b, model, ids, n))
                 else:
                     results[b] = model.forward(ids, num_logits=n)
             for rows, passes in groups.values():
                 for (b, *_), logits in zip(passes, rows.run([p[1:] for p in passes])):
+                    results[b] = logits
+            for passes in own.values():
+                for (b, *_), logits in zip(passes, SelfDraft.forward_together([p[1:] for p in passes])):
                     results[b] = logits
             for b in list(pending):
                 advance(b, results[b])
@@ -517,7 +524,7 @@ class BatchEngine:
                 asked[i] = 1
             fixed.append(probe or not run.clocked or self.rows[b].fixed_k)
             batched.append(run.proposer is not None and any(
-                isinstance(m, DraftRowView) for m in run.proposer.models()))
+                isinstance(m, (DraftRowView, SelfDraft)) for m in run.proposer.models()))
         return choose_lengths(alphas, draft_seconds, asked, fixed, self.forward_seconds,
                               self._overhead_s, batched)
 

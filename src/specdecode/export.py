@@ -129,6 +129,9 @@ def write_hf_dir(src: Path, dst: Path, vocab_size: int | None = None,
     return action
 
 
+SELF_SPECULATIVE = (Method.LAYER_SKIP, Method.EARLY_EXIT, Method.SELF_DRAFT, Method.SELF)
+
+
 def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir: Path | None,
                     max_ngram: int, min_ngram: int) -> tuple[str | None, dict | None, list[str], list[str]]:
     """(the engine's method, vLLM's speculative config or None, SGLang's flags, notes) that
@@ -144,6 +147,9 @@ def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir:
         method = Method.DRAFT
     if method is Method.AR:
         raise ValueError("method ar speculates nothing: there is nothing to export")
+    if method in SELF_SPECULATIVE:
+        raise ValueError(f"vLLM and SGLang have no equivalent of {method.value} (the target "
+                         "drafting with its own layers or weights): nothing reproduces it there")
     k = k or METHODS[method.value].default_k
     if engine == "vllm":
         if method is Method.DRAFT:

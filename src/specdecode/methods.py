@@ -19,6 +19,7 @@ from .models.loading import LoadedModel, check_compatible
 from .profile import verify_profile
 from .proposers import (DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer,
                         SuffixProposer)
+from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
@@ -95,23 +96,30 @@ def _native(target: LoadedModel, method: str):
     return lm
 
 
-def _skip_layers(spec: "SpeculativeConfig", target: LoadedModel) -> list[int]:
-    """The layers a layer-skip draft runs: all but ``skip_layers``, or those of the profile
-    ``skip_profile``, or of the target's cached default profile (made on first use)."""
+def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
+    """The layer-skip draft (a SelfDraft): all layers but ``skip_layers``, or those of the
+    profile ``skip_profile``, or of the target's cached default profile (made on first use);
+    its ``cost`` the profile's measured one; and the K the profile predicts best (without a
+    profile, the method's default)."""
     from .layer_skip import SkipProfile, check_skip, default_profile
 
     lm = _native(target, spec.method.value)
     nl = lm.args.n_layers
+    profile = None
     if spec.skip_layers is not None:
         skip = check_skip(spec.skip_layers, nl)
-    elif spec.skip_profile is not None:
-        skip = SkipProfile.load(spec.skip_profile, nl).skip
     else:
-        skip = default_profile(target).skip
-    return [i for i in range(nl) if i not in skip]
+        profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
+            else default_profile(target)
+        skip = profile.skip
+    draft = lm.self_draft([i for i in range(nl) if i not in skip])
+    if profile is not None:
+        draft.cost = profile.draft_cost
+    return draft, profile.k if profile is not None else METHODS["layer-skip"].default_k
 
 
-def _exit_layers(spec: "SpeculativeConfig", target: LoadedModel) -> list[int]:
+def _exit_draft(spec: "SpeculativeConfig", target: LoadedModel):
+    """The early-exit draft: the first ``exit_layer`` layers and the LM head."""
     lm = _native(target, "early-exit")
     nl = lm.args.n_layers
     if spec.exit_layer is None:
@@ -120,7 +128,7 @@ def _exit_layers(spec: "SpeculativeConfig", target: LoadedModel) -> list[int]:
     if not 1 <= spec.exit_layer < nl:
         raise ValueError(f"exit layer {spec.exit_layer} is out of range: allowed 1..{nl - 1} "
                          f"(this target has {nl} layers)")
-    return list(range(spec.exit_layer))
+    return lm.self_draft(list(range(spec.exit_layer)))
 
 
 # precision ranks of weight formats: a self-draft must be of a lower one than its target
@@ -128,9 +136,9 @@ _PRECISION = {"float32": 4, "bfloat16": 3, "float16": 3, "int8": 2, "q4": 1, "in
 SELF_DRAFT_DTYPES = ("int8", "int4")
 
 
-def _self_draft_weights(spec: "SpeculativeConfig", target: LoadedModel):
-    """The target's weights at ``self_draft_dtype`` (default int4), loaded once from its
-    files and kept on the loaded target (``LoadedModel.self_drafts``)."""
+def _lower_precision_draft(spec: "SpeculativeConfig", target: LoadedModel):
+    """The self-draft of the target's weights at ``self_draft_dtype`` (default int4), loaded
+    once from its files and kept on the loaded target (``LoadedModel.self_drafts``)."""
     from .models.loading import load
 
     lm = _native(target, "self-draft")
@@ -147,26 +155,26 @@ def _self_draft_weights(spec: "SpeculativeConfig", target: LoadedModel):
             raise ValueError("a self-draft loads the target's files again: this target has no path")
         target.self_drafts[dtype] = load(target.path, dtype=dtype, role="draft", tokenizer=False,
                                          backend="native").lm
-    return target.self_drafts[dtype]
+    return lm.self_draft(None, target.self_drafts[dtype])
 
 
-def _self_draft(spec: "SpeculativeConfig", target: LoadedModel, layers, weights=None):
-    return DraftModelProposer(_native(target, spec.method.value).self_draft(layers, weights),
-                              p_min=spec.draft_p_min, lazy_prefill=True)
+def _self_draft(spec: "SpeculativeConfig", draft) -> DraftModelProposer:
+    # lazy: the target's own prefill fills the cache the draft reads
+    return DraftModelProposer(draft, p_min=spec.draft_p_min, lazy_prefill=True)
+
+
+# the self method's hybrid never routes a lookup's round through the layer-skip draft: that
+# check pass costs the draft's share of a verify pass of the whole proposal (0.6 T(17) with
+# the default target's profile), where a draft model's cost a quarter
+SELF_TUNING = HybridTuning(check_below=0.0)
 
 
 def _self_hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft) -> HybridProposer:
-    from .layer_skip import SkipProfile, default_profile
-
-    layers = _skip_layers(spec, target)
-    nl = target.lm.args.n_layers
-    profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile else \
-        default_profile(target) if spec.skip_layers is None else None
-    cost = profile.draft_cost if profile is not None else len(layers) / nl
+    own, k = _layer_skip_draft(spec, target)
     times = verify_profile(target, spec.max_speculative_tokens)
-    return HybridProposer(_suffix(spec, target),
-                          HybridProposer.draft_for(target.lm.self_draft(layers), spec.draft_p_min),
-                          verify_cost=[t / times[0] for t in times], draft_cost=cost)
+    return HybridProposer(_suffix(spec, target), HybridProposer.draft_for(own, spec.draft_p_min),
+                          verify_cost=[t / times[0] for t in times], draft_cost=own.cost,
+                          draft_k=k, tuning=SELF_TUNING)
 
 
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
@@ -188,16 +196,15 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                options=frozenset({"draft", "draft_p_min", "suffix_cache"})),
     MethodSpec("layer-skip", "the target with some of its layers skipped drafts on its own KV cache",
                DraftModelProposer,
-               lambda spec, target, draft: _self_draft(spec, target, _skip_layers(spec, target)),
-               options=frozenset({"skip", "draft_p_min"}), k=3),
+               lambda spec, target, draft: _self_draft(spec, _layer_skip_draft(spec, target)[0]),
+               options=frozenset({"skip", "draft_p_min"}), k=1),
     MethodSpec("early-exit", "the target's first E layers and its LM head draft (early-exit checkpoints)",
                DraftModelProposer,
-               lambda spec, target, draft: _self_draft(spec, target, _exit_layers(spec, target)),
+               lambda spec, target, draft: _self_draft(spec, _exit_draft(spec, target)),
                options=frozenset({"exit_layer", "draft_p_min"}), k=3),
     MethodSpec("self-draft", "the target's own weights at a lower precision draft on its KV cache",
                DraftModelProposer,
-               lambda spec, target, draft: _self_draft(spec, target, None,
-                                                       _self_draft_weights(spec, target)),
+               lambda spec, target, draft: _self_draft(spec, _lower_precision_draft(spec, target)),
                options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..export import ENGINES, export
+from ..export import ENGINES, SELF_SPECULATIVE, export
 from ..methods import Method
 from ..models import registry
 from ..models.loading import resolve_model_path
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft", default=None,
                    help=f"draft model for draft/hybrid (default {registry.DEFAULT_DRAFT})")
     p.add_argument("--method", default=Method.DRAFT.value,
-                   choices=[m.value for m in Method if m is not Method.AR],
+                   choices=[m.value for m in Method if m is not Method.AR and m not in SELF_SPECULATIVE],
                    help="the specdecode method to reproduce (default draft)")
     p.add_argument("--k", type=k_argument, default=None,
                    help="speculation length K (default: the method's)")

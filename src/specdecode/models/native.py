@@ -979,6 +979,9 @@ class SelfDraft:
         self.target, self.layers = target, layers
         self._lm = copy.copy(source)  # its own pointers; weights shared, caches set per pass
         self.row, self._len = 0, 0
+        # a draft pass's cost over the target's T(1): the share of layers it runs until
+        # measured (layer_skip.draft_cost; the layer-skip methods set it from their profile)
+        self.cost = (len(layers) if layers is not None else nl) / nl
         self.vocab_size = target.vocab_size
         self.max_context = target.max_context
         self.weight_format = source.weight_format
@@ -1018,3 +1021,46 @@ class SelfDraft:
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot roll back to {length}: the self-draft holds {self.seq_len} positions")
         self._len = length
+
+    def same_pass(self) -> tuple:
+        """Drafts with equal keys (one target, layers and weights) can run their rows' passes
+        as one (:meth:`forward_together`)."""
+        return id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model)
+
+    @staticmethod
+    def forward_together(passes: list[tuple["SelfDraft", torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Each (draft, input_ids [1, T], n) pass of drafts of one :meth:`same_pass` key, on
+        their own rows (a batched engine's requests), as one pass over the span of those rows
+        (a draft step of B rows costs about one of 1 row on a memory-bound CPU); returns each
+        pass's logits [1, n, V]. Rows are independent in the native kernels: each row's bits
+        are those of its pass alone. Raises ValueError for two passes on one row."""
+        d0 = passes[0][0]
+        t, lm = d0.target, d0._lm
+        rows = [d.row for d, _, _ in passes]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"two self-draft passes on one row: rows {rows}")
+        first, stop = min(rows), max(rows) + 1
+        width, n_max = max(ids.shape[1] for _, ids, _ in passes), max(n for _, _, n in passes)
+        x = torch.zeros(stop - first, width, dtype=torch.long)
+        lengths = [0] * (stop - first)
+        starts = list(t.row_lengths[first:stop])
+        for d, ids, _ in passes:
+            x[d.row - first, :ids.shape[1]] = ids[0]
+            lengths[d.row - first] = ids.shape[1]
+            starts[d.row - first] = d.seq_len
+            if d.seq_len + ids.shape[1] > t.max_len:
+                raise ValueError(f"KV cache overflow: {d.seq_len}+{ids.shape[1]} positions > "
+                                 f"allocated {t.max_len} in row {d.row}")
+        views = []
+        for c in t.caches:
+            view = KVCache.__new__(KVCache)
+            view.k, view.v = c.k[first:stop], c.v[first:stop]
+            views.append(view)
+        lm.caches, lm.max_len, lm._cos, lm._sin = views, t.max_len, t._cos, t._sin
+        lm.row_lengths, lm._layer_lengths = starts, None
+        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers).logits
+        out = []
+        for d, ids, n in passes:
+            d._len = starts[d.row - first] + ids.shape[1]
+            out.append(logits[d.row - first:d.row - first + 1, n_max - n:n_max])
+        return out
