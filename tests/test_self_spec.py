@@ -292,35 +292,3 @@ def test_methods_build_their_self_drafts_and_refuse_bad_values():
     with pytest.raises(ValueError, match="native runtime"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1,)),
                        LoadedModel(lm=HFCausalLM.__new__(HFCausalLM), name="hf"), None)
-
-
-@pytest.mark.parametrize("int8", [None, "kn"], ids=["fp32", "int8"])
-def test_a_reduced_draft_vocabulary_computes_those_rows_only_and_stays_lossless(int8):
-    tgt = _target(int8)
-    prompt = PROMPTS["twenty"]
-    keep = list(range(0, 96, 2))  # the even ids
-    full, part = tgt.self_draft([0, 2]), tgt.self_draft([0, 2], vocab=keep)
-    assert part._lm.lm_head.out_features == len(keep) and tgt.lm_head.out_features == 96
-    tgt.allocate(1, 64)
-    tgt.forward(torch.tensor([prompt[:-1]]), num_logits=0)
-    a = full.forward(torch.tensor([prompt[-1:]]), num_logits=1)
-    full.rollback(tgt.seq_len)
-    b = part.forward(torch.tensor([prompt[-1:]]), num_logits=1)
-    assert b.shape == a.shape and torch.isinf(b[..., 1::2]).all()
-    torch.testing.assert_close(b[..., ::2], a[..., ::2], rtol=1e-4, atol=1e-4)
-    plain = Engine(tgt, None, None).generate(prompt, GREEDY).run()
-    gen, _ = run(tgt, DraftModelProposer(tgt.self_draft([0, 2], vocab=keep), lazy_prefill=True), 2,
-                 prompt, GREEDY)
-    assert gen.token_ids == plain.token_ids and gen.stats.num_draft_tokens > 0
-    with pytest.raises(ValueError, match="token ids in 0..95"):
-        tgt.self_draft([0], vocab=[96])
-
-
-def test_the_default_draft_vocabulary_keeps_the_first_ids_and_eos():
-    from specdecode.layer_skip import DRAFT_VOCAB, draft_vocab
-
-    small = _loaded(_target())
-    assert draft_vocab(small) is None  # 96 tokens: nothing to cut
-    big = LoadedModel(lm=tiny_model(0, vocab_size=3 * DRAFT_VOCAB), name="big", eos_token_ids=(90000,))
-    ids = draft_vocab(big)
-    assert ids[:DRAFT_VOCAB] == list(range(DRAFT_VOCAB)) and ids[-1] == 90000

@@ -39,21 +39,8 @@ import torch
 from .models.loading import LoadedModel
 from .profile import profile_path, verify_profile
 
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 1
 MAX_K = 8  # speculation lengths the search considers
-# the draft proposes only the first DRAFT_VOCAB token ids (and EOS) of a vocabulary more than
-# twice as large: byte-level BPE numbers its tokens in merge order, most frequent first; the
-# size is EAGLE-3's (arXiv:2503.01840). The head of the 1.5B target's 151,936 tokens is a
-# fifth of its weights: every draft pass read it in full.
-DRAFT_VOCAB = 32768
-
-
-def draft_vocab(target: LoadedModel) -> list[int] | None:
-    """The token ids a layer-skip draft of this target proposes (None: all of them)."""
-    v = target.lm.vocab_size
-    if v <= 2 * DRAFT_VOCAB:
-        return None
-    return sorted(set(range(DRAFT_VOCAB)) | {e for e in target.eos_token_ids if e < v})
 
 # written for calibration: none is a Spec-Bench or HumanEval prompt (the bench's prompts)
 CALIBRATION_PROMPTS: tuple[tuple[str, str], ...] = (
@@ -79,8 +66,7 @@ class SkipProfile:
     (0..1). draft_cost: a draft pass's time over the target's T(1). predicted_speedup: over
     plain decoding, from the cost model (module docstring). n_layers, target, weight_format:
     the model it was made for. calibration: prompts and tokens measured. search: every
-    evaluated candidate (skip, acceptance, draft_cost, k, predicted_speedup). draft_vocab:
-    the draft proposed the first this many ids and EOS (0: all; :data:`DRAFT_VOCAB`).
+    evaluated candidate (skip, acceptance, draft_cost, k, predicted_speedup).
     """
 
     skip: tuple[int, ...]
@@ -93,7 +79,6 @@ class SkipProfile:
     weight_format: str = ""
     calibration: dict | None = None
     search: tuple[dict, ...] = ()
-    draft_vocab: int = 0
 
     def layers(self) -> list[int]:
         """The layers the draft runs."""
@@ -164,8 +149,8 @@ class _Evaluator:
     """Teacher-forced agreement of self-drafts with the target on calibration samples: the
     target's cache of each sample is built once and restored before each candidate."""
 
-    def __init__(self, lm, samples, vocab=None):
-        self.lm, self.samples, self.snapshots, self.vocab = lm, samples, [], vocab
+    def __init__(self, lm, samples):
+        self.lm, self.samples, self.snapshots = lm, samples, []
         width = max(len(ids) for ids, _ in samples)
         lm.allocate(1, width)
         for ids, _ in samples:
@@ -177,7 +162,7 @@ class _Evaluator:
     def matches(self, layers: list[int], positions: int | None = None) -> list[list[bool]]:
         """For each sample, whether the draft over ``layers`` predicts each continuation token
         (the first ``positions`` of each, default all), in order."""
-        lm, draft = self.lm, self.lm.self_draft(layers, vocab=self.vocab)
+        lm, draft = self.lm, self.lm.self_draft(layers)
         out = []
         for (ids, n0), snap in zip(self.samples, self.snapshots):
             n = len(ids) - 1
@@ -196,15 +181,13 @@ class _Evaluator:
         return out
 
 
-def draft_cost(lm, layers: list[int], context: int = 128, repeats: int = 9,
-               vocab: list[int] | None = None) -> float:
-    """A self-draft pass's time over a full one-token pass (``layers``: those it runs;
-    ``vocab``: the ids it proposes), interleaved, medians of ``repeats``, after ``context``
-    random cached tokens."""
+def draft_cost(lm, layers: list[int], context: int = 128, repeats: int = 9) -> float:
+    """A self-draft pass's time over a full one-token pass (``layers``: those it runs),
+    interleaved, medians of ``repeats``, after ``context`` random cached tokens."""
     lm.allocate(1, context + 2)
     g = torch.Generator().manual_seed(0)
     lm.forward(torch.randint(0, lm.vocab_size, (1, context), generator=g), num_logits=0)
-    draft, x = lm.self_draft(layers, vocab=vocab), torch.tensor([[1]])
+    draft, x = lm.self_draft(layers), torch.tensor([[1]])
     full, part = [], []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
@@ -261,8 +244,7 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
     for p in prompts:
         samples += calibration_samples(target, max_new_tokens, (p,))
         bar.update()
-    vocab = draft_vocab(target)
-    ev = _Evaluator(lm, samples, vocab)
+    ev = _Evaluator(lm, samples)
     single = []
     for layer in range(nl):
         m = ev.matches([i for i in range(nl) if i != layer], rank_positions)
@@ -280,7 +262,7 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
             m = ev.matches(layers)
             hits = [h for row in m for h in row]
             if n not in costs:
-                costs[n] = draft_cost(lm, layers, vocab=vocab)
+                costs[n] = draft_cost(lm, layers)
             k, speed = predicted_speedup(m, costs[n], ratio)
             evaluated[n] = dict(skip=list(skip), acceptance=round(sum(hits) / max(1, len(hits)), 4),
                                 draft_cost=round(costs[n], 4), k=k, predicted_speedup=round(speed, 4))
@@ -305,8 +287,7 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
                        e["predicted_speedup"], nl, target.name, lm.weight_format,
                        dict(prompts=len(prompts), tokens=sum(len(i) - n for i, n in samples),
                             single_layer_agreement=[round(a, 4) for a in single]),
-                       tuple(evaluated[n] for n in sorted(evaluated)),
-                       DRAFT_VOCAB if vocab is not None else 0)
+                       tuple(evaluated[n] for n in sorted(evaluated)))
 
 
 def default_profile_path(target: LoadedModel) -> Path:

@@ -101,7 +101,7 @@ def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
     profile ``skip_profile``, or of the target's cached default profile (made on first use);
     its ``cost`` the profile's measured one; and the K the profile predicts best (without a
     profile, the method's default)."""
-    from .layer_skip import SkipProfile, check_skip, default_profile, draft_vocab
+    from .layer_skip import SkipProfile, check_skip, default_profile
 
     lm = _native(target, spec.method.value)
     nl = lm.args.n_layers
@@ -112,7 +112,7 @@ def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
         profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
             else default_profile(target)
         skip = profile.skip
-    draft = lm.self_draft([i for i in range(nl) if i not in skip], vocab=draft_vocab(target))
+    draft = lm.self_draft([i for i in range(nl) if i not in skip])
     if profile is not None:
         draft.cost = profile.draft_cost
     return draft, profile.k if profile is not None else METHODS["layer-skip"].default_k
@@ -165,10 +165,8 @@ def _self_draft(spec: "SpeculativeConfig", draft) -> DraftModelProposer:
 
 # the self method's hybrid never routes a lookup's round through the layer-skip draft: that
 # check pass costs the draft's share of a verify pass of the whole proposal (0.6 T(17) with
-# the default target's profile), where a draft model's cost a quarter; and a lookup takes a
-# round whenever it promises more than the draft (margin 1): with a margin of 1.3 the self
-# method trailed suffix matching alone on QA and translation (BENCHMARKS.md section 8)
-SELF_TUNING = HybridTuning(check_below=0.0, lookup_margin=1.0)
+# the default target's profile), where a draft model's cost a quarter
+SELF_TUNING = HybridTuning(check_below=0.0)
 
 
 def _self_hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft) -> HybridProposer:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -514,11 +513,11 @@ class Transformer(nn.Module):
         other.row_lengths, other._layer_lengths = [0], None
         return other
 
-    def self_draft(self, layers: list[int] | None = None, weights: "Transformer | None" = None,
-                   vocab: list[int] | None = None) -> "SelfDraft":
+    def self_draft(self, layers: list[int] | None = None,
+                   weights: "Transformer | None" = None) -> "SelfDraft":
         """This model as its own draft model, drafting on its own KV cache: see
         :class:`SelfDraft`."""
-        return SelfDraft(self, layers, weights, vocab)
+        return SelfDraft(self, layers, weights)
 
     def _set_lengths(self, lengths: list[int]):
         self.row_lengths = lengths
@@ -954,17 +953,13 @@ class SelfDraft:
     target: the native Transformer that verifies. layers: sorted unique layer indices to run
     (None: all; the final norm and LM head always run). weights: a Transformer of the same
     architecture whose layers and head draft instead of the target's (its activations'
-    dtype must be the target's cache dtype). vocab: the token ids the draft can propose
-    (None: all), whose rows of the LM head alone it computes (EAGLE-3's reduced draft
-    vocabulary, arXiv:2503.01840: the head of a 151,936-token vocabulary is a fifth of the
-    1.5B target's weights); its logits stay [1, n, V], -inf outside ``vocab``. Rows: row 0
-    of a one-row target, or the row a batched engine gives the request (:meth:`bind`).
-    Raises ValueError for bad layers, weights of another shape or dtype, or a vocab of ids
-    outside the vocabulary or with a head that cannot be cut (a Q4_K head).
+    dtype must be the target's cache dtype). Rows: row 0 of a one-row target, or the row a
+    batched engine gives the request (:meth:`bind`).
+    Raises ValueError for bad layers or weights of another shape or dtype.
     """
 
     def __init__(self, target: Transformer, layers: list[int] | None = None,
-                 weights: Transformer | None = None, vocab: list[int] | None = None):
+                 weights: Transformer | None = None):
         nl = target.args.n_layers
         if layers is not None:
             layers = list(layers)
@@ -983,14 +978,6 @@ class SelfDraft:
                                  f"the target's KV cache {target.model.norm.weight.dtype}: they must agree")
         self.target, self.layers = target, layers
         self._lm = copy.copy(source)  # its own pointers; weights shared, caches set per pass
-        self.vocab = None
-        if vocab is not None:
-            ids = torch.tensor(sorted(set(vocab)), dtype=torch.long)
-            if not len(ids) or ids[0] < 0 or ids[-1] >= target.vocab_size:
-                raise ValueError(f"vocab: token ids in 0..{target.vocab_size - 1} allowed")
-            self._lm._modules = dict(self._lm._modules)  # a head of its own, the source's untouched
-            self._lm.lm_head = _head_rows(source.lm_head, ids)
-            self.vocab = ids.to(source.model.norm.weight.device)
         self.row, self._len = 0, 0
         # a draft pass's cost over the target's T(1): the share of layers it runs until
         # measured (layer_skip.draft_cost; the layer-skip methods set it from their profile)
@@ -1028,15 +1015,7 @@ class SelfDraft:
         lm.row_lengths, lm._layer_lengths = [start], None
         logits = lm.forward_rows(input_ids, num_logits=num_logits, layers=self.layers).logits
         self._len = start + input_ids.shape[1]
-        return self._full(logits)
-
-    def _full(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft's vocab as [..., V], -inf for the other ids."""
-        if self.vocab is None:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., self.vocab] = logits
-        return out
+        return logits
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
@@ -1046,8 +1025,7 @@ class SelfDraft:
     def same_pass(self) -> tuple:
         """Drafts with equal keys (one target, layers and weights) can run their rows' passes
         as one (:meth:`forward_together`)."""
-        return (id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model),
-                id(self._lm.lm_head))
+        return id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model)
 
     @staticmethod
     def forward_together(passes: list[tuple["SelfDraft", torch.Tensor, int]]) -> list[torch.Tensor]:
@@ -1080,44 +1058,9 @@ class SelfDraft:
             views.append(view)
         lm.caches, lm.max_len, lm._cos, lm._sin = views, t.max_len, t._cos, t._sin
         lm.row_lengths, lm._layer_lengths = starts, None
-        logits = d0._full(lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers).logits)
+        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers).logits
         out = []
         for d, ids, n in passes:
             d._len = starts[d.row - first] + ids.shape[1]
             out.append(logits[d.row - first:d.row - first + 1, n_max - n:n_max])
         return out
-
-
-_HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def _head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
-    """An LM head computing only the rows ``ids`` of ``head`` (float or int8); made once per
-    head and ids (every request's draft shares it)."""
-    made = _HEADS.setdefault(head, {})
-    key = tuple(ids.tolist())
-    if key not in made:
-        made[key] = _cut_head(head, ids)
-    return made[key]
-
-
-def _cut_head(head: nn.Module, ids: torch.Tensor) -> nn.Module:
-    from .quant import Int8Linear
-
-    if isinstance(head, Int8Linear):
-        w = head.weight_kn().t()[ids].float() * head.wscale[ids, None]
-        return Int8Linear.from_float(w, None if head.bias is None else head.bias[ids], head.layout)
-    if isinstance(head, PackedLinear):
-        w = head.packed.to_dense()[ids]
-        b = None if head.bias is None else head.bias.to_dense()[ids]
-    elif isinstance(head, nn.Linear):
-        w, b = head.weight.detach()[ids], None if head.bias is None else head.bias.detach()[ids]
-    else:
-        raise ValueError(f"a reduced draft vocabulary needs a float or int8 LM head, not {type(head).__name__}")
-    out = nn.Linear(w.shape[1], len(ids), bias=b is not None, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        out.weight.copy_(w)
-        if b is not None:
-            out.bias.copy_(b)
-    return PackedLinear(out) if isinstance(head, PackedLinear) else out
-
