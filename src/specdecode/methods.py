@@ -165,8 +165,10 @@ def _self_draft(spec: "SpeculativeConfig", draft) -> DraftModelProposer:
 
 # the self method's hybrid never routes a lookup's round through the layer-skip draft: that
 # check pass costs the draft's share of a verify pass of the whole proposal (0.6 T(17) with
-# the default target's profile), where a draft model's cost a quarter
-SELF_TUNING = HybridTuning(check_below=0.0)
+# the default target's profile), where a draft model's cost a quarter; and a lookup takes a
+# round whenever it promises more than the draft (margin 1): with a margin of 1.3 the self
+# method trailed suffix matching alone on QA and translation (BENCHMARKS.md section 8)
+SELF_TUNING = HybridTuning(check_below=0.0, lookup_margin=1.0)
 
 
 def _self_hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft) -> HybridProposer:
