@@ -237,7 +237,8 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
     nl = lm.args.n_layers
     times = verify_profile(target, MAX_K)
     ratio = [t / times[0] for t in times]
-    sizes = list(range(2, max(3, (2 * nl) // 3 + 1), 2))
+    # at least one layer runs (the draft must have one); at most two thirds are skipped
+    sizes = [n for n in range(2, (2 * nl) // 3 + 1, 2) if n < nl] or [1]
     bar = tqdm(total=len(prompts) + nl + len(sizes) + 2, desc="tune-skip", unit="eval",
                disable=not progress, leave=False)
     samples = []
