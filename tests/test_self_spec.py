@@ -292,3 +292,26 @@ def test_methods_build_their_self_drafts_and_refuse_bad_values():
     with pytest.raises(ValueError, match="native runtime"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1,)),
                        LoadedModel(lm=HFCausalLM.__new__(HFCausalLM), name="hf"), None)
+
+
+def test_the_default_profile_is_made_before_a_batch_holds_the_target():
+    """A batch of prompts with method "self": its profile is measured before the batched
+    engine holds the target (which no measurement may touch), and each output is the target's."""
+    import specdecode
+    from helpers import local_tokenizer
+    from specdecode.layer_skip import default_profile_path
+
+    lm = _target("kn", seed=4, vocab_size=len(local_tokenizer()))
+    target = _loaded(lm)
+    target.path = None
+    prompts = ["def add(a, b):", "The capital of France"]
+    plain = [specdecode.generate(target, p, max_new_tokens=12).token_ids for p in prompts]
+    out = specdecode.generate(target, prompts, method="self", max_new_tokens=12)
+    assert [r.token_ids for r in out] == plain
+    assert default_profile_path(target).exists()
+    # while a request holds the target, no profile can be measured: a clear error
+    gen = Engine(lm, None, None).generate([5, 6, 7], GREEDY)
+    next(iter(gen))
+    with pytest.raises(RuntimeError, match="run `specdecode tune-skip` first"):
+        tune_skip(target, max_new_tokens=4, progress=False)
+    gen.close()

@@ -20,7 +20,7 @@ from typing import Iterator
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
-from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, split_method,
+from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, split_method,
                       speculative_config)
 from .models.loading import DEFAULT_DTYPE, LoadedModel, load
 from .profile import verify_profile
@@ -306,6 +306,8 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     # T(1..17) for the batch's K policy (and the hybrid's, auto K's cost model), measured
     # before the batch holds the target (once per machine, then cached on disk)
     times = verify_profile(tgt, max(16, kwargs.get("max_speculative_tokens", 16))) if speculative else None
+    if isinstance(method, (str, Method)):
+        prepare(speculative_config(method, False), tgt)  # (the layer-skip profile, likewise)
     engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len), forward_seconds=times)
     rest = {k: v for k, v in kwargs.items() if k not in ("chat", "dtype")}
     try:  # started together, consumed in turn: each next() steps every row in the batch

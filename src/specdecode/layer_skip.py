@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .models.base import busy_lock
 from .models.loading import LoadedModel
 from .profile import profile_path, verify_profile
 
@@ -228,12 +229,25 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
     """Choose the layers the target's layer-skip draft skips (module docstring): the
     candidate of the highest predicted speedup. Uses the target's KV cache (not while it
     generates); ``progress`` draws a bar on stderr. Raises ValueError for a target outside
-    the native runtime (no layer subsets)."""
-    from tqdm import tqdm
-
+    the native runtime (no layer subsets), RuntimeError while the target generates."""
     lm = target.lm
     if not hasattr(lm, "self_draft"):
         raise ValueError(f"layer skipping needs the native runtime; this target is {type(lm).__name__}")
+    lock = busy_lock(lm)
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(f"{target.name} is generating (a batch or another request holds its KV "
+                           "cache), so the layers its draft skips cannot be measured now: run "
+                           "`specdecode tune-skip` first, or give the layers (layer-skip:layers=...)")
+    try:
+        return _tune(target, max_new_tokens, rank_positions, progress, prompts)
+    finally:
+        lock.release()
+
+
+def _tune(target, max_new_tokens, rank_positions, progress, prompts) -> SkipProfile:
+    from tqdm import tqdm
+
+    lm = target.lm
     nl = lm.args.n_layers
     times = verify_profile(target, MAX_K)
     ratio = [t / times[0] for t in times]

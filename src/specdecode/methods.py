@@ -426,6 +426,17 @@ def speculative_config(method: "str | Method | None", has_draft: bool,
                              suffix_cache=suffix_cache, **ngram, **own)
 
 
+def prepare(spec: SpeculativeConfig, target: LoadedModel) -> None:
+    """Measure now what ``spec``'s method measures once on ``target`` (the layer-skip
+    profile of layer-skip and self without given layers, :func:`~specdecode.layer_skip.default_profile`):
+    before a batched engine holds the target, which it then cannot measure."""
+    if spec.method.value in ("layer-skip", "self") and spec.skip_layers is None \
+            and spec.skip_profile is None:
+        from .layer_skip import default_profile
+
+        default_profile(target)
+
+
 def build_proposer(spec: SpeculativeConfig, target: LoadedModel,
                    draft: LoadedModel | None) -> Proposer | None:
     """The proposer of ``spec.method`` for one request on ``target`` (None for plain

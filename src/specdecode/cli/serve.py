@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..methods import Method
+from ..methods import Method, SpeculativeConfig, prepare
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
@@ -87,7 +87,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     method = Method(args.method)
     threads = apply_threads(args)
     name = model_name(args)
-    worker = Worker(lambda: load_models(args, method), Metrics(name), args.max_queue, args.max_batch,
+    def load():
+        target, draft = load_models(args, method)
+        prepare(SpeculativeConfig(method), target)  # (the layer-skip profile: before the batch holds the target)
+        return target, draft
+
+    worker = Worker(load, Metrics(name), args.max_queue, args.max_batch,
                     args.max_len)
     worker.start()
     app = create_app(worker, name, method.value, args.api_key)
