@@ -233,23 +233,23 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
     lm = target.lm
     if not hasattr(lm, "self_draft"):
         raise ValueError(f"layer skipping needs the native runtime; this target is {type(lm).__name__}")
+    times = verify_profile(target, MAX_K)  # (takes the lock itself)
     lock = busy_lock(lm)
     if not lock.acquire(blocking=False):
         raise RuntimeError(f"{target.name} is generating (a batch or another request holds its KV "
                            "cache), so the layers its draft skips cannot be measured now: run "
                            "`specdecode tune-skip` first, or give the layers (layer-skip:layers=...)")
     try:
-        return _tune(target, max_new_tokens, rank_positions, progress, prompts)
+        return _tune(target, times, max_new_tokens, rank_positions, progress, prompts)
     finally:
         lock.release()
 
 
-def _tune(target, max_new_tokens, rank_positions, progress, prompts) -> SkipProfile:
+def _tune(target, times, max_new_tokens, rank_positions, progress, prompts) -> SkipProfile:
     from tqdm import tqdm
 
     lm = target.lm
     nl = lm.args.n_layers
-    times = verify_profile(target, MAX_K)
     ratio = [t / times[0] for t in times]
     # at least one layer runs (the draft must have one); at most two thirds are skipped
     sizes = [n for n in range(2, (2 * nl) // 3 + 1, 2) if n < nl] or [1]

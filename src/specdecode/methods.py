@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from .config import MAX_K, KSchedule, check_k
-from .models.loading import LoadedModel, check_compatible
+from .layer_skip import SkipProfile, check_skip, default_profile
+from .models.loading import LoadedModel, check_compatible, load
 from .profile import verify_profile
 from .proposers import (DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer,
                         SuffixProposer)
@@ -101,8 +102,6 @@ def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
     profile ``skip_profile``, or of the target's cached default profile (made on first use);
     its ``cost`` the profile's measured one; and the K the profile predicts best (without a
     profile, the method's default)."""
-    from .layer_skip import SkipProfile, check_skip, default_profile
-
     lm = _native(target, spec.method.value)
     nl = lm.args.n_layers
     profile = None
@@ -139,8 +138,6 @@ SELF_DRAFT_DTYPES = ("int8", "int4")
 def _lower_precision_draft(spec: "SpeculativeConfig", target: LoadedModel):
     """The self-draft of the target's weights at ``self_draft_dtype`` (default int4), loaded
     once from its files and kept on the loaded target (``LoadedModel.self_drafts``)."""
-    from .models.loading import load
-
     lm = _native(target, "self-draft")
     dtype = spec.self_draft_dtype or "int4"
     own = _PRECISION.get(lm.weight_format.split("-")[0])
@@ -432,8 +429,6 @@ def prepare(spec: SpeculativeConfig, target: LoadedModel) -> None:
     before a batched engine holds the target, which it then cannot measure."""
     if spec.method.value in ("layer-skip", "self") and spec.skip_layers is None \
             and spec.skip_profile is None:
-        from .layer_skip import default_profile
-
         default_profile(target)
 
 
