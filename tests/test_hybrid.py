@@ -86,6 +86,30 @@ def test_hybrid_draft_reads_the_lookup_proposal():
         assert by[source]["num_accepted_tokens"] == by[source]["num_draft_tokens"]
 
 
+def test_hybrid_without_read_guess_never_hands_the_draft_a_guess():
+    """HybridTuning(read_guess=False, check_below=0) (the self method's): the draft drafts
+    from its own tokens only; the output is still the target's."""
+    tfn = _sometimes_wrong(copying_logits(50), "x", 0.2)
+    tgt = MockLM(50, tfn)
+    params = SamplingParams(max_new_tokens=80)
+    guesses = {True: [], False: []}
+
+    class Spy(DraftModelProposer):
+        def propose_steps_with_guess(self, state, k, guess):
+            guesses[self.reading].append(list(guess))
+            return (yield from super().propose_steps_with_guess(state, k, guess))
+
+    for reading in (True, False):
+        twin = Spy(MockLM(50, lambda toks: tfn(toks) * 10))
+        twin.reading = reading
+        tuning = HybridTuning() if reading else HybridTuning(read_guess=False, check_below=0.0)
+        gen, _ = run(tgt, HybridProposer(SuffixProposer(8, 0.05), twin, tuning=tuning), 8,
+                     COPY_PROMPT, params)
+        assert gen.token_ids == Engine(tgt).generate(COPY_PROMPT, params).run().token_ids
+        assert "suffix+draft" not in gen.stats.by_proposer or reading
+    assert any(guesses[True]) and guesses[False] and not any(guesses[False])
+
+
 def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up():
     tgt = MockLM(50, copying_logits(50))
     params = SamplingParams(max_new_tokens=60)

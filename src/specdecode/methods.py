@@ -164,8 +164,9 @@ def _self_draft(spec: "SpeculativeConfig", draft) -> DraftModelProposer:
 # check pass costs the draft's share of a verify pass of the whole proposal (0.6 T(17) with
 # the default target's profile), where a draft model's cost a quarter; and a lookup takes a
 # round whenever it promises more than the draft (margin 1): with a margin of 1.3 the self
-# method trailed suffix matching alone on QA and translation (BENCHMARKS.md section 8)
-SELF_TUNING = HybridTuning(check_below=0.0, lookup_margin=1.0)
+# method trailed suffix matching alone on QA and translation (BENCHMARKS.md section 8); nor
+# does the draft read a lookup's proposal in its own rounds (a pass of up to 17 tokens)
+SELF_TUNING = HybridTuning(check_below=0.0, lookup_margin=1.0, read_guess=False)
 
 
 def _self_hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft) -> HybridProposer:

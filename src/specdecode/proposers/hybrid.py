@@ -35,6 +35,10 @@ class HybridTuning:
     check_below: float = 0.9
     """A lookup round goes through the draft when the lookup expects to keep less than this
     share of its proposal (greedy, draft at most one token behind)."""
+    read_guess: bool = True
+    """Greedy: the draft reads the best lookup's proposal as a guess (see
+    :class:`HybridProposer`); off for a draft whose pass over a whole proposal costs a large
+    share of a verify pass (the layer-skip draft of the ``self`` method)."""
     cold_margin: float = 1.0
     """A draft that must first be fed more than two committed tokens drafts only if it beats
     plain decoding by this factor: that feed is paid for certain, its return only if the
@@ -225,7 +229,7 @@ class HybridProposer(Proposer):
         # not fed yet: its catch-up prefill is left to the cost model)
         probe = (d > 0 and lookup_rate <= 1.0 and self._idle >= self._probe_every
                  and self._draft_counts[0][0] > 0)
-        greedy = state.params.greedy and self.drafter.reads_guess
+        greedy = state.params.greedy and self.drafter.reads_guess and tune.read_guess
         sure = lookup_rate * self._t(length + 1) / (1 + length) if length else 1.0
         check = greedy and d > 0 and length > 0 and k > 1 and behind <= 1 and sure < tune.check_below
         if merit or probe or check:
