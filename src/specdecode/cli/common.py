@@ -121,7 +121,7 @@ def method_arg(text: str) -> str:
 
 def method_of(args: argparse.Namespace) -> Method:
     """The Method of --method (without its options)."""
-    return Method(args.method.split(":", 1)[0])
+    return Method(split_method(args.method)[0])
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT) -> None:

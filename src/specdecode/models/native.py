@@ -202,6 +202,12 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """The cache of rows start..stop-1: views of these buffers (the batch is outermost)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[start:stop], self.v[start:stop]
+        return view
+
     def update(self, where, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [B, H_kv, T, D]; return views [B, H_kv, end, D] of slots 0..end-1.
 
@@ -611,12 +617,7 @@ class Transformer(nn.Module):
         if self._layer_lengths is not None:
             raise ValueError("a pass over a span of rows after a pass over a subset of layers: roll it back first")
         caches, row_lengths = self.caches, self.row_lengths
-        views = []
-        for c in caches:  # the rows' slices of the buffers (views: the batch is outermost)
-            view = KVCache.__new__(KVCache)
-            view.k, view.v = c.k[start:stop], c.v[start:stop]
-            views.append(view)
-        self.caches, self.row_lengths = views, row_lengths[start:stop]
+        self.caches, self.row_lengths = [c.rows(start, stop) for c in caches], row_lengths[start:stop]
         try:
             out = self.forward_rows(input_ids, lengths, num_logits)
             new = self.row_lengths
@@ -1001,21 +1002,10 @@ class SelfDraft:
         self._len = 0
 
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
-        """Append input_ids [1, T] at seq_len.. in the layers that draft; logits [1, n, V]."""
-        t, lm, start = self.target, self._lm, self.seq_len
-        if start + input_ids.shape[1] > t.max_len:
-            raise ValueError(f"KV cache overflow: {start}+{input_ids.shape[1]} positions > "
-                             f"allocated {t.max_len}")
-        views = []
-        for c in t.caches:  # this row's slices of the target's buffers
-            view = KVCache.__new__(KVCache)
-            view.k, view.v = c.k[self.row:self.row + 1], c.v[self.row:self.row + 1]
-            views.append(view)
-        lm.caches, lm.max_len, lm._cos, lm._sin = views, t.max_len, t._cos, t._sin
-        lm.row_lengths, lm._layer_lengths = [start], None
-        logits = lm.forward_rows(input_ids, num_logits=num_logits, layers=self.layers).logits
-        self._len = start + input_ids.shape[1]
-        return logits
+        """Append input_ids [1, T] at seq_len.. in the layers that draft; logits [1, n, V]
+        (all T when num_logits is None)."""
+        n = input_ids.shape[1] if num_logits is None else num_logits
+        return SelfDraft.forward_together([(self, input_ids, n)])[0]
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
@@ -1051,12 +1041,8 @@ class SelfDraft:
             if d.seq_len + ids.shape[1] > t.max_len:
                 raise ValueError(f"KV cache overflow: {d.seq_len}+{ids.shape[1]} positions > "
                                  f"allocated {t.max_len} in row {d.row}")
-        views = []
-        for c in t.caches:
-            view = KVCache.__new__(KVCache)
-            view.k, view.v = c.k[first:stop], c.v[first:stop]
-            views.append(view)
-        lm.caches, lm.max_len, lm._cos, lm._sin = views, t.max_len, t._cos, t._sin
+        lm.caches = [c.rows(first, stop) for c in t.caches]
+        lm.max_len, lm._cos, lm._sin = t.max_len, t._cos, t._sin
         lm.row_lengths, lm._layer_lengths = starts, None
         logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers).logits
         out = []
