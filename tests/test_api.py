@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import specdecode
-from specdecode import IncompatibleDraftError, LoadedModel
+from specdecode import IncompatibleDraftError, LoadedModel, check_compatible
+from specdecode.methods import build_proposer, speculative_config
+from specdecode.proposers import CrossTokenizerProposer
 from specdecode.models import registry
 from specdecode.api import GenerationResult, StreamChunk
 from specdecode.models import HFCausalLM, resolve_model_path
@@ -313,8 +315,10 @@ def test_a_pair_is_checked_once(dirs, monkeypatch):
     other = specdecode.load(dirs["draft"])
     specdecode.generate(target, PROMPT, draft=other, max_new_tokens=3)
     assert len(calls) == 4  # a new draft is checked
-    with pytest.raises(IncompatibleDraftError):
-        specdecode.generate(target, PROMPT, draft=specdecode.load(dirs["foreign"]), max_new_tokens=3)
+    foreign = specdecode.load(dirs["foreign"])
+    specdecode.generate(target, PROMPT, draft=foreign, max_new_tokens=3)
+    specdecode.generate(target, PROMPT, draft=foreign, max_new_tokens=3)
+    assert len(calls) == 8  # another tokenizer: compared once, each one's token bytes read once
 
 
 def test_do_sample_true_samples_like_temperature(target, draft):
@@ -604,34 +608,48 @@ def test_target_with_more_embedding_rows_than_draft(dirs, target):
     assert all(t < VOCAB for t in s1.token_ids)  # the zero rows are never likely
 
 
-def test_different_tokenizer_is_refused_at_pairing(dirs, target):
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
+    """TESTPACK 6: a genuinely different tokenizer is routed through the cross-tokenizer
+    path (the output is plain decoding's), both ways; the proposer reads its own tokenizer."""
     foreign = specdecode.load(dirs["foreign"])
-    assert len(foreign.tokenizer) < 1000
+    assert len(foreign.tokenizer) < 1000 and check_compatible(target, foreign) == "cross"
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=40)
     for kwargs in (dict(draft=foreign), dict(assistant_model=foreign), dict(draft=str(dirs["foreign"]))):
-        with pytest.raises(IncompatibleDraftError) as err:
-            specdecode.generate(target, PROMPT, max_new_tokens=5, **kwargs)
-        _check_incompatible_message(str(err.value))
-    with pytest.raises(IncompatibleDraftError) as err:
-        specdecode.load_pair(dirs["target"], dirs["foreign"])
-    _check_incompatible_message(str(err.value))
-    with pytest.raises(IncompatibleDraftError):
-        specdecode.load_pair(dirs["foreign"], dirs["target"])
-    assert isinstance(err.value, ValueError)
-    # refused before anything runs: the target's cache was never touched
+        out = specdecode.generate(target, PROMPT, max_new_tokens=40, method=method, **kwargs)
+        assert out.token_ids == plain.token_ids and out.text == plain.text
+    assert isinstance(build_proposer(speculative_config("draft", True), target, foreign), CrossTokenizerProposer)
+    tgt, drf = specdecode.load_pair(dirs["foreign"], dirs["target"])
+    back = specdecode.generate(tgt, PROMPT, max_new_tokens=30)
+    assert specdecode.generate(tgt, PROMPT, draft=drf, max_new_tokens=30).token_ids == back.token_ids
+
+
+def test_a_tokenizer_that_cannot_be_bridged_is_refused_at_pairing(dirs, tmp_path, target):
+    """A WordPiece tokenizer's tokens are not byte strings: refused before anything runs,
+    with a message that names check-pair and the way out."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    d = tmp_path / "wordpiece"
+    shutil.copytree(dirs["foreign"], d)
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *sorted(set(PROMPT.lower().split()))])}
+    t = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    t.save(str(d / "tokenizer.json"))
+    wordpiece = specdecode.load(d)
     rec = Recorder(target.lm)
-    with pytest.raises(IncompatibleDraftError):
-        specdecode.generate(LoadedModel(rec, target.tokenizer, "t", target.eos_token_ids), PROMPT, draft=foreign)
+    with pytest.raises(IncompatibleDraftError) as err:
+        specdecode.generate(LoadedModel(rec, target.tokenizer, "t", target.eos_token_ids), PROMPT,
+                            draft=wordpiece)
+    msg = str(err.value)
+    assert "tokenizer" in msg and "check-pair" in msg and "'ar'" in msg and "\n" not in msg
     assert rec.forwards == []
-    # the way out the message names: the plain method, without the draft
-    assert specdecode.generate(target, PROMPT, method="ar", max_new_tokens=3).token_ids
+    with pytest.raises(IncompatibleDraftError):
+        specdecode.load_pair(dirs["target"], d)
 
 
-def _check_incompatible_message(msg: str) -> None:
-    assert "tokenizer" in msg and "'ar'" in msg and "draft" in msg and "\n" not in msg
-
-
-def test_same_size_but_permuted_vocabulary_is_refused(dirs, tmp_path, target):
-    """Same number of tokens and same special tokens, but two ids swapped."""
+def test_same_size_but_permuted_vocabulary_goes_through_text(dirs, tmp_path, target):
+    """Same number of tokens and same special tokens, but two ids swapped: not the same
+    tokenizer, so the proposals go through text, and the output is plain decoding's."""
     d = tmp_path / "permuted"
     shutil.copytree(dirs["draft"], d)
     tj = json.loads((d / "tokenizer.json").read_text())
@@ -641,8 +659,9 @@ def test_same_size_but_permuted_vocabulary_is_refused(dirs, tmp_path, target):
     (d / "tokenizer.json").write_text(json.dumps(tj))
     perm = specdecode.load(d)
     assert len(perm.tokenizer) == len(target.tokenizer)
-    with pytest.raises(IncompatibleDraftError):
-        specdecode.generate(target, PROMPT, draft=perm, max_new_tokens=3)
+    assert check_compatible(target, perm) == "cross"
+    plain = specdecode.generate(target, PROMPT, max_new_tokens=30).token_ids
+    assert specdecode.generate(target, PROMPT, draft=perm, max_new_tokens=30).token_ids == plain
 
 
 def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):

@@ -18,8 +18,8 @@ from .config import MAX_K, KSchedule, check_k
 from .layer_skip import SkipProfile, check_skip, default_profile
 from .models.loading import LoadedModel, check_compatible, load
 from .profile import verify_profile
-from .proposers import (DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer,
-                        SuffixProposer)
+from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
+                        PromptLookupProposer, Proposer, SuffixProposer)
 from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
@@ -71,6 +71,20 @@ def _own_draft(target: LoadedModel, draft: LoadedModel):
     return draft.lm.fork() if draft.lm is target.lm else draft.lm
 
 
+def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None = None,
+                   hybrid: bool = False) -> Proposer:
+    """The draft model's proposer for this pair: token ids straight through when the two
+    share a tokenizer, through text when they do not (:func:`check_compatible`'s mode).
+    ``hybrid``: as the hybrid's member (:meth:`HybridProposer.draft_for`'s settings)."""
+    lm = _own_draft(target, draft)
+    if check_compatible(target, draft) == "same":
+        return HybridProposer.draft_for(lm, p_min) if hybrid else DraftModelProposer(lm, p_min=p_min)
+    if hybrid:
+        p_min = HybridTuning.draft_p_min if p_min is None else p_min
+    return CrossTokenizerProposer(lm, target.tokenizer, draft.tokenizer, draft.eos_token_ids,
+                                  p_min=p_min, lazy_prefill=hybrid)
+
+
 def _suffix(spec: "SpeculativeConfig", target: LoadedModel) -> SuffixProposer:
     """A new suffix proposer, or with ``suffix_cache="session"`` the one that lives as long
     as the loaded target (its counts of earlier outputs and its learned confidence)."""
@@ -82,8 +96,7 @@ def _suffix(spec: "SpeculativeConfig", target: LoadedModel) -> SuffixProposer:
 def _hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft: LoadedModel) -> HybridProposer:
     # relative costs from the two models' forward-time profiles (measured once, cached)
     times = verify_profile(target, spec.max_speculative_tokens)
-    return HybridProposer(_suffix(spec, target),
-                          HybridProposer.draft_for(_own_draft(target, draft), spec.draft_p_min),
+    return HybridProposer(_suffix(spec, target), draft_proposer(target, draft, spec.draft_p_min, hybrid=True),
                           verify_cost=[t / times[0] for t in times],
                           draft_cost=verify_profile(draft, 0)[0] / times[0])
 
@@ -180,9 +193,8 @@ def _self_hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft) -> Hybri
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("ar", "nobody: plain autoregressive decoding (the baseline)", None,
                lambda spec, target, draft: None),
-    MethodSpec("draft", "a draft model of the target's tokenizer drafts K tokens", DraftModelProposer,
-               lambda spec, target, draft: DraftModelProposer(_own_draft(target, draft),
-                                                              p_min=spec.draft_p_min),
+    MethodSpec("draft", "a smaller model drafts K tokens (of another tokenizer: through text)",
+               DraftModelProposer, lambda spec, target, draft: draft_proposer(target, draft, spec.draft_p_min),
                needs_draft_model=True, options=frozenset({"draft", "draft_p_min"})),
     MethodSpec("prompt-lookup", "copy what followed the last n tokens earlier in prompt + output",
                PromptLookupProposer,
@@ -437,7 +449,8 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel,
                    draft: LoadedModel | None) -> Proposer | None:
     """The proposer of ``spec.method`` for one request on ``target`` (None for plain
     decoding). Raises ValueError when the method needs a draft model and none is given,
-    IncompatibleDraftError when the draft's tokenizer differs (checked once per pair)."""
+    IncompatibleDraftError when the draft's tokenizer differs and cannot be bridged
+    (checked once per pair)."""
     entry = spec.method.spec
     if entry.needs_draft_model:
         if draft is None:

@@ -16,7 +16,8 @@ from ..config import MAX_K, check_k
 from ..methods import METHODS, Method, split_method
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
-from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, load_pair
+from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
+                              load_pair)
 from ..models.registry import ModelFetchError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -172,5 +173,10 @@ def load_models(args: argparse.Namespace, method: Method) -> tuple[LoadedModel, 
     """The target and, when ``method`` needs one or --draft names one, the draft, from the
     options of :func:`add_model_arguments` (see :func:`load_pair` for the errors)."""
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
-    return load_pair(args.target, draft, args.dtype, args.draft_dtype or DEFAULT_DTYPE,
-                     args.backend, args.draft_backend or "auto")
+    target, drf = load_pair(args.target, draft, args.dtype, args.draft_dtype or DEFAULT_DTYPE,
+                            args.backend, args.draft_backend or "auto")
+    if drf is not None and check_compatible(target, drf) == "cross":
+        print(f"note: draft {drf.name} uses another tokenizer than target {target.name}: its "
+              f"proposals reach the target through text (`specdecode check-pair {target.name} "
+              f"{drf.name}` shows the details)", file=sys.stderr)
+    return target, drf

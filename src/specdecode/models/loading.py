@@ -241,38 +241,48 @@ def _default_eos(path: Path, tok) -> tuple[int, ...]:
 
 
 class IncompatibleDraftError(ValueError):
-    """The draft cannot propose tokens for this target (different tokenizer)."""
+    """The draft cannot propose tokens for this target (a tokenizer that cannot be bridged)."""
 
 
-# target -> drafts already checked against it: the check compares whole vocabularies (tens of
-# milliseconds for 150k tokens), so it runs once per pair, not once per request
-_PAIRED: "weakref.WeakKeyDictionary[object, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+# target -> {draft: mode} for pairs already checked: the check compares whole vocabularies
+# (tens of milliseconds for 150k tokens), so it runs once per pair, not once per request
+_PAIRED: "weakref.WeakKeyDictionary[object, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """Check once per pair that the draft speaks the target's tokens.
-
-    Same tokenizer (vocabulary and special tokens) is required; the embedding rows may
-    differ (Qwen2.5: 151,936 vs 152,064): draft probability of rows it lacks is 0. A pair
-    that passed is not checked again (llama.cpp checks at init, ``common/speculative.cpp``).
-    Raises IncompatibleDraftError saying what to do.
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> str:
+    """How the draft speaks to the target, checked once per pair: "same" when they share the
+    tokenizer (vocabulary and special tokens; the embedding rows may differ, as Qwen2.5's
+    151,936 vs 152,064: draft probability of rows it lacks is 0), or when either was loaded
+    without one (token ids only); "cross" when the tokenizers differ and both map tokens to
+    bytes, so the draft's proposals reach the target through text
+    (:class:`~specdecode.proposers.CrossTokenizerProposer`). A pair that passed is not
+    checked again (llama.cpp checks at init, ``common/speculative.cpp``). Raises
+    IncompatibleDraftError, saying what to do, for different tokenizers that cannot be
+    bridged.
     """
     # keyed on the tokenizers where there are some: a batch gives each request a copy of the
     # draft's LoadedModel (its own KV cache row) with the same tokenizer
     key_t, key_d = target.tokenizer or target, draft.tokenizer or draft
-    checked = _PAIRED.setdefault(key_t, weakref.WeakSet())
+    checked = _PAIRED.setdefault(key_t, weakref.WeakKeyDictionary())
     if key_d in checked:
-        return
+        return checked[key_d]
     tt, dt = target.tokenizer, draft.tokenizer
+    mode = "same"
     if tt is not None and dt is not None and (
             tt.get_vocab() != dt.get_vocab() or tt.all_special_tokens != dt.all_special_tokens):
-        raise IncompatibleDraftError(
-            f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
-            f"({len(dt)} vs {len(tt)} tokens, or different special tokens). Draft-model "
-            "speculation needs the same tokenizer: pick a draft of the target's own family "
-            "(CLI --draft NAME|PATH, Python draft=...; the model itself works too), or decode "
-            "without a draft (CLI --method ar, Python method='ar').")
-    checked.add(key_d)
+        from ..tokenmap import TokenBytes, UnsupportedTokenizerError
+
+        try:
+            TokenBytes.of(tt), TokenBytes.of(dt)
+        except UnsupportedTokenizerError as e:
+            raise IncompatibleDraftError(
+                f"draft {draft.name!r} uses a different tokenizer than target {target.name!r}, and "
+                f"its proposals cannot be carried over as text: {e}. `specdecode check-pair "
+                f"{target.name} {draft.name}` shows the details; pick a draft of the target's own "
+                "family, or decode without a draft (CLI --method ar, Python method='ar').") from None
+        mode = "cross"
+    checked[key_d] = mode
+    return mode
 
 
 def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT_DTYPE,

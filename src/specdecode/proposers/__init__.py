@@ -6,10 +6,11 @@ they exchange with the engine. A new method is a new file here plus one entry in
 """
 
 from .base import DraftOutput, Forecast, Proposer, RequestState
+from .cross_tokenizer import CrossTokenizerProposer
 from .draft_model import DraftModelProposer
 from .hybrid import HybridProposer, HybridTuning
 from .prompt_lookup import PromptLookupProposer
 from .suffix import ContinuationCounts, SuffixProposer
 
-__all__ = ["ContinuationCounts", "DraftModelProposer", "DraftOutput", "Forecast", "HybridProposer",
+__all__ = ["ContinuationCounts", "CrossTokenizerProposer", "DraftModelProposer", "DraftOutput", "Forecast", "HybridProposer",
            "HybridTuning", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer"]
