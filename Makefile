@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SD     := $(VENV)/bin/specdecode
-MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
+MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct gemma3-270m
 DEMO_PROMPT := Write a Python function that merges two sorted lists into one sorted list, with a docstring and an example.
 
 .PHONY: install models browser demo test test-fast llamacpp test-llamacpp clean

@@ -624,6 +624,25 @@ def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
     assert specdecode.generate(tgt, PROMPT, draft=drf, max_new_tokens=30).token_ids == back.token_ids
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_a_draft_of_another_tokenizer_streams_and_batches_like_plain_decoding(dirs, target, k):
+    """TESTPACK 6 and 9: with a draft of another tokenizer, the stream of a multilingual
+    prompt concatenates to the non-streamed text, which is plain decoding's; a batch of
+    prompts (the batched engine: the drafts' passes on rows of one draft cache) gives each
+    its solo run."""
+    foreign = specdecode.load(dirs["foreign"])
+    for prompt in (UNICODE_TEXT, PROMPT):
+        plain = specdecode.generate(target, prompt, max_new_tokens=40)
+        chunks, result = collect(specdecode.stream(target, prompt, draft=foreign, num_speculative_tokens=k,
+                                                   max_new_tokens=40))
+        assert result.token_ids == plain.token_ids and result.text == plain.text
+        check_stream(chunks, result)
+    prompts = [PROMPT, ASCII_TEXT, UNICODE_TEXT[:30]]
+    solo = [specdecode.generate(target, p, max_new_tokens=30).token_ids for p in prompts]
+    batch = specdecode.generate(target, prompts, draft=foreign, max_new_tokens=30, num_speculative_tokens=k)
+    assert [r.token_ids for r in batch] == solo
+
+
 def test_a_tokenizer_that_cannot_be_bridged_is_refused_at_pairing(dirs, tmp_path, target):
     """A WordPiece tokenizer's tokens are not byte strings: refused before anything runs,
     with a message that names check-pair and the way out."""

@@ -301,6 +301,32 @@ def test_a_draft_of_another_tokenizer_needs_no_option(capsys, dirs):
     assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
 
 
+def test_check_pair_reports_the_mode_and_why(capsys, dirs, tmp_path):
+    code, out, err = run(capsys, "check-pair", dirs["target"], dirs["foreign"])
+    assert code == 0, err
+    assert "mode    cross:" in out and "overlap" in out and "split" in out
+    code, out, _ = run(capsys, "check-pair", dirs["target"], dirs["foreign"], "--json")
+    report = json.loads(out)
+    assert report["mode"] == "cross" and 0 < report["exact_overlap"] < report["draft_tokens"]
+    assert report["sample_split"]["round_trip"] and report["chat_template"]["target"]
+    code, out, _ = run(capsys, "check-pair", dirs["target"], dirs["wide_draft"], "--json")
+    report = json.loads(out)
+    assert report["mode"] == "same" and "embedding rows differ" in report["why"]
+    # a tokenizer whose tokens are not byte strings: refused, exit code 2, the reason named
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    import shutil
+
+    d = tmp_path / "wordpiece"
+    shutil.copytree(dirs["foreign"], d)
+    t = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    t.save(str(d / "tokenizer.json"))
+    code, out, _ = run(capsys, "check-pair", dirs["target"], d)
+    assert code == 2 and "mode    refused:" in out and "WordPiece" in out
+    code, out, err = run(capsys, "check-pair", dirs["target"], tmp_path / "missing")
+    assert code == 2 and "not found" in err
+
+
 def test_non_native_draft_with_default_int8(capsys, dirs):
     """A draft the native decoder cannot load (GPT-2) goes through transformers, with the
     default --draft-dtype int8."""

@@ -228,6 +228,23 @@ def test_bos_once_and_the_prompt_seen_alike():
     assert db.bytes_of(p.ctx) == TokenBytes.of(TGT).bytes_of(prompt + gen.token_ids)[:len(db.bytes_of(p.ctx))]
 
 
+def test_the_draft_may_read_its_own_rendering_of_the_prompt():
+    """draft_prompt_ids (e.g. the draft's own chat template): the draft's context starts with
+    them, unchanged, and the generated text is aligned after them; for that request only."""
+    ftok = _foreign_tokenizer()
+    db = TokenBytes.of(ftok)
+    prompt, script = TGT.encode(PROMPT), TGT.encode(ASCII_TEXT)
+    own = ftok.encode("<s>User: " + PROMPT + "\nAssistant:", add_special_tokens=False)
+    text = TokenBytes.of(TGT).bytes_of(prompt + script)
+    p = CrossTokenizerProposer(oracle_draft(ftok, text, len(db)), TGT, ftok)
+    p.draft_prompt_ids = own
+    gen = _run(script_target(prompt, script, len(TGT)), p, prompt, 4, n=len(script))
+    assert gen.token_ids == script and p.ctx[:len(own)] == own and p.draft_prompt_ids is None
+    assert db.bytes_of(p.ctx[len(own):]) == TokenBytes.of(TGT).bytes_of(script)[:len(db.bytes_of(p.ctx[len(own):]))]
+    _run(script_target(prompt, script, len(TGT)), p, prompt, 4, n=10)
+    assert p.ctx[:len(prompt)] != own  # the next request reads the target's text again
+
+
 def test_chat_special_tokens_and_eos_inside_a_block():
     """ChatML on both sides: the prompt's <|im_start|> reaches the draft as its own special
     id; the draft's end token is proposed as the target's, and the answer stops there."""

@@ -209,3 +209,56 @@ class VocabMap:
             hit = (weakref.ref(target), weakref.ref(draft), cls(target, draft))
             cls._CACHE[key] = hit
         return hit[2]
+
+
+def pair_mode(target_tokenizer, draft_tokenizer) -> str:
+    """"same" when the two tokenizers have the same vocabulary and special tokens (token ids
+    pass straight through), else "cross" (proposals go through text). Raises
+    UnsupportedTokenizerError when they differ and one cannot be read as bytes."""
+    tt, dt = target_tokenizer, draft_tokenizer
+    if tt.get_vocab() == dt.get_vocab() and tt.all_special_tokens == dt.all_special_tokens:
+        return "same"
+    TokenBytes.of(tt), TokenBytes.of(dt)
+    return "cross"
+
+
+SAMPLE_TEXT = "def mean(xs):\n    return sum(xs) / len(xs)  # naïve, 🚀 Grüße 你好"
+
+
+def compare_tokenizers(target_tokenizer, draft_tokenizer) -> dict:
+    """What ``specdecode check-pair`` reports of two tokenizers: the mode a draft pairing
+    would use and why, their sizes, BOS, EOS and special tokens, the share of the draft's
+    vocabulary that maps to one target token exactly, which special tokens map, whether the
+    chat templates are the same, and how each splits a sample text (tokens)."""
+    tt, dt = target_tokenizer, draft_tokenizer
+    out: dict = {"target_tokens": len(tt), "draft_tokens": len(dt)}
+    try:
+        mode = pair_mode(tt, dt)
+    except UnsupportedTokenizerError as e:
+        return {**out, "mode": "refused", "why": str(e)}
+    if mode == "same":
+        why = "the same vocabulary and special tokens: token ids pass straight through (the fast path)"
+    else:
+        why = ("different tokenizers that both map tokens to bytes: the draft drafts in its own "
+               "tokens and its text is re-encoded by the target's tokenizer each round")
+    t, d = TokenBytes.of(tt), TokenBytes.of(dt)
+    vm = VocabMap.of(t, d)
+    names = lambda tok, ids: sorted(tok.convert_ids_to_tokens(sorted(ids)))  # noqa: E731
+    out.update(
+        mode=mode, why=why,
+        decoders={"target": t.kind, "draft": d.kind},
+        bos_added={"target": tt.bos_token if t.bos is not None else None,
+                   "draft": dt.bos_token if d.bos is not None else None},
+        eos={"target": tt.eos_token, "draft": dt.eos_token},
+        special={"target": names(tt, t.special), "draft": names(dt, d.special)},
+        special_mapped={dt.convert_ids_to_tokens(a): tt.convert_ids_to_tokens(b)
+                        for a, b in vm.special_to_target.items()},
+        exact_overlap=vm.overlap, exact_overlap_share=round(vm.overlap / max(1, len(d)), 4),
+        chat_template={"target": bool(getattr(tt, "chat_template", None)),
+                       "draft": bool(getattr(dt, "chat_template", None)),
+                       "same": getattr(tt, "chat_template", None) == getattr(dt, "chat_template", None)},
+        sample_split={"text": SAMPLE_TEXT, "target": len(t.encode(SAMPLE_TEXT)),
+                      "draft": len(d.encode(SAMPLE_TEXT)),
+                      "round_trip": d.bytes_of(d.encode(SAMPLE_TEXT)) == SAMPLE_TEXT.encode()
+                      and t.bytes_of(t.encode(SAMPLE_TEXT)) == SAMPLE_TEXT.encode()})
+    return out

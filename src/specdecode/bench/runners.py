@@ -155,6 +155,11 @@ def prompt_seed(prompt_ids: list[int]) -> int:
     return zlib.crc32(bytes(str(prompt_ids), "ascii"))
 
 
+# bench rows of our methods that must run a draft of another tokenizer (issue 20's rows):
+# the method itself routes such a pair through text with no option; the row's name says so
+CROSS_ROWS = {"draft-xtok": "draft", "hybrid-xtok": "hybrid"}
+
+
 def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -> Runner:
     """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
     ``dtype=`` and ``backend=`` the draft's, default auto: see
@@ -163,11 +168,15 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     :func:`prompt_seed`."""
     target = models.target()
     rule = sampled_rule(opts, temperature)
+    row, name = name, CROSS_ROWS.get(name, name)
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
     draft = None
     if spec.method.needs_draft_model:
         backend = opts.pop("backend", "auto")
         draft = models.draft(opts.pop("dtype", "auto"), backend)
+        if row in CROSS_ROWS and check_compatible(target, draft) != "cross":
+            raise ValueError(f"{row} runs a draft of another tokenizer than the target's; "
+                             f"{models.draft_name} has the target's: use {name}")
     engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
 
     def run(prompt_ids, max_new_tokens):
@@ -201,6 +210,19 @@ def _hf_assisted(models, opts):
     return _hf(models, **kwargs)
 
 
+def _hf_assisted_xtok(models, opts):
+    """transformers' Universal Assisted Generation: a draft of another tokenizer, its
+    candidates re-tokenized through text (``assistant_tokenizer=``)."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"assistant_model": models.hf("draft"),
+              "tokenizer": AutoTokenizer.from_pretrained(resolve_model_path(models.target_name)),
+              "assistant_tokenizer": AutoTokenizer.from_pretrained(resolve_model_path(models.draft_name))}
+    if "k" in opts:
+        kwargs["num_assistant_tokens"] = _int(opts, "k", 0)
+    return _hf(models, **kwargs)
+
+
 def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
     llm = models.llama(prompt_lookup)
     eos = models.eos_token_ids()
@@ -227,6 +249,9 @@ PEERS: dict[str, Peer] = {
                   "transformers generate, greedy, same weights"),
     "hf-assisted": Peer(_hf_assisted, "hf-ar",
                         "transformers assisted generation with the same draft (k=num_assistant_tokens)"),
+    "hf-assisted-xtok": Peer(_hf_assisted_xtok, "hf-ar",
+                             "transformers assisted generation with a draft of another tokenizer "
+                             "(assistant_tokenizer=: Universal Assisted Generation)"),
     "hf-pld": Peer(lambda models, opts: _hf(models, prompt_lookup_num_tokens=_int(opts, "k", 10)), "hf-ar",
                    "transformers prompt lookup decoding (k=prompt_lookup_num_tokens, default 10)"),
     "llamacpp-ar": Peer(lambda models, opts: _llamacpp(models, 0), "llamacpp-ar",
@@ -240,7 +265,7 @@ DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft"
 
 
 def is_ours(name: str) -> bool:
-    return name in METHODS
+    return name in METHODS or name in CROSS_ROWS
 
 
 def parse_methods(spec: str) -> list[tuple[str, str, dict]]:
@@ -249,8 +274,9 @@ def parse_methods(spec: str) -> list[tuple[str, str, dict]]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, *opts = item.split(":")
-        if name not in METHODS and name not in PEERS:
-            raise ValueError(f"unknown method {name!r}; available: {', '.join([*METHODS, *PEERS])}")
+        if not is_ours(name) and name not in PEERS:
+            raise ValueError(f"unknown method {name!r}; available: "
+                             f"{', '.join([*METHODS, *CROSS_ROWS, *PEERS])}")
         options = {}
         for o in opts:
             if "=" not in o:
@@ -299,7 +325,10 @@ def fixed_k(label: str) -> int | None:
     """Fixed speculation length K of one of our speculative methods (None: not speculative,
     or K changes from round to round)."""
     _, name, options = parse_methods(label)[0]
-    if not is_ours(name) or METHODS[name].proposer is None:
+    if not is_ours(name):
+        return None
+    name = CROSS_ROWS.get(name, name)
+    if METHODS[name].proposer is None:
         return None
     opts = dict(options)
     for key in ("dtype", "backend", "rule"):

@@ -16,6 +16,7 @@ from .base import CausalLM
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer, read_json
 from .quant import best_layout, has_q4k, quantize_linears, require_vnni
+from ..tokenmap import UnsupportedTokenizerError, pair_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "int8": row-independent W8A8; "q4": a GGUF file's own Q4_K blocks, the rest int8; "int4": every
@@ -268,19 +269,15 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> str:
         return checked[key_d]
     tt, dt = target.tokenizer, draft.tokenizer
     mode = "same"
-    if tt is not None and dt is not None and (
-            tt.get_vocab() != dt.get_vocab() or tt.all_special_tokens != dt.all_special_tokens):
-        from ..tokenmap import TokenBytes, UnsupportedTokenizerError
-
+    if tt is not None and dt is not None:
         try:
-            TokenBytes.of(tt), TokenBytes.of(dt)
+            mode = pair_mode(tt, dt)
         except UnsupportedTokenizerError as e:
             raise IncompatibleDraftError(
                 f"draft {draft.name!r} uses a different tokenizer than target {target.name!r}, and "
                 f"its proposals cannot be carried over as text: {e}. `specdecode check-pair "
                 f"{target.name} {draft.name}` shows the details; pick a draft of the target's own "
                 "family, or decode without a draft (CLI --method ar, Python method='ar').") from None
-        mode = "cross"
     checked[key_d] = mode
     return mode
 

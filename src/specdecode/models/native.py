@@ -282,11 +282,12 @@ class Prefixes(NamedTuple):
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype):
-    """The loaded ``cpu_kernels.cpp`` for fp32 tensors on the CPU, or None (another device or
-    dtype, or no kernel on this CPU: then PyTorch's operators)."""
+    """The loaded ``cpu_kernels.cpp`` (AVX512) or ``cpu_kernels_avx2.cpp`` for fp32 tensors on
+    the CPU, or None (another device or dtype, or no kernel on this CPU: then PyTorch's
+    operators)."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
-    return quant.vnni_kernel()[0]
+    return quant.vnni_kernel()[0] or quant.avx2_kernel()
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):

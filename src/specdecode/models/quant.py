@@ -14,8 +14,9 @@ with the system C++ compiler at first use and cached, loaded with ctypes) stream
 packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass, and on CPUs
 with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 9+) on the tile unit (the same integer
 sums, the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
-AVX512); elsewhere ``torch._int_mm``. Set ``SPECDECODE_INT8_KERNEL=torch`` to use the latter
-anyway.
+AVX512); on CPUs with AVX2 only, ``cpu_kernels_avx2.cpp`` (the same integer sums for the
+"nk" layout, :func:`avx2_kernel`); elsewhere ``torch._int_mm``. Set
+``SPECDECODE_INT8_KERNEL=torch`` to use the latter anyway.
 
 Long passes (prefill chunks: more than ``PREFILL_MIN_TOKENS`` tokens a row, never a verify
 pass) are bound by arithmetic, not by reading the weights: on CPUs with AMX-BF16 they
@@ -124,6 +125,53 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+AVX2_SOURCE = Path(__file__).with_name("cpu_kernels_avx2.cpp")
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+@functools.cache
+def avx2_kernel() -> ctypes.CDLL | None:
+    """The compiled ``cpu_kernels_avx2.cpp`` (the int8 product, attention and silu of CPUs
+    with AVX2 but not the AVX512-VNNI kernel), built and cached as :func:`vnni_kernel` is;
+    None where the VNNI kernel is in use, on other CPUs, without a C++ compiler, with
+    ``SPECDECODE_INT8_KERNEL=torch`` or when the build fails (said once on stderr)."""
+    if vnni_kernel()[0] is not None or os.environ.get("SPECDECODE_INT8_KERNEL", "").lower() == "torch":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
+                      if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        _unavailable("no C++ compiler: install g++")
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256(AVX2_SOURCE.read_bytes() + repr((AVX2_FLAGS, version)).encode())
+        out = registry.cache_dir() / "kernels" / f"cpu_kernels_avx2-{key.hexdigest()[:16]}.so"
+        failed = None if out.is_file() else _build(cxx, out, AVX2_SOURCE, (AVX2_FLAGS,))
+        if failed:
+            _unavailable(failed)
+            return None
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.SubprocessError) as e:
+        _unavailable(f"building or loading the AVX2 kernel failed: {e}")
+        return None
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.sd_int8_mm_nk.argtypes = [P, I, I, P, I, P]
+    lib.sd_int8_mm_nk.restype = None
+    lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
+    lib.sd_attend.restype = None
+    lib.sd_silu_mul.argtypes = [P, P, I, P]
+    lib.sd_silu_mul.restype = None
+    return lib
+
+
 def set_amx(on: bool) -> bool:
     """Run the int8 and Q4_K linears' passes of a few rows or more on the AMX tile unit (on)
     or on AVX512-VNNI;
@@ -183,14 +231,16 @@ def _bf16_linear(linear: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
     return y.to(x.dtype).view(*shape[:-1], linear.out_features)
 
 
-def _build(cxx: str, out: Path) -> str | None:
-    """Compile the kernel into ``out`` (via a temporary file: never half written); returns
-    why it failed, or None."""
+def _build(cxx: str, out: Path, source: Path = KERNEL_SOURCE,
+           flag_sets: tuple = (KERNEL_FLAGS + AMX_FLAGS, KERNEL_FLAGS)) -> str | None:
+    """Compile ``source`` into ``out`` (via a temporary file: never half written) with the
+    first of ``flag_sets`` that builds (the VNNI kernel's: without AMX for an older g++);
+    returns why it failed, or None."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        for flags in (KERNEL_FLAGS + AMX_FLAGS, KERNEL_FLAGS):  # without AMX: an older g++
-            proc = subprocess.run([cxx, *flags, "-o", str(built), str(KERNEL_SOURCE)],
+        for flags in flag_sets:
+            proc = subprocess.run([cxx, *flags, "-o", str(built), str(source)],
                                   capture_output=True, text=True, timeout=600)
             if proc.returncode == 0:
                 break
@@ -233,6 +283,8 @@ def best_layout(role: str, device: torch.device | str = "cpu") -> str:
     one-token steps ("draft") on ``device``: "vnni" where the kernel runs, else "kn" / "nk"."""
     if torch.device(device).type == "cpu" and vnni_kernel()[0] is not None:
         return "vnni"
+    if torch.device(device).type == "cpu" and avx2_kernel() is not None:
+        return "nk"  # the AVX2 kernel's
     return "kn" if role == "target" else "nk"
 
 
@@ -321,7 +373,15 @@ class Int8Linear(nn.Module):
                 self, ("qweight", "wscale", "bias")), n, y.data_ptr())
             return y.to(x.dtype).view(*shape[:-1], n)
         xq, xs = quantize_rows(x2)  # the kernel's steps (cpu_kernels.cpp, sd_quantize_rows)
-        y = torch._int_mm(xq, self.weight_kn()).float() * xs[:, None] * self.wscale
+        avx2 = avx2_kernel() if self.layout == "nk" and x2.device.type == "cpu" else None
+        if avx2 is not None:
+            xq = xq.contiguous()
+            acc = torch.empty(xq.shape[0], n, dtype=torch.int32)
+            avx2.sd_int8_mm_nk(xq.data_ptr(), xq.shape[0], self.in_features, self.qweight.data_ptr(),
+                               n, acc.data_ptr())
+        else:
+            acc = torch._int_mm(xq, self.weight_kn())
+        y = acc.float() * xs[:, None] * self.wscale
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], n)

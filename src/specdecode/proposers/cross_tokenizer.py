@@ -67,6 +67,9 @@ class CrossTokenizerProposer(Proposer):
     committed bytes are not UTF-8 (no text to carry over).
     p_min: stop drafting where the draft's top probability is below it (None: never).
     lazy_prefill: the first ``propose`` feeds the prompt, not ``reset``.
+    ``draft_prompt_ids`` (set before a request, for that request only): the prompt in the
+    draft's own tokens (e.g. the conversation in the draft's own chat template) instead of
+    the target's prompt text re-encoded; the generated text is aligned after it.
     Raises UnsupportedTokenizerError (a ValueError) for tokenizers whose tokens are not byte
     strings, ValueError for p_min outside [0, 1).
     """
@@ -85,6 +88,7 @@ class CrossTokenizerProposer(Proposer):
         self.draft_eos = tuple(draft_eos_token_ids)
         self.p_min, self.lazy_prefill = p_min, lazy_prefill
         self.enabled = False
+        self.draft_prompt_ids: list[int] | None = None
 
     # -- the committed text and the draft's context
 
@@ -92,8 +96,12 @@ class CrossTokenizerProposer(Proposer):
         self.enabled = True
         self.committed, self.ends, self.seen = bytearray(), [], 0
         self._commit(state.tokens)
-        self.ctx = [self.db.bos] if self.db.bos is not None else []
-        self.ctx_end = [0] * len(self.ctx)
+        own, self.draft_prompt_ids = self.draft_prompt_ids, None  # for this request only
+        if own is not None:  # the prompt as the draft's own tokens: never re-encoded
+            self.ctx, self.ctx_end = list(own), [len(self.committed)] * len(own)
+        else:
+            self.ctx = [self.db.bos] if self.db.bos is not None else []
+            self.ctx_end = [0] * len(self.ctx)
         self.fixed = len(self.ctx)
         self.cached: list[int] = []  # what the draft's KV cache holds
         # a draft token stands for at least one byte, and a target token for a few: twice
@@ -151,8 +159,9 @@ class CrossTokenizerProposer(Proposer):
     def check_invariant(self, state: RequestState) -> None:
         if self.enabled:
             assert self.draft.seq_len == len(self.cached), (self.draft.seq_len, len(self.cached))
-            assert self.db.bytes_of(self.ctx) == bytes(self.committed[:self.ctx_end[-1] if self.ctx_end else 0])
-            assert self.ctx[:self.fixed] == ([self.db.bos] if self.db.bos is not None else [])
+            start = self.ctx_end[self.fixed - 1] if self.fixed else 0
+            end = self.ctx_end[-1] if self.ctx_end else 0
+            assert self.db.bytes_of(self.ctx[self.fixed:]) == bytes(self.committed[start:end])
 
     def on_accept(self, state: RequestState) -> None:
         self._commit(state.tokens)

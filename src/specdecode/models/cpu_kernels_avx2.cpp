@@ -1,0 +1,197 @@
+// The CPU kernels for x86 CPUs with AVX2 but without AVX512-VNNI (cpu_kernels.cpp has the
+// AVX512 ones), where torch._int_mm runs a reference loop (~50x slower than an fp32 matmul of
+// the same shape) and PyTorch's attention over rows of different lengths is not
+// row-independent. Three functions, with the contracts of their AVX512 namesakes:
+//
+// sd_int8_mm_nk: the int8 x int8 -> int32 product of the W8A8 linears, y[m, n] = sum_k
+//   x[m, k] * w[n, k] (w in the "nk" layout), exact in any order: the same bits as
+//   torch._int_mm's, every row's its own. Weights widened to int16 and multiplied with
+//   vpmaddwd (|127 * 127 * 2| < 2^31: no saturation).
+// sd_attend: causal attention of decode and verify rows, each (row, KV head) computed by one
+//   thread in one fixed order that depends only on its own query, keys and values.
+// sd_silu_mul: silu(gate) * up, element-wise.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+static inline int32_t hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// rows r0..r0+R-1 against channels j0..j0+J-1 (J <= 2, R <= 4): J*R accumulators in registers
+template <int J, int R>
+static inline void tile(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int32_t* y,
+                        int64_t r0, int64_t j0) {
+    const int64_t k16 = k & ~(int64_t)15;
+    __m256i acc[J][R];
+    for (int a = 0; a < J; ++a)
+        for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k16; i += 16) {
+        __m256i wv[J];
+        for (int a = 0; a < J; ++a)
+            wv[a] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (j0 + a) * k + i)));
+        for (int r = 0; r < R; ++r) {
+            __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(x + (r0 + r) * k + i)));
+            for (int a = 0; a < J; ++a) acc[a][r] = _mm256_add_epi32(acc[a][r], _mm256_madd_epi16(wv[a], xv));
+        }
+    }
+    for (int a = 0; a < J; ++a)
+        for (int r = 0; r < R; ++r) {
+            int32_t s = hsum(acc[a][r]);
+            const int8_t* xr = x + (r0 + r) * k;
+            const int8_t* wr = w + (j0 + a) * k;
+            for (int64_t i = k16; i < k; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
+            y[(r0 + r) * n + j0 + a] = s;
+        }
+}
+
+template <int J>
+static inline void channels(const int8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n,
+                            int32_t* y, int64_t j0) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) tile<J, 4>(x, k, w, n, y, r0, j0);
+    switch (rows - r0) {
+        case 3: tile<J, 3>(x, k, w, n, y, r0, j0); break;
+        case 2: tile<J, 2>(x, k, w, n, y, r0, j0); break;
+        case 1: tile<J, 1>(x, k, w, n, y, r0, j0); break;
+        default: break;
+    }
+}
+
+// y[m, n] = sum_k x[m, k] * w[n, k]: channels in pairs over the threads, each pair's weights
+// (2 k bytes) kept in L1 while every row passes
+extern "C" void sd_int8_mm_nk(const int8_t* x, int64_t rows, int64_t k, const int8_t* w,
+                              int64_t n, int32_t* y) {
+    const int64_t pairs = n / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) channels<2>(x, rows, k, w, n, y, 2 * p);
+    if (n & 1) channels<1>(x, rows, k, w, n, y, n - 1);
+}
+
+namespace {
+
+// exp(x) to ~1 ulp, cpu_kernels.cpp's exp_ps for 8 lanes (2^n built in the exponent field)
+inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));  // 2^127 at most: the exponent field stays finite
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+thread_local std::vector<float> scores;
+
+}  // namespace
+
+extern "C" {
+
+// out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
+// caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
+// (1 <= lens <= L); H % Hkv == 0, D % 16 == 0; scores scaled by `scale`.
+void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
+               int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
+               const int64_t* lens, float scale, float* out) {
+    const int64_t g = H / Hkv;
+    const int64_t items = B * T * H;
+#pragma omp parallel for schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / (T * H), t = it / H % T, h = it % H, kv = h / g;
+        const int64_t n = lens[b * T + t];
+        if ((int64_t)scores.size() < n + 8) scores.resize(n + 8);
+        float* s = scores.data();
+        const float* qi = q + b * qb + t * qt + h * qh;
+        const float* kc = k + (b * Hkv + kv) * L * D;
+        const float* vc = v + (b * Hkv + kv) * L * D;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kc + j * D + d), acc);
+            s[j] = hsum8(acc) * scale;
+            m = s[j] > m ? s[j] : m;
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+            vsum = _mm256_add_ps(vsum, e);
+            _mm256_storeu_ps(s + j, e);
+        }
+        float sum = hsum8(vsum);
+        if (j < n) {  // the tail: 8 lanes with -inf past n
+            float tail[8];
+            for (int l = 0; l < 8; l++) tail[l] = j + l < n ? s[j + l] - m : -INFINITY;
+            float e[8];
+            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
+            for (int l = 0; l < 8 && j + l < n; l++) { s[j + l] = e[l]; sum += e[l]; }
+        }
+        float* o = out + ((b * T + t) * H + h) * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const bool wide = D - d0 >= 32;
+            for (int64_t jj = 0; jj < n; jj++) {
+                const __m256 p = _mm256_set1_ps(s[jj]);
+                const float* vj = vc + jj * D + d0;
+                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);
+                a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
+                if (wide) {
+                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
+                }
+            }
+            const __m256 sv = _mm256_set1_ps(sum);
+            _mm256_storeu_ps(o + d0, _mm256_div_ps(a0, sv));
+            _mm256_storeu_ps(o + d0 + 8, _mm256_div_ps(a1, sv));
+            if (wide) {
+                _mm256_storeu_ps(o + d0 + 16, _mm256_div_ps(a2, sv));
+                _mm256_storeu_ps(o + d0 + 24, _mm256_div_ps(a3, sv));
+            }
+        }
+    }
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for n floats
+void sd_silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+    const int64_t chunks = n / 8;
+#pragma omp parallel for schedule(static) if (n >= 16384)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t i = 8 * c;
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 sg = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(sg, _mm256_loadu_ps(up + i)));
+    }
+    for (int64_t i = chunks * 8; i < n; i++) {
+        float buf[8] = {0}, e[8];
+        buf[0] = -gate[i];
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(buf)));
+        out[i] = gate[i] / (1.0f + e[0]) * up[i];
+    }
+}
+
+}  // extern "C"
