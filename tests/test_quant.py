@@ -45,6 +45,25 @@ def test_the_vnni_kernel_is_built_on_a_cpu_that_has_vnni():
         assert lib is None and why
 
 
+VNNI = quant.vnni_kernel()[0] is not None
+
+
+def q4k_refused(run) -> bool:
+    """Q4_K and int4 weights run on the AVX512-VNNI kernel only: where it is not in use,
+    ``run()`` must fail with an error that names it (then True: that is what this CPU does);
+    where it is, False (the test goes on)."""
+    if VNNI:
+        return False
+    with pytest.raises((RuntimeError, ValueError), match="VNNI"):
+        run()
+    return True
+
+
+def _int4_forward(model) -> torch.Tensor:
+    model.allocate(1, 4)
+    return model.forward(torch.tensor([[1, 2]]))
+
+
 def _cpu_flags() -> list[str]:
     return next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
                  if ln.startswith("flags")), [])
@@ -128,15 +147,17 @@ def _attention_args(h, kv, d):
                      head_dim=d, intermediate_size=8)
 
 
-@pytest.mark.parametrize("h,kv,d", [(12, 2, 128), (4, 4, 64), (24, 2, 80), (2, 1, 256), (3, 1, 16)])
+@pytest.mark.parametrize("h,kv,d", [(12, 2, 128), (4, 4, 64), (24, 2, 80), (2, 1, 256), (3, 1, 16), (4, 2, 8), (2, 1, 40)])
 def test_attention_kernel_equals_attention_and_rows_are_independent(h, kv, d):
     """The C++ attention of decode/verify rows (sd_attend) against PyTorch's, for group sizes
-    1-12 (12: several passes over the values), head dims 16-256 (256: two value chunks) and
+    1-12 (12: several passes over the values), head dims 8-256 (256: two value chunks; 8 and
+    40 the AVX2 kernel's only) and
     prefixes of 1 to 83 slots (16-key blocks with and without a tail); then every row alone,
     and rows of their own lengths in one call, give the same bits as the rows in one pass."""
     lib = attention_kernel(torch.device("cpu"), torch.float32, _attention_args(h, kv, d))
-    if lib is None:  # no kernel on this CPU (the kernel test above says why): the torch path
-        assert quant.vnni_kernel()[0] is None
+    if lib is None:  # no kernel on this CPU (the kernel test above says why), or the AVX512
+        # kernel and a head dim it does not take: the torch path
+        assert (quant.vnni_kernel()[0] is None and quant.avx2_kernel() is None) or d % 16
         return
     torch.manual_seed(0)
     b, length, start, t = 2, 96, 66, 17
@@ -405,6 +426,8 @@ def test_q4k_linear_equals_its_reference_and_rows_are_independent(shape):
     n, k = shape
     lin = _q4k_linear(n, k, seed=1)
     x = torch.randn(17, k) * torch.logspace(-2, 2, 17)[:, None]
+    if q4k_refused(lambda: lin(x)):
+        return
     y = lin(x)
     for rows in (1, 2, 8, 9, 16):
         assert torch.equal(lin(x[:rows]), y[:rows]), rows
@@ -439,6 +462,8 @@ def test_q4k_amx_and_vnni_give_the_same_bits(n, k):
     both runs take the AVX512 path.)"""
     lin = _q4k_linear(n, k, seed=2)
     x = torch.randn(33, k) * torch.logspace(-1, 1, 33)[:, None]
+    if q4k_refused(lambda: lin(x)):
+        return
     out = {}
     try:
         for on in (True, False):
@@ -467,6 +492,9 @@ def test_q4_target_keeps_the_gguf_blocks_and_its_verify_rows_equal_one_token_pas
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     m = specdecode.load(q4_gguf)
     lm = m.lm
+    if q4k_refused(lambda: load(q4_gguf, dtype="q4")):
+        assert lm.weight_format == "int8-nk"  # auto: int8 on the AVX2 kernel
+        return
     assert lm.weight_format == "q4-vnni"
     fp32 = Transformer.from_pretrained(m.path, pack=False)  # the converted weights
     linears = {n: mod for n, mod in lm.named_modules() if isinstance(mod, quant.Q4KLinear)}
@@ -492,6 +520,8 @@ def test_q4_target_keeps_the_gguf_blocks_and_its_verify_rows_equal_one_token_pas
 def test_q4_refuses_what_it_cannot_load(q4_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     hf_model_dir(tmp_path / "dir", "mistral")
+    if q4k_refused(lambda: load(q4_gguf, dtype="q4")):
+        return
     with pytest.raises(ValueError, match="dtype q4 reads a GGUF file's Q4_K blocks"):
         load(tmp_path / "dir", dtype="q4", tokenizer=False)
     assert load(tmp_path / "dir", tokenizer=False).lm.weight_format.startswith("int8")  # auto
@@ -573,6 +603,8 @@ def test_q4k_quantize_is_close_pads_with_zeros_and_stays_on_its_grid(shape):
 
 
 def test_a_padded_q4k_linear_equals_the_padded_product_and_rows_are_independent():
+    if q4k_refused(lambda: _int4_linear(48, 96, seed=3)[1](torch.randn(1, 96))):
+        return
     w, lin = _int4_linear(48, 96, seed=3)
     wide = quant.Q4KLinear(256, 48, True)
     for b in (*quant.Q4K_BUFFERS, "bias"):
@@ -587,6 +619,8 @@ def test_a_padded_q4k_linear_equals_the_padded_product_and_rows_are_independent(
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_int4_verify_pass_rows_equal_one_token_passes_bit_for_bit(tied):
+    if q4k_refused(lambda: _int4_forward(tiny_model(0, int8="vnni", int4=True))):
+        return
     model = tiny_model(0, int8="vnni", int4=True, tie_embeddings=tied, dim=64, head_dim=16,
                        n_kv_heads=1, intermediate_size=96)
     assert model.weight_format == "int4-vnni"
@@ -608,6 +642,8 @@ def test_int4_verify_pass_rows_equal_one_token_passes_bit_for_bit(tied):
 def test_int4_draft_and_int4_target_keep_the_targets_plain_decoding():
     """An int4 draft proposes for an int8 target, and a float draft for an int4 target:
     greedy output is each target's own plain decoding."""
+    if q4k_refused(lambda: _int4_forward(tiny_model(0, int8="vnni", int4=True))):
+        return
     prompt, params = PROMPTS["twenty"], SamplingParams(max_new_tokens=60)
     for target, draft in ((tiny_model(0, int8="vnni"), tiny_model(0, int8="vnni", int4=True)),
                           (tiny_model(0, int8="vnni", int4=True), tiny_model(0))):
@@ -648,6 +684,8 @@ def test_long_passes_multiply_in_bf16_where_the_cpu_has_amx_bf16(kind):
     lin, w = _long_pass_linears()[kind]
     t = quant.PREFILL_MIN_TOKENS + 21  # 117 rows: 16-row blocks and a partial one
     x = torch.randn(1, t, lin.in_features, generator=torch.Generator().manual_seed(8))
+    if kind.startswith("q4k") and q4k_refused(lambda: lin(x)):
+        return
     on = "amx_bf16" in _cpu_flags() and quant.vnni_kernel()[0] is not None
     try:
         quant.set_amx(True)
@@ -668,3 +706,42 @@ def test_long_passes_multiply_in_bf16_where_the_cpu_has_amx_bf16(kind):
         assert not torch.equal(long_on, exact)
     else:
         assert torch.equal(long_on, exact)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 1536, 8960), (5, 96, 37), (17, 272, 64), (130, 64, 31), (3, 7, 5)])
+def test_avx2_int8_product_is_exact_and_rows_are_independent(rows, k, n):
+    """cpu_kernels_avx2.cpp's int8 product (what CPUs with AVX2 but without the VNNI kernel
+    run): the exact int32 product, whatever the shape (tails of k not a multiple of 16, odd
+    n, row blocks of 4 and their rest), each row the same alone."""
+    lib = quant.avx2_library()
+    assert lib is not None or "avx2" not in _cpu_flags()
+    if lib is None:
+        return
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    y = torch.empty(rows, n, dtype=torch.int32)
+    lib.sd_int8_mm_nk(x.data_ptr(), rows, k, w.data_ptr(), n, y.data_ptr())
+    assert torch.equal(y.long(), x.long() @ w.long().t())
+    one = torch.empty(1, n, dtype=torch.int32)
+    lib.sd_int8_mm_nk(x[-1:].contiguous().data_ptr(), 1, k, w.data_ptr(), n, one.data_ptr())
+    assert torch.equal(one[0], y[-1])
+
+
+def test_cpus_without_the_vnni_kernel_run_int8_on_the_avx2_kernel():
+    """Where the VNNI kernel is not in use, the int8 linears take the "nk" layout and the AVX2
+    kernel (not torch._int_mm, which ran the default target at 0.36 tokens/s), with the same
+    bits as torch._int_mm; the attention and silu kernels come from the same library."""
+    if quant.vnni_kernel()[0] is not None:
+        assert quant.avx2_kernel() is None and quant.best_layout("target") == "vnni"
+        return
+    assert quant.avx2_kernel() is not None or "avx2" not in _cpu_flags()
+    if quant.avx2_kernel() is None:
+        return
+    assert quant.best_layout("target") == quant.best_layout("draft") == "nk"
+    assert native.cpu_kernels(torch.device("cpu"), torch.float32) is quant.avx2_kernel()
+    lin = quant.Int8Linear.from_float(torch.randn(48, 80), torch.randn(48), layout="nk")
+    x = torch.randn(3, 5, 80)
+    xq, xs = quant.quantize_rows(x.reshape(-1, 80))
+    ref = torch._int_mm(xq, lin.weight_kn()).float() * xs[:, None] * lin.wscale + lin.bias
+    assert torch.equal(lin(x).reshape(-1, 48), ref)

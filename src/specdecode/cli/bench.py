@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
-from ..bench.runners import (DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
+from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
                              parse_methods)
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
@@ -24,7 +24,10 @@ def _help() -> str:
         f" ({', '.join(f'{key}={values}' for key, (o, values, _) in OPTION_PARSERS.items() if o in m.options)})"
         if m.options else "")
         for m in METHODS.values())
-    peers = "\n".join(f"  {name:<16}{p.summary}" for name, p in PEERS.items())
+    ours += "".join(f"\n  {row:<14}{base}, with a --draft of another tokenizer than the target's (a "
+                    "row that says so; the method itself needs no option for such a pair)"
+                    for row, base in CROSS_ROWS.items())
+    peers = "\n".join(f"  {name:<17}{p.summary}" for name, p in PEERS.items())
     return f"""\
 Benchmark decoding methods side by side on Spec-Bench and HumanEval, greedy (or sampled:
 --temperature), batch size 1, interleaved per prompt, against our plain decoding (ar),

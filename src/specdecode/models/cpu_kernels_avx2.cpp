@@ -77,10 +77,10 @@ extern "C" void sd_int8_mm_nk(const int8_t* x, int64_t rows, int64_t k, const in
 
 namespace {
 
-// exp(x) to ~1 ulp, cpu_kernels.cpp's exp_ps for 8 lanes (2^n built in the exponent field)
+// exp(x) to ~1 ulp, cpu_kernels.cpp's exp_ps for 8 lanes (2^n built in exponent fields)
 inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));  // 2^127 at most: the exponent field stays finite
+    x = _mm256_min_ps(x, _mm256_set1_ps(89.0f));  // n <= 128: exp overflows to inf past ~88.72
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -92,8 +92,13 @@ inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    // 2^n as 2^(n >> 1) * 2^(n - (n >> 1)): both factors normal for n in [-126, 128]
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
 }
 
 inline float hsum8(__m256 v) {
@@ -111,7 +116,7 @@ extern "C" {
 
 // out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
 // caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
-// (1 <= lens <= L); H % Hkv == 0, D % 16 == 0; scores scaled by `scale`.
+// (1 <= lens <= L); H % Hkv == 0, D % 8 == 0; scores scaled by `scale`.
 void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
                int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
                const int64_t* lens, float scale, float* out) {
@@ -151,26 +156,16 @@ void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64
             for (int l = 0; l < 8 && j + l < n; l++) { s[j + l] = e[l]; sum += e[l]; }
         }
         float* o = out + ((b * T + t) * H + h) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            const bool wide = D - d0 >= 32;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {  // up to 4 x 8 floats of the values at a time
+            const int nv = (int)((D - d0 < 32 ? D - d0 : 32) / 8);
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t jj = 0; jj < n; jj++) {
                 const __m256 p = _mm256_set1_ps(s[jj]);
                 const float* vj = vc + jj * D + d0;
-                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);
-                a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
-                if (wide) {
-                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);
-                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
-                }
+                for (int c = 0; c < nv; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
             }
             const __m256 sv = _mm256_set1_ps(sum);
-            _mm256_storeu_ps(o + d0, _mm256_div_ps(a0, sv));
-            _mm256_storeu_ps(o + d0 + 8, _mm256_div_ps(a1, sv));
-            if (wide) {
-                _mm256_storeu_ps(o + d0 + 16, _mm256_div_ps(a2, sv));
-                _mm256_storeu_ps(o + d0 + 24, _mm256_div_ps(a3, sv));
-            }
+            for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(a[c], sv));
         }
     }
 }

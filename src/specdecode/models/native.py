@@ -298,11 +298,12 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
 
 def attention_kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, group: int):
     """The C++ attention kernel for these tensors, or None (see :func:`cpu_kernels`; also
-    head_dim not a multiple of 16 or over 256 query heads per KV head): then the PyTorch
-    paths, :func:`attend_prefixes`."""
-    if head_dim % 16 or group > 256:
+    head_dim not a multiple of 16, or of 8 for the AVX2 kernel, or over 256 query heads per
+    KV head): then the PyTorch paths, :func:`attend_prefixes`."""
+    lib = cpu_kernels(device, dtype)
+    if lib is None or head_dim % (8 if lib is quant.avx2_kernel() else 16) or group > 256:
         return None
-    return cpu_kernels(device, dtype)
+    return lib
 
 
 def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache,

@@ -129,14 +129,19 @@ AVX2_SOURCE = Path(__file__).with_name("cpu_kernels_avx2.cpp")
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 
-@functools.cache
 def avx2_kernel() -> ctypes.CDLL | None:
-    """The compiled ``cpu_kernels_avx2.cpp`` (the int8 product, attention and silu of CPUs
-    with AVX2 but not the AVX512-VNNI kernel), built and cached as :func:`vnni_kernel` is;
-    None where the VNNI kernel is in use, on other CPUs, without a C++ compiler, with
-    ``SPECDECODE_INT8_KERNEL=torch`` or when the build fails (said once on stderr)."""
+    """The kernels of CPUs with AVX2 but not the AVX512-VNNI kernel (:func:`avx2_library`);
+    None where the VNNI kernel is in use, or with ``SPECDECODE_INT8_KERNEL=torch``."""
     if vnni_kernel()[0] is not None or os.environ.get("SPECDECODE_INT8_KERNEL", "").lower() == "torch":
         return None
+    return avx2_library()
+
+
+@functools.cache
+def avx2_library() -> ctypes.CDLL | None:
+    """The compiled ``cpu_kernels_avx2.cpp`` (the exact int8 product, attention and silu),
+    built and cached as :func:`vnni_kernel` is, on any x86-64 CPU with AVX2 and FMA; None on
+    other CPUs, without a C++ compiler, or when the build fails (said once on stderr)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     try:
