@@ -643,6 +643,32 @@ def test_a_draft_of_another_tokenizer_streams_and_batches_like_plain_decoding(di
     assert [r.token_ids for r in batch] == solo
 
 
+def test_a_chat_reaches_a_draft_of_another_tokenizer_in_its_own_template(dirs, tmp_path, target, monkeypatch):
+    """Chat requests: the draft reads the conversation in its own chat template where it has
+    one (measured to be accepted more than the target's rendered text), else the target's
+    text; plain prompts are the target's text either way. The output is plain decoding's."""
+    d = tmp_path / "permuted"  # the test tokenizer with two ids swapped: another tokenizer
+    shutil.copytree(dirs["draft"], d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab["Ġthe"], vocab["Ġand"] = vocab["Ġand"], vocab["Ġthe"]
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    other = specdecode.load(d)
+    seen = []
+    real = CrossTokenizerProposer.reset
+    monkeypatch.setattr(CrossTokenizerProposer, "reset",
+                        lambda self, state, n: (seen.append(self.draft_prompt_ids), real(self, state, n))[1])
+    msgs = [{"role": "user", "content": PROMPT}]
+    plain = specdecode.generate(target, msgs, max_new_tokens=20)
+    assert specdecode.generate(target, msgs, draft=other, max_new_tokens=20).token_ids == plain.token_ids
+    assert seen[-1] == other.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+    specdecode.generate(target, PROMPT, draft=other, max_new_tokens=5)
+    assert seen[-1] is None
+    specdecode.generate(target, PROMPT, chat=True, draft=specdecode.load(dirs["foreign"]), max_new_tokens=5)
+    assert seen[-1] is None  # no chat template of its own: the target's rendered text
+
+
 def test_a_tokenizer_that_cannot_be_bridged_is_refused_at_pairing(dirs, tmp_path, target):
     """A WordPiece tokenizer's tokens are not byte strings: refused before anything runs,
     with a message that names check-pair and the way out."""
