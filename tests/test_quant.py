@@ -740,8 +740,12 @@ def test_cpus_without_the_vnni_kernel_run_int8_on_the_avx2_kernel():
         return
     assert quant.best_layout("target") == quant.best_layout("draft") == "nk"
     assert native.cpu_kernels(torch.device("cpu"), torch.float32) is quant.avx2_kernel()
-    lin = quant.Int8Linear.from_float(torch.randn(48, 80), torch.randn(48), layout="nk")
-    x = torch.randn(3, 5, 80)
-    xq, xs = quant.quantize_rows(x.reshape(-1, 80))
-    ref = torch._int_mm(xq, lin.weight_kn()).float() * xs[:, None] * lin.wscale + lin.bias
-    assert torch.equal(lin(x).reshape(-1, 48), ref)
+    for k, bias in ((80, torch.randn(48)), (83, None)):  # 83: the quantization's scalar tail
+        lin = quant.Int8Linear.from_float(torch.randn(48, k), bias, layout="nk")
+        x = torch.randn(3, 5, k) * torch.logspace(-3, 3, 5)[:, None]
+        x[0, 0] = 0.0  # an all-zero row: scale 1
+        xq, xs = quant.quantize_rows(x.reshape(-1, k))
+        ref = torch._int_mm(xq, lin.weight_kn()).float() * xs[:, None] * lin.wscale
+        ref = ref + lin.bias if bias is not None else ref
+        assert torch.equal(lin(x).reshape(-1, 48), ref)
+        assert torch.equal(lin(x[1:2, 2:3]).reshape(-1, 48), ref[7:8])  # a row alone

@@ -5,8 +5,8 @@
 //
 // sd_int8_mm_nk: the int8 x int8 -> int32 product of the W8A8 linears, y[m, n] = sum_k
 //   x[m, k] * w[n, k] (w in the "nk" layout), exact in any order: the same bits as
-//   torch._int_mm's, every row's its own. Weights widened to int16 and multiplied with
-//   vpmaddwd (|127 * 127 * 2| < 2^31: no saturation).
+//   torch._int_mm's, every row's its own, for weights and activations in -127..127 (the
+//   symmetric int8 of quantize_rows; -128 would saturate vpmaddubsw, see tile()).
 // sd_attend: causal attention of decode and verify rows, each (row, KV head) computed by one
 //   thread in one fixed order that depends only on its own query, keys and values.
 // sd_silu_mul: silu(gate) * up, element-wise.
@@ -25,21 +25,30 @@ static inline int32_t hsum(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-// rows r0..r0+R-1 against channels j0..j0+J-1 (J <= 2, R <= 4): J*R accumulators in registers
+// rows r0..r0+R-1 against channels j0..j0+J-1 (J <= 2, R <= 4): J*R accumulators in registers.
+// 32 products a step: vpmaddubsw(|w|, x * sign(w)) sums pairs into int16 exactly, since both
+// operands lie in -127..127 (quantize_rows, QMAX): |2 * 127 * 127| = 32258 < 32767; vpmaddwd
+// with ones widens the pairs into int32.
 template <int J, int R>
 static inline void tile(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int32_t* y,
                         int64_t r0, int64_t j0) {
-    const int64_t k16 = k & ~(int64_t)15;
+    const int64_t k32 = k & ~(int64_t)31;
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[J][R];
     for (int a = 0; a < J; ++a)
         for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < k16; i += 16) {
-        __m256i wv[J];
-        for (int a = 0; a < J; ++a)
-            wv[a] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (j0 + a) * k + i)));
+    for (int64_t i = 0; i < k32; i += 32) {
+        __m256i wv[J], wa[J];
+        for (int a = 0; a < J; ++a) {
+            wv[a] = _mm256_loadu_si256((const __m256i*)(w + (j0 + a) * k + i));
+            wa[a] = _mm256_abs_epi8(wv[a]);
+        }
         for (int r = 0; r < R; ++r) {
-            __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(x + (r0 + r) * k + i)));
-            for (int a = 0; a < J; ++a) acc[a][r] = _mm256_add_epi32(acc[a][r], _mm256_madd_epi16(wv[a], xv));
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + (r0 + r) * k + i));
+            for (int a = 0; a < J; ++a) {
+                const __m256i p16 = _mm256_maddubs_epi16(wa[a], _mm256_sign_epi8(xv, wv[a]));
+                acc[a][r] = _mm256_add_epi32(acc[a][r], _mm256_madd_epi16(p16, ones));
+            }
         }
     }
     for (int a = 0; a < J; ++a)
@@ -47,7 +56,7 @@ static inline void tile(const int8_t* x, int64_t k, const int8_t* w, int64_t n, 
             int32_t s = hsum(acc[a][r]);
             const int8_t* xr = x + (r0 + r) * k;
             const int8_t* wr = w + (j0 + a) * k;
-            for (int64_t i = k16; i < k; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
+            for (int64_t i = k32; i < k; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
             y[(r0 + r) * n + j0 + a] = s;
         }
 }
@@ -73,6 +82,58 @@ extern "C" void sd_int8_mm_nk(const int8_t* x, int64_t rows, int64_t k, const in
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < pairs; ++p) channels<2>(x, rows, k, w, n, y, 2 * p);
     if (n & 1) channels<1>(x, rows, k, w, n, y, n - 1);
+}
+
+namespace {
+thread_local std::vector<int8_t> xq_scratch;
+thread_local std::vector<float> xs_scratch;
+thread_local std::vector<int32_t> acc_scratch;
+}  // namespace
+
+// The W8A8 linear in one call from fp32 x [M, K]: each row quantized alone as
+// quant.quantize_rows does (max|x| / 127, x / s rounded half to even, clamped to +-127; the
+// same IEEE steps, so the same bits), the exact product with w [N, K] int8, then
+// y = acc * xs[m] * ws[n] (+ bias[n]) in fp32 in that order, as Int8Linear's torch path.
+extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const int8_t* w,
+                                    const float* ws, const float* bias, int64_t N, float* y) {
+    xq_scratch.resize(M * K);
+    xs_scratch.resize(M);
+    acc_scratch.resize(M * N);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t m = 0; m < M; m++) {
+        const float* r = x + m * K;
+        int8_t* q = xq_scratch.data() + m * K;
+        const int64_t k8 = K & ~(int64_t)7;
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t k = 0; k < k8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(r + k), absmask));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        float amax = 0.0f;
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+        for (int64_t k = k8; k < K; k++) amax = fabsf(r[k]) > amax ? fabsf(r[k]) : amax;
+        const float sc = amax > 0.0f ? amax / 127.0f : 1.0f;
+        xs_scratch[m] = sc;
+        const __m256 sv = _mm256_set1_ps(sc);
+        for (int64_t k = 0; k < k8; k += 8) {
+            const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(r + k), sv), lo), hi);
+            int32_t qi[8];
+            _mm256_storeu_si256((__m256i*)qi, _mm256_cvtps_epi32(v));
+            for (int l = 0; l < 8; l++) q[k + l] = (int8_t)qi[l];
+        }
+        for (int64_t k = k8; k < K; k++) {
+            float v = r[k] / sc;
+            v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+            q[k] = (int8_t)nearbyintf(v);
+        }
+    }
+    sd_int8_mm_nk(xq_scratch.data(), M, K, w, N, acc_scratch.data());
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            float v = (float)acc_scratch[m * N + n] * xs_scratch[m];
+            v = v * ws[n];
+            y[m * N + n] = bias ? v + bias[n] : v;
+        }
 }
 
 namespace {

@@ -170,6 +170,8 @@ def avx2_library() -> ctypes.CDLL | None:
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.sd_int8_mm_nk.argtypes = [P, I, I, P, I, P]
     lib.sd_int8_mm_nk.restype = None
+    lib.sd_int8_linear_nk_x.argtypes = [P, I, I, P, P, P, I, P]
+    lib.sd_int8_linear_nk_x.restype = None
     lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
     lib.sd_attend.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
@@ -377,16 +379,15 @@ class Int8Linear(nn.Module):
             lib.sd_int8_linear_x(x2.data_ptr(), x2.shape[0], self.in_features, *_pointers(
                 self, ("qweight", "wscale", "bias")), n, y.data_ptr())
             return y.to(x.dtype).view(*shape[:-1], n)
-        xq, xs = quantize_rows(x2)  # the kernel's steps (cpu_kernels.cpp, sd_quantize_rows)
         avx2 = avx2_kernel() if self.layout == "nk" and x2.device.type == "cpu" else None
-        if avx2 is not None:
-            xq = xq.contiguous()
-            acc = torch.empty(xq.shape[0], n, dtype=torch.int32)
-            avx2.sd_int8_mm_nk(xq.data_ptr(), xq.shape[0], self.in_features, self.qweight.data_ptr(),
-                               n, acc.data_ptr())
-        else:
-            acc = torch._int_mm(xq, self.weight_kn())
-        y = acc.float() * xs[:, None] * self.wscale
+        if avx2 is not None:  # these steps in one call (cpu_kernels_avx2.cpp): the same bits
+            x2 = x2.contiguous()
+            y = torch.empty(x2.shape[0], n)
+            avx2.sd_int8_linear_nk_x(x2.data_ptr(), x2.shape[0], self.in_features, *_pointers(
+                self, ("qweight", "wscale", "bias")), n, y.data_ptr())
+            return y.to(x.dtype).view(*shape[:-1], n)
+        xq, xs = quantize_rows(x2)  # the kernel's steps (cpu_kernels.cpp, sd_quantize_rows)
+        y = torch._int_mm(xq, self.weight_kn()).float() * xs[:, None] * self.wscale
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], n)
