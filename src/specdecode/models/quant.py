@@ -60,6 +60,16 @@ _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 
 @functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        return tuple(next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
+                           if ln.startswith("flags")), []))
+    except OSError:
+        return ()
+
+
+@functools.cache
 def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     """The compiled ``cpu_kernels.cpp`` and "", or None and why it is not used.
 
@@ -72,11 +82,7 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
         return None, "SPECDECODE_INT8_KERNEL=torch"
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not an x86-64 CPU ({platform.machine()})"
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
-                      if ln.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpu_flags()
     lacking = [f for f in _CPU_FLAGS if f not in flags]
     if lacking:
         return None, f"the CPU lacks {', '.join(lacking)}"
@@ -144,11 +150,7 @@ def avx2_library() -> ctypes.CDLL | None:
     other CPUs, without a C++ compiler, or when the build fails (said once on stderr)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
-                      if ln.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpu_flags()
     if "avx2" not in flags or "fma" not in flags:
         return None
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
