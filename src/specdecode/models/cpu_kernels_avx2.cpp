@@ -25,63 +25,60 @@ static inline int32_t hsum(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-// rows r0..r0+R-1 against channels j0..j0+J-1 (J <= 2, R <= 4): J*R accumulators in registers.
-// 32 products a step: vpmaddubsw(|w|, x * sign(w)) sums pairs into int16 exactly, since both
-// operands lie in -127..127 (quantize_rows, QMAX): |2 * 127 * 127| = 32258 < 32767; vpmaddwd
-// with ones widens the pairs into int32.
-template <int J, int R>
+// rows r0..r0+R-1 against channel j (R <= 8): R accumulators in registers. 32 products a
+// step: vpmaddubsw(|w|, x * sign(w)) sums pairs into int16 exactly, since both operands lie
+// in -127..127 (quantize_rows, QMAX): |2 * 127 * 127| = 32258 < 32767; vpmaddwd with ones
+// widens the pairs into int32. The weights are prefetched PREFETCH bytes ahead: on an AMD
+// Zen 3 with two threads, one channel at a time with the prefetch streamed a [8960, 1536]
+// weight from memory at 17 GB/s for one row and 13 GB/s for five, against 8.5 and 6 for
+// pairs of channels without it (docs/EXPERIMENTS.md).
+constexpr int64_t PREFETCH = 1024;
+
+template <int R>
 static inline void tile(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int32_t* y,
-                        int64_t r0, int64_t j0) {
+                        int64_t r0, int64_t j) {
     const int64_t k32 = k & ~(int64_t)31;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[J][R];
-    for (int a = 0; a < J; ++a)
-        for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_si256();
+    const int8_t* wr = w + j * k;
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
     for (int64_t i = 0; i < k32; i += 32) {
-        __m256i wv[J], wa[J];
-        for (int a = 0; a < J; ++a) {
-            wv[a] = _mm256_loadu_si256((const __m256i*)(w + (j0 + a) * k + i));
-            wa[a] = _mm256_abs_epi8(wv[a]);
-        }
+        _mm_prefetch((const char*)(wr + i + PREFETCH), _MM_HINT_T0);
+        const __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + i));
+        const __m256i wa = _mm256_abs_epi8(wv);
         for (int r = 0; r < R; ++r) {
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + (r0 + r) * k + i));
-            for (int a = 0; a < J; ++a) {
-                const __m256i p16 = _mm256_maddubs_epi16(wa[a], _mm256_sign_epi8(xv, wv[a]));
-                acc[a][r] = _mm256_add_epi32(acc[a][r], _mm256_madd_epi16(p16, ones));
-            }
+            const __m256i p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p16, ones));
         }
     }
-    for (int a = 0; a < J; ++a)
-        for (int r = 0; r < R; ++r) {
-            int32_t s = hsum(acc[a][r]);
-            const int8_t* xr = x + (r0 + r) * k;
-            const int8_t* wr = w + (j0 + a) * k;
-            for (int64_t i = k32; i < k; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
-            y[(r0 + r) * n + j0 + a] = s;
-        }
-}
-
-template <int J>
-static inline void channels(const int8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n,
-                            int32_t* y, int64_t j0) {
-    int64_t r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4) tile<J, 4>(x, k, w, n, y, r0, j0);
-    switch (rows - r0) {
-        case 3: tile<J, 3>(x, k, w, n, y, r0, j0); break;
-        case 2: tile<J, 2>(x, k, w, n, y, r0, j0); break;
-        case 1: tile<J, 1>(x, k, w, n, y, r0, j0); break;
-        default: break;
+    for (int r = 0; r < R; ++r) {
+        int32_t s = hsum(acc[r]);
+        const int8_t* xr = x + (r0 + r) * k;
+        for (int64_t i = k32; i < k; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
+        y[(r0 + r) * n + j] = s;
     }
 }
 
-// y[m, n] = sum_k x[m, k] * w[n, k]: channels in pairs over the threads, each pair's weights
-// (2 k bytes) kept in L1 while every row passes
+// y[m, n] = sum_k x[m, k] * w[n, k]: the channels split over the threads, each channel's
+// weights (k bytes) kept in L1 while the rows pass in tiles of up to 8
 extern "C" void sd_int8_mm_nk(const int8_t* x, int64_t rows, int64_t k, const int8_t* w,
                               int64_t n, int32_t* y) {
-    const int64_t pairs = n / 2;
     #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pairs; ++p) channels<2>(x, rows, k, w, n, y, 2 * p);
-    if (n & 1) channels<1>(x, rows, k, w, n, y, n - 1);
+    for (int64_t j = 0; j < n; ++j) {
+        int64_t r0 = 0;
+        for (; r0 + 8 <= rows; r0 += 8) tile<8>(x, k, w, n, y, r0, j);
+        switch (rows - r0) {
+            case 7: tile<7>(x, k, w, n, y, r0, j); break;
+            case 6: tile<6>(x, k, w, n, y, r0, j); break;
+            case 5: tile<5>(x, k, w, n, y, r0, j); break;
+            case 4: tile<4>(x, k, w, n, y, r0, j); break;
+            case 3: tile<3>(x, k, w, n, y, r0, j); break;
+            case 2: tile<2>(x, k, w, n, y, r0, j); break;
+            case 1: tile<1>(x, k, w, n, y, r0, j); break;
+            default: break;
+        }
+    }
 }
 
 namespace {
@@ -247,6 +244,117 @@ void sd_silu_mul(const float* gate, const float* up, int64_t n, float* out) {
         buf[0] = -gate[i];
         _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(buf)));
         out[i] = gate[i] / (1.0f + e[0]) * up[i];
+    }
+}
+
+}  // extern "C"
+
+// ---- the decoder layer stack of an int8 "nk" model in one call (models/fused.py) ----
+//
+// Each step calls the functions above or does IEEE operations in the order of the PyTorch
+// modules (native.py: RMSNorm, Attention, MLP, DecoderLayer), so a pass through here gives
+// the bits of the same pass through the modules, row by row; it only removes the ~1 ms per
+// layer that the modules' Python costs a decode step.
+
+extern "C" {
+
+// out[m, :] = w * (x[m, :] * r), r = 1 / sqrt(mean(x[m, :]^2) + eps), for M rows of N floats:
+// each row's sum of squares in one fixed order (8 lanes, then the tail), its own bits.
+void sd_rmsnorm(const float* x, int64_t M, int64_t N, const float* w, float eps, float* out) {
+    const int64_t n8 = N & ~(int64_t)7;
+    for (int64_t m = 0; m < M; m++) {
+        const float* r = x + m * N;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n8; k += 8) {
+            const __m256 v = _mm256_loadu_ps(r + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sum = hsum8(acc);
+        for (int64_t k = n8; k < N; k++) sum += r[k] * r[k];
+        const float inv = 1.0f / sqrtf(sum / (float)N + eps);
+        float* o = out + m * N;
+        for (int64_t k = 0; k < N; k++) o[k] = w[k] * (r[k] * inv);
+    }
+}
+
+}  // extern "C"
+
+namespace {
+
+// rotate-half RoPE in place on M tokens x `heads` heads of D floats (token m at position
+// pos[m] of the [*, D] tables): x * cos + rotate_half(x) * sin, two products and a sum, each
+// rounded as PyTorch's element-wise operators round them (native.apply_rope)
+void rope(float* x, int64_t M, int64_t heads, int64_t D, const float* cos_tab,
+          const float* sin_tab, const int64_t* pos) {
+    const int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float* c = cos_tab + pos[m] * D;
+        const float* s = sin_tab + pos[m] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float* v = x + (m * heads + h) * D;
+            for (int64_t d = 0; d < half; d++) {
+                const float x1 = v[d], x2 = v[d + half];
+                const float a = x1 * c[d], b = -x2 * s[d];
+                const float a2 = x2 * c[d + half], b2 = x1 * s[d + half];
+                v[d] = a + b;
+                v[d + half] = a2 + b2;
+            }
+        }
+    }
+}
+
+thread_local std::vector<float> fh, fq, fk, fv, fa, fo, fg, fu;
+
+}  // namespace
+
+extern "C" {
+
+// Run decoder layers which[0..nrun-1] over x [B*T, dim] in place (B rows of T new tokens).
+// wp: 23 pointers a layer (int64), in this order: input_layernorm, post_attention_layernorm
+// weights, then (int8 weight [out, in], fp32 scale [out], fp32 bias [out] or 0) of q, k, v,
+// o, gate, up, down. cp: the layer's cache k, v [B, Hkv, L, D] (2 pointers a layer). pos:
+// the RoPE position of each token [B*T]; slots: its cache slot, or -1 for padding (computed,
+// not cached); lens [B*T]: the slots each query sees (sd_attend). F: the MLP width.
+void sd_layers_nk(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
+                  const int64_t* cp, const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv,
+                  int64_t D, int64_t F, int64_t L, float eps, const float* cos_tab,
+                  const float* sin_tab, const int64_t* pos, const int64_t* slots,
+                  const int64_t* lens, float scale) {
+    const int64_t M = B * T, qd = H * D, kd = Hkv * D;
+    fh.resize(M * dim); fq.resize(M * qd); fk.resize(M * kd); fv.resize(M * kd);
+    fa.resize(M * qd); fo.resize(M * dim); fg.resize(M * F); fu.resize(M * F);
+    auto lin = [](const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, float* out) {
+        sd_int8_linear_nk_x(in, m, k, (const int8_t*)p[0], (const float*)p[1],
+                            (const float*)p[2], n, out);
+    };
+    for (int64_t i = 0; i < nrun; i++) {
+        const int64_t* w = wp + which[i] * 23;
+        float* kc = (float*)cp[which[i] * 2];
+        float* vc = (float*)cp[which[i] * 2 + 1];
+        sd_rmsnorm(x, M, dim, (const float*)w[0], eps, fh.data());
+        lin(w + 2, fh.data(), M, dim, qd, fq.data());
+        lin(w + 5, fh.data(), M, dim, kd, fk.data());
+        lin(w + 8, fh.data(), M, dim, kd, fv.data());
+        rope(fq.data(), M, H, D, cos_tab, sin_tab, pos);
+        rope(fk.data(), M, Hkv, D, cos_tab, sin_tab, pos);
+        for (int64_t m = 0; m < M; m++) {
+            if (slots[m] < 0) continue;
+            const int64_t b = m / T;
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t at = ((b * Hkv + h) * L + slots[m]) * D;
+                memcpy(kc + at, fk.data() + (m * Hkv + h) * D, D * sizeof(float));
+                memcpy(vc + at, fv.data() + (m * Hkv + h) * D, D * sizeof(float));
+            }
+        }
+        sd_attend(fq.data(), B, T, H, D, T * qd, qd, D, kc, vc, Hkv, L, lens, scale, fa.data());
+        lin(w + 11, fa.data(), M, qd, dim, fo.data());
+        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
+        sd_rmsnorm(x, M, dim, (const float*)w[1], eps, fh.data());
+        lin(w + 14, fh.data(), M, dim, F, fg.data());
+        lin(w + 17, fh.data(), M, dim, F, fu.data());
+        sd_silu_mul(fg.data(), fu.data(), M * F, fg.data());
+        lin(w + 20, fg.data(), M, F, dim, fo.data());
+        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
     }
 }
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from . import quant
+from . import fused, quant
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Forwards of more new tokens use the fused attention kernel; up to it, which covers every
@@ -183,6 +183,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = quant.avx2_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" \
+            and self.weight.dtype == torch.float32 else None
+        if lib is not None:  # sd_rmsnorm: the bits of the fused layers (models/fused.py)
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            lib.sd_rmsnorm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                           self.weight.data_ptr(), self.eps, out.data_ptr())
+            return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -750,12 +758,23 @@ class Transformer(nn.Module):
 
         x = self.model.embed_tokens(input_ids)
         want, hidden = output_hidden, {}
-        blocks = zip(self.model.layers, self.caches) if layers is None else \
-            ((self.model.layers[i], self.caches[i]) for i in layers)
-        for i, (layer, cache) in zip(run, blocks):
-            x = layer(x, cos, sin, where, mask, cache)
-            if want and i in want:
-                hidden[i] = x
+        layer_stack = fused.stack(self) if isinstance(mask, Prefixes) and \
+            all(k == FINAL for k in want) else None
+        if layer_stack is not None:  # the same bits in one C call (models/fused.py)
+            if same_start and not ragged:
+                slots = torch.arange(s0, s0 + t).expand(b, t)
+            else:
+                slots = (start_t[:, None] + tok).masked_fill(~valid, -1)
+            pos = slots if position_ids is None else position_ids
+            x = fused.run(self, layer_stack, x, run, self.caches,
+                          pos.masked_fill(~valid, 0) if ragged else pos, slots, mask.lens)
+        else:
+            blocks = zip(self.model.layers, self.caches) if layers is None else \
+                ((self.model.layers[i], self.caches[i]) for i in layers)
+            for i, (layer, cache) in zip(run, blocks):
+                x = layer(x, cos, sin, where, mask, cache)
+                if want and i in want:
+                    hidden[i] = x
         if want and FINAL in want:
             hidden[FINAL] = self.model.norm(x)
         self._advance(run, layers, lens)

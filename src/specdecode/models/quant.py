@@ -178,6 +178,11 @@ def avx2_library() -> ctypes.CDLL | None:
     lib.sd_attend.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
+    lib.sd_rmsnorm.argtypes = [P, I, I, P, ctypes.c_float, P]
+    lib.sd_rmsnorm.restype = None
+    lib.sd_layers_nk.argtypes = [P, I, I, I, P, P, P, I, I, I, I, I, I, ctypes.c_float, P, P, P,
+                                 P, P, ctypes.c_float]
+    lib.sd_layers_nk.restype = None
     return lib
 
 
