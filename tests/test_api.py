@@ -23,8 +23,8 @@ import torch
 
 import specdecode
 from specdecode import IncompatibleDraftError, LoadedModel, check_compatible
-from specdecode.methods import build_proposer, speculative_config
-from specdecode.proposers import CrossTokenizerProposer
+from specdecode.methods import SpeculativeConfig, build_proposer, build_schedule, speculative_config
+from specdecode.proposers import CrossTokenizerProposer, DraftModelProposer
 from specdecode.models import registry
 from specdecode.api import GenerationResult, StreamChunk
 from specdecode.models import HFCausalLM, resolve_model_path
@@ -619,6 +619,11 @@ def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
         out = specdecode.generate(target, PROMPT, max_new_tokens=40, method=method, **kwargs)
         assert out.token_ids == plain.token_ids and out.text == plain.text
     assert isinstance(build_proposer(speculative_config("draft", True), target, foreign), CrossTokenizerProposer)
+    # the draft method's default K is the cross-tokenizer proposer's for such a pair, the
+    # same-tokenizer draft's for a same pair; a K given is kept
+    assert build_schedule(SpeculativeConfig("draft"), target, foreign).k == CrossTokenizerProposer.default_k
+    assert build_schedule(SpeculativeConfig("draft"), target, target).k == DraftModelProposer.default_k
+    assert build_schedule(SpeculativeConfig("draft", num_speculative_tokens=6), target, foreign).k == 6
     tgt, drf = specdecode.load_pair(dirs["foreign"], dirs["target"])
     back = specdecode.generate(tgt, PROMPT, max_new_tokens=30)
     assert specdecode.generate(tgt, PROMPT, draft=drf, max_new_tokens=30).token_ids == back.token_ids

@@ -262,7 +262,9 @@ def test_chat_special_tokens_and_eos_inside_a_block():
     gen = _run(target, p, prompt, 8, n=50, eos=(2,))
     assert gen.token_ids == answer and gen.finish_reason == "stop"
     assert ftok.convert_tokens_to_ids("<|im_start|>") in p.ctx
-    assert gen.stats.num_accepted_tokens == len(answer) - 1  # EOS proposed and accepted too
+    # one round: the draft drafts on until its text spans K + 1 target tokens or it ends, so
+    # the whole answer, EOS included, is proposed and accepted
+    assert gen.stats.num_drafts == 1 and gen.stats.num_accepted_tokens == len(answer)
 
 
 def test_draft_context_limit_turns_speculation_off():

@@ -9,7 +9,7 @@ the API's ``method=``, the bench's method list and options, and the validation o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Callable
@@ -281,6 +281,9 @@ class SpeculativeConfig:
     skip_profile: str | None = None
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
+    # whether K was given (else the method's default, or a cross-tokenizer draft's: see
+    # build_schedule)
+    k_given: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -293,6 +296,7 @@ class SpeculativeConfig:
         if spec.proposer is None and self.num_speculative_tokens is not None:
             raise ValueError(f"method {spec.name!r} proposes nothing: a speculation length K "
                              f"(num_speculative_tokens={self.num_speculative_tokens!r}) does not apply")
+        object.__setattr__(self, "k_given", self.num_speculative_tokens is not None)
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", spec.default_k or 1)
         check_k("num_speculative_tokens (K)", self.num_speculative_tokens)
@@ -462,15 +466,21 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel,
 def build_schedule(spec: SpeculativeConfig, target: LoadedModel,
                    draft: LoadedModel | None = None) -> Schedule | None:
     """The K schedule of ``spec`` (None for plain decoding): fixed K, transformers'
-    heuristic, or auto, which profiles the target's forward times T(1..max_k+1) and, for
-    methods with a draft model, the draft's T(1) once (:func:`specdecode.profile.verify_profile`)."""
+    heuristic (both from K where given, else the method's default; for a draft of another
+    tokenizer than the target's, ``CrossTokenizerProposer.default_k``), or auto, which
+    profiles the target's forward times T(1..max_k+1) and, for methods with a draft model,
+    the draft's T(1) once (:func:`specdecode.profile.verify_profile`)."""
     if spec.method.spec.proposer is None:
         return None
+    k = spec.num_speculative_tokens
+    if not spec.k_given and spec.method is Method.DRAFT and draft is not None and \
+            check_compatible(target, draft) == "cross":
+        k = CrossTokenizerProposer.default_k  # the draft method's default K for this pair
     if spec.schedule is KSchedule.HEURISTIC:
-        return HeuristicK(spec.num_speculative_tokens, spec.max_speculative_tokens)
+        return HeuristicK(k, spec.max_speculative_tokens)
     if spec.schedule is KSchedule.AUTO:
         draft_s = (verify_profile(draft, 0)[0]
                    if spec.method.needs_draft_model and draft is not None else 0.0)
         return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens,
                      draft_seconds_per_token=draft_s)
-    return FixedK(spec.num_speculative_tokens)
+    return FixedK(k)

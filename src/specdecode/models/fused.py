@@ -57,7 +57,8 @@ class LayerStack:
 
     def current(self, layers) -> bool:
         """Whether the model's layers still hold the modules and tensors this stack points
-        into (~50 us for 30 layers: dictionary lookups, no module attribute access)."""
+        into (~0.1 ms for 30 layers, under 1 % of a draft step: dictionary lookups, no module
+        attribute access)."""
         return len(layers) == len(self._layers) and all(
             a is b for a, b in zip(layers, self._layers)) and all(
             d.get(k) is t for d, k, t in self._refs)

@@ -86,28 +86,9 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lacking = [f for f in _CPU_FLAGS if f not in flags]
     if lacking:
         return None, f"the CPU lacks {', '.join(lacking)}"
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        return _unavailable("no C++ compiler: install g++")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=60).stdout
-        key = hashlib.sha256(KERNEL_SOURCE.read_bytes()
-                             + repr((KERNEL_FLAGS, AMX_FLAGS, version)).encode())
-        out = registry.cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-        failed = None if out.is_file() else _build(cxx, out)
-        if failed:
-            return _unavailable(failed)
-        try:
-            lib = ctypes.CDLL(str(out))
-        except OSError:  # a broken cached build: build it again, once
-            out.unlink(missing_ok=True)
-            failed = _build(cxx, out)
-            if failed:
-                return _unavailable(failed)
-            lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.SubprocessError) as e:
-        return _unavailable(f"building or loading the kernel failed: {e}")
+    lib, why = _compiled(KERNEL_SOURCE, (KERNEL_FLAGS + AMX_FLAGS, KERNEL_FLAGS))
+    if lib is None:
+        return _unavailable(why)
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.sd_int8_linear_x.argtypes = [P, I, I, P, P, P, I, P]
     lib.sd_int8_linear_x.restype = None
@@ -153,21 +134,10 @@ def avx2_library() -> ctypes.CDLL | None:
     flags = cpu_flags()
     if "avx2" not in flags or "fma" not in flags:
         return None
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        _unavailable("no C++ compiler: install g++")
-        return None
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(AVX2_SOURCE.read_bytes() + repr((AVX2_FLAGS, version)).encode())
-        out = registry.cache_dir() / "kernels" / f"cpu_kernels_avx2-{key.hexdigest()[:16]}.so"
-        failed = None if out.is_file() else _build(cxx, out, AVX2_SOURCE, (AVX2_FLAGS,))
-        if failed:
-            _unavailable(failed)
-            return None
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.SubprocessError) as e:
-        _unavailable(f"building or loading the AVX2 kernel failed: {e}")
+    lib, why = _compiled(AVX2_SOURCE, (AVX2_FLAGS,))
+    if lib is None:
+        print(f"note: the AVX2 kernel is not in use ({why}); int8 runs on torch._int_mm, "
+              "many times slower", file=sys.stderr)
         return None
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.sd_int8_mm_nk.argtypes = [P, I, I, P, I, P]
@@ -245,8 +215,33 @@ def _bf16_linear(linear: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
     return y.to(x.dtype).view(*shape[:-1], linear.out_features)
 
 
-def _build(cxx: str, out: Path, source: Path = KERNEL_SOURCE,
-           flag_sets: tuple = (KERNEL_FLAGS + AMX_FLAGS, KERNEL_FLAGS)) -> str | None:
+def _compiled(source: Path, flag_sets: tuple) -> tuple[ctypes.CDLL | None, str]:
+    """``source`` compiled with the first of ``flag_sets`` that builds and loaded, and "";
+    or None and why not. Built once per source, flags and compiler into
+    ``<specdecode cache>/kernels/`` (about a second with g++), then loaded from there; a
+    cached build that does not load is built again, once. Never raises."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        return None, "no C++ compiler: install g++"
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout
+        key = hashlib.sha256(source.read_bytes() + repr((flag_sets, version)).encode())
+        out = registry.cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+        failed = None if out.is_file() else _build(cxx, out, source, flag_sets)
+        if failed:
+            return None, failed
+        try:
+            return ctypes.CDLL(str(out)), ""
+        except OSError:  # a broken cached build
+            out.unlink(missing_ok=True)
+        failed = _build(cxx, out, source, flag_sets)
+        return (None, failed) if failed else (ctypes.CDLL(str(out)), "")
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building or loading {source.name} failed: {e}"
+
+
+def _build(cxx: str, out: Path, source: Path, flag_sets: tuple) -> str | None:
     """Compile ``source`` into ``out`` (via a temporary file: never half written) with the
     first of ``flag_sets`` that builds (the VNNI kernel's: without AMX for an older g++);
     returns why it failed, or None."""

@@ -41,9 +41,10 @@ class CrossTokenizerProposer(Proposer):
 
     Proposals, by the request's acceptance rule:
 
-    - greedy: the draft drafts k + 1 tokens greedily; their text, after the last ``WINDOW``
-      committed target tokens' text, is encoded by the target's tokenizer, and the target
-      tokens that follow the window's (at the same byte boundary) are proposed as point
+    - greedy: the draft drafts greedily until its text spans k + 1 target tokens (at most
+      2 (k + 1) draft tokens); their text, after the last ``WINDOW`` committed target
+      tokens' text, is encoded by the target's tokenizer, and the target tokens that follow
+      the window's (at the same byte boundary) are proposed as point
       masses, all but the last (whose text the draft's next token could still extend) unless
       the draft ended at an end-of-sequence token, which is proposed as the target's
       equivalent (same content, else the request's first EOS id).
@@ -75,7 +76,10 @@ class CrossTokenizerProposer(Proposer):
     """
 
     name = "draft"
-    default_k = 6
+    # HumanEval, SmolLM2-135M for the Qwen coder, on an AVX2 CPU (BENCHMARKS 9): K 3 1.21x
+    # over plain decoding, K 2 1.11x, K 1 1.04x, K 6 1.03x; a drafted token is accepted
+    # ~51-64 % of the time, so the tokens a round emits grow little past K 3
+    default_k = 3
 
     def __init__(self, draft: CausalLM, target_tokenizer, draft_tokenizer,
                  draft_eos_token_ids: tuple[int, ...] = (), p_min: float | None = None,
@@ -183,7 +187,14 @@ class CrossTokenizerProposer(Proposer):
         if not self.enabled or k <= 0 or not self.ctx:
             return DraftOutput.empty()
         params = state.params
-        steps = min(k + 1 if params.greedy else k, self._limit - len(self.ctx))
+        # the committed bytes past the draft's context: the first bytes of a character it
+        # waits for (see _align); a sampled draft token would stand at the wrong position
+        lag = len(self.committed) - (self.ctx_end[-1] if self.ctx_end else 0)
+        if lag and not params.greedy:
+            return DraftOutput.empty()
+        # greedy: until the drafted text spans k + 1 target tokens (the last one's end is not
+        # settled), at most 2 (k + 1) draft tokens
+        steps = min(2 * (k + 1) if params.greedy else k, self._limit - len(self.ctx))
         if steps <= 0:
             self.enabled = False
             return DraftOutput.empty()
@@ -192,10 +203,9 @@ class CrossTokenizerProposer(Proposer):
         while c < top and self.cached[c] == self.ctx[c]:
             c += 1
         self.draft.rollback(c)
+        # what changed since the last round goes in the first draft step's pass (a pass of a
+        # few tokens costs what a pass of one does; a draft's logits need match nothing)
         new = self.ctx[c:]
-        if len(new) > 2 or (len(new) == 2 and c == 0):  # as DraftModelProposer feeds them
-            yield self.draft, torch.tensor([new[:-1]]), 0
-            new = new[-1:]
         self.cached = list(self.ctx)
         vd = min(self.draft.vocab_size, len(self.to_target))
         context = list(self.ctx)
@@ -243,6 +253,10 @@ class CrossTokenizerProposer(Proposer):
                     rows.append(self._exact_row(probs))
             drafted.append(d)
             context.append(d)
+            if params.greedy and len(drafted) > k:
+                mapped = self._to_target(state, [], drafted)
+                if mapped is None or len(mapped) > k:
+                    break
             if i + 1 < steps:
                 self.cached.append(d)
                 feed = torch.tensor([[d]])
@@ -268,11 +282,18 @@ class CrossTokenizerProposer(Proposer):
         return row
 
     def _to_target(self, state: RequestState, proposed: list[int], drafted: list[int]) -> list[int] | None:
-        """The target's ids for the text of ``drafted`` (draft ids) after the committed
-        tokens and ``proposed`` (target ids already proposed this round): encoded after the
+        """The target's ids for the text of ``drafted`` (draft ids, from the end of the
+        draft's context: past the committed bytes of a character the draft waits for, which
+        its text must begin with) after the committed tokens and ``proposed`` (target ids
+        already proposed this round): encoded after the
         last WINDOW committed tokens' text (back to the last special token at most), and
         cut where the window's text ends; where no target token ends there, the drafted
         text encoded alone; None when neither can be encoded."""
+        text = self.db.bytes_of(drafted)
+        lag = bytes(self.committed[self.ctx_end[-1] if self.ctx_end else 0:])
+        if not text.startswith(lag):  # the draft disagrees with the committed character
+            return None
+        text = text[len(lag):]
         tokens = state.tokens
         w0 = max(0, len(tokens) - WINDOW)
         for i in range(len(tokens) - 1, w0 - 1, -1):
@@ -281,7 +302,7 @@ class CrossTokenizerProposer(Proposer):
                 break
         start = self.ends[w0 - 1] if w0 > 0 else 0
         window = bytes(self.committed[start:]) + self.tb.bytes_of(proposed)
-        enc = self.tb.encode_bytes(window + self.db.bytes_of(drafted))
+        enc = self.tb.encode_bytes(window + text)
         if enc is None:
             return None
         ids, at = enc[0], 0
@@ -291,7 +312,7 @@ class CrossTokenizerProposer(Proposer):
             at += len(self.tb.table[t])
         # the text merges with the window's last token, which the target did not choose:
         # its own tokens for the drafted text alone
-        alone = self.tb.encode_bytes(self.db.bytes_of(drafted))
+        alone = self.tb.encode_bytes(text)
         return alone[0] if alone is not None and alone[1] else None
 
     def _output(self, ids: list[int], rows: list[torch.Tensor]) -> DraftOutput:
