@@ -624,6 +624,8 @@ def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
     assert build_schedule(SpeculativeConfig("draft"), target, foreign).k == CrossTokenizerProposer.default_k
     assert build_schedule(SpeculativeConfig("draft"), target, target).k == DraftModelProposer.default_k
     assert build_schedule(SpeculativeConfig("draft", num_speculative_tokens=6), target, foreign).k == 6
+    assert build_schedule(SpeculativeConfig("draft", schedule="auto"), target, foreign).lookahead == 1
+    assert build_schedule(SpeculativeConfig("draft", schedule="auto"), target, target).lookahead == 0
     tgt, drf = specdecode.load_pair(dirs["foreign"], dirs["target"])
     back = specdecode.generate(tgt, PROMPT, max_new_tokens=30)
     assert specdecode.generate(tgt, PROMPT, draft=drf, max_new_tokens=30).token_ids == back.token_ids

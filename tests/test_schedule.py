@@ -215,3 +215,22 @@ def test_auto_k_does_not_count_a_probes_catch_up_as_draft_cost():
     a.next_k()
     a.update(4, 4, 1.6, 1.2)  # a round after a drafting one: 0.4 a token, measured
     assert a.draft_per_token == pytest.approx(0.4)
+
+
+def test_auto_counts_the_lookahead_draft_tokens_once_a_round():
+    """A draft of another tokenizer drafts one token past the K it proposes: with
+    ``lookahead=1`` auto measures the true cost per draft token and charges the extra one once
+    a round; without, that cost spread over K tokens looks like a dearer draft."""
+    times = linear_times(17, 0.1, 0.01)
+    c = 0.03
+    aware = AutoK(times, 16, draft_seconds_per_token=c, lookahead=1)
+    naive = AutoK(times, 16, draft_seconds_per_token=c)
+    for sched in (aware, naive):
+        for _ in range(30):
+            k = max(1, sched.next_k())
+            sched.update(k, min(k, 2), c * (k + 1), times[k])
+    assert aware.draft_per_token == pytest.approx(c)
+    assert naive.draft_per_token > 1.2 * c
+    assert aware.cost(2) == pytest.approx(3 * c + times[2]) and aware.cost(0) == times[0]
+    with pytest.raises(ValueError, match="lookahead"):
+        AutoK(times, 16, lookahead=-1)

@@ -472,15 +472,16 @@ def build_schedule(spec: SpeculativeConfig, target: LoadedModel,
     the draft's T(1) once (:func:`specdecode.profile.verify_profile`)."""
     if spec.method.spec.proposer is None:
         return None
-    k = spec.num_speculative_tokens
-    if not spec.k_given and spec.method is Method.DRAFT and draft is not None and \
-            check_compatible(target, draft) == "cross":
-        k = CrossTokenizerProposer.default_k  # the draft method's default K for this pair
+    k, lookahead = spec.num_speculative_tokens, 0
+    if spec.method is Method.DRAFT and draft is not None and check_compatible(target, draft) == "cross":
+        lookahead = CrossTokenizerProposer.lookahead
+        if not spec.k_given:
+            k = CrossTokenizerProposer.default_k  # the draft method's default K for this pair
     if spec.schedule is KSchedule.HEURISTIC:
         return HeuristicK(k, spec.max_speculative_tokens)
     if spec.schedule is KSchedule.AUTO:
         draft_s = (verify_profile(draft, 0)[0]
                    if spec.method.needs_draft_model and draft is not None else 0.0)
         return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens,
-                     draft_seconds_per_token=draft_s)
+                     draft_seconds_per_token=draft_s, lookahead=lookahead)
     return FixedK(k)

@@ -89,7 +89,7 @@ class AutoK(Schedule):
     Model (Leviathan et al., arXiv:2211.17192 §3.4, with a per-position acceptance rate
     instead of one i.i.d. α): with α_i the probability that draft i is accepted given that
     drafts 1..i−1 were, a round of K drafts emits E(K) = 1 + Σ_{i=1..K} Π_{j<=i} α_j tokens
-    and costs C(K) = c_draft·K + s·T(K+1), where T(n) is the target's measured forward time
+    and costs C(K) = c_draft·(K + lookahead) + s·T(K+1) (C(0) = T(1)), where T(n) is the target's measured forward time
     for n tokens (``forward_seconds``, profiled once per machine: :func:`specdecode.profile.verify_profile`),
     c_draft the draft cost per proposed token (``draft_seconds_per_token``, e.g. the draft
     model's profiled T(1); 0 for lookups) and s = 1. When the engine passes round times, both
@@ -112,6 +112,11 @@ class AutoK(Schedule):
     with α_i estimated separately per offered length (buckets 1, 2–3, 4–7, 8–15, 16+; the
     prior for bucket [m, 2m) is m/(m+1)): a long copy in progress is verified whole, a
     one-token guess only where such guesses pay.
+    ``lookahead``: draft tokens a round makes beyond the K it proposes (a greedy draft of
+    another tokenizer drafts at least one more, to settle where its last target token ends:
+    ``CrossTokenizerProposer.lookahead``), counted in C(K) for K >= 1 and in the measured
+    cost per draft token; without it that round cost, spread over K tokens, made small K
+    look dear and auto chose K 0.9 where fixed K 3 was the fastest (BENCHMARKS 9).
     Raises ValueError for
     a profile shorter than 2 sizes or max_k outside 1..64.
     """
@@ -120,7 +125,8 @@ class AutoK(Schedule):
 
     def __init__(self, forward_seconds: list[float], max_k: int = 16,
                  draft_seconds_per_token: float = 0.0, decay: float = 0.9,
-                 prior_weight: float = 1.0, first_alpha: float = 0.85, probe_every: int = 8):
+                 prior_weight: float = 1.0, first_alpha: float = 0.85, probe_every: int = 8,
+                 lookahead: int = 0):
         check_k("max K", max_k)
         if len(forward_seconds) < 2 or not all(_positive(t) for t in forward_seconds):
             raise ValueError(f"AutoK needs forward times T(1), T(2), ... in seconds (at least 2, "
@@ -131,14 +137,15 @@ class AutoK(Schedule):
                 ("decay", decay, _positive(decay) and decay <= 1),
                 ("prior_weight", prior_weight, _positive(prior_weight)),
                 ("first_alpha", first_alpha, _finite(first_alpha) and 0 <= first_alpha <= 1),
-                ("probe_every", probe_every, isinstance(probe_every, int) and probe_every >= 1)]:
+                ("probe_every", probe_every, isinstance(probe_every, int) and probe_every >= 1),
+                ("lookahead", lookahead, isinstance(lookahead, int) and lookahead >= 0)]:
             if not ok:
                 raise ValueError(f"AutoK {name}={value!r} is invalid")
         self.times = [float(t) for t in forward_seconds]
         self.draft_seconds_per_token = float(draft_seconds_per_token)
         self.max_k = min(max_k, len(self.times) - 1)
         self.decay, self.prior_weight, self.first_alpha = decay, prior_weight, first_alpha
-        self.probe_every = probe_every
+        self.probe_every, self.lookahead = probe_every, lookahead
         self.reset()
 
     def reset(self) -> None:
@@ -179,8 +186,8 @@ class AutoK(Schedule):
         return expected_tokens(self.alphas() if alphas is None else alphas, k)
 
     def cost(self, k: int) -> float:
-        """C(K) in seconds: drafting K tokens plus verifying K+1."""
-        return self.draft_per_token * k + self.scale * self.times[k]
+        """C(K) in seconds: drafting K tokens (and the lookahead ones) plus verifying K+1."""
+        return self.draft_per_token * (k + self.lookahead if k else 0) + self.scale * self.times[k]
 
     def next_k(self) -> int:
         if self._seen_free:  # a lookup: it offers its match, trim() chooses
@@ -222,7 +229,7 @@ class AutoK(Schedule):
             # a round after rounds without drafts also fed the draft every token committed
             # meanwhile: counted per drafted token, that catch-up made a one-token probe cost
             # twice a draft step and kept K at 0 (q4 target, int4 draft: mean K 0.14)
-            per_token = draft_s / proposed
+            per_token = draft_s / (proposed + self.lookahead)
             self.draft_per_token = (per_token if not self._seen_draft
                                     else 0.8 * self.draft_per_token + 0.2 * per_token)
             self._seen_draft = True

@@ -64,12 +64,12 @@ class LayerStack:
             d.get(k) is t for d, k, t in self._refs)
 
 
-def _fits(layers, dtype: torch.dtype) -> bool:
-    """Whether every layer has fp32 RMSNorms and "nk" int8 linears (what the kernel runs)."""
-    from .native import RMSNorm
+def _fits(layers, norm_type: type, dtype: torch.dtype) -> bool:
+    """Whether every layer has fp32 RMSNorms (``norm_type``: native.RMSNorm, the model's final
+    norm's type) and "nk" int8 linears (what the kernel runs)."""
     for layer in layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm) is not RMSNorm or norm.weight.dtype != torch.float32 or \
+            if type(norm) is not norm_type or norm.weight.dtype != torch.float32 or \
                     norm.weight.device.type != "cpu":
                 return False
         for parent, name in _LINEARS:
@@ -91,7 +91,7 @@ def stack(model) -> LayerStack | None:
     held = model.__dict__.get("_layer_stack")
     if held is not None and held.current(layers):
         return held
-    built = LayerStack(layers) if _fits(layers, model.caches[0].k.dtype) else None
+    built = LayerStack(layers) if _fits(layers, type(model.model.norm), model.caches[0].k.dtype) else None
     model.__dict__["_layer_stack"] = built
     return built
 

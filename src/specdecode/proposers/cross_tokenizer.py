@@ -80,6 +80,9 @@ class CrossTokenizerProposer(Proposer):
     # over plain decoding, K 2 1.11x, K 1 1.04x, K 6 1.03x; a drafted token is accepted
     # ~51-64 % of the time, so the tokens a round emits grow little past K 3
     default_k = 3
+    # greedy drafts at least one token past the K it proposes (see the class docstring): what
+    # the auto schedule adds to a round's draft cost (schedule.AutoK)
+    lookahead = 1
 
     def __init__(self, draft: CausalLM, target_tokenizer, draft_tokenizer,
                  draft_eos_token_ids: tuple[int, ...] = (), p_min: float | None = None,
