@@ -89,9 +89,9 @@ class AutoK(Schedule):
     Model (Leviathan et al., arXiv:2211.17192 §3.4, with a per-position acceptance rate
     instead of one i.i.d. α): with α_i the probability that draft i is accepted given that
     drafts 1..i−1 were, a round of K drafts emits E(K) = 1 + Σ_{i=1..K} Π_{j<=i} α_j tokens
-    and costs C(K) = c_draft·(K + lookahead) + s·T(K+1) (C(0) = T(1)), where T(n) is the target's measured forward time
-    for n tokens (``forward_seconds``, profiled once per machine: :func:`specdecode.profile.verify_profile`),
-    c_draft the draft cost per proposed token (``draft_seconds_per_token``, e.g. the draft
+    and costs C(K) = c_draft·(K + lookahead) + s·T(K+1) (C(0) = T(1)), where T(n) is the
+    target's measured forward time for n tokens (``forward_seconds``, profiled once per
+    machine: :func:`specdecode.profile.verify_profile`), c_draft the draft cost per proposed token (``draft_seconds_per_token``, e.g. the draft
     model's profiled T(1); 0 for lookups) and s = 1. When the engine passes round times, both
     follow what this request measures: c_draft the drafting time per proposed token, s the
     ratio of the observed verify times to the profile (context length, machine load). The
@@ -115,8 +115,7 @@ class AutoK(Schedule):
     ``lookahead``: draft tokens a round makes beyond the K it proposes (a greedy draft of
     another tokenizer drafts at least one more, to settle where its last target token ends:
     ``CrossTokenizerProposer.lookahead``), counted in C(K) for K >= 1 and in the measured
-    cost per draft token; without it that round cost, spread over K tokens, made small K
-    look dear and auto chose K 0.9 where fixed K 3 was the fastest (BENCHMARKS 9).
+    cost per draft token (spread over K tokens instead, it makes small K look dear).
     Raises ValueError for
     a profile shorter than 2 sizes or max_k outside 1..64.
     """

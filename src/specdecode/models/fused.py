@@ -91,7 +91,8 @@ def stack(model) -> LayerStack | None:
     held = model.__dict__.get("_layer_stack")
     if held is not None and held.current(layers):
         return held
-    built = LayerStack(layers) if _fits(layers, type(model.model.norm), model.caches[0].k.dtype) else None
+    fits = _fits(layers, type(model.model.norm), model.caches[0].k.dtype)
+    built = LayerStack(layers) if fits else None
     model.__dict__["_layer_stack"] = built
     return built
 

@@ -76,9 +76,8 @@ class CrossTokenizerProposer(Proposer):
     """
 
     name = "draft"
-    # HumanEval, SmolLM2-135M for the Qwen coder, on an AVX2 CPU (BENCHMARKS 9): K 3 1.21x
-    # over plain decoding, K 2 1.11x, K 1 1.04x, K 6 1.03x; a drafted token is accepted
-    # ~51-64 % of the time, so the tokens a round emits grow little past K 3
+    # the fastest fixed K of the SmolLM2 -> Qwen sweep (BENCHMARKS 9): drafts accepted about
+    # half the time add little past K 3
     default_k = 3
     # greedy drafts at least one token past the K it proposes (see the class docstring): what
     # the auto schedule adds to a round's draft cost (schedule.AutoK)
@@ -219,6 +218,7 @@ class CrossTokenizerProposer(Proposer):
         text_tail: list[int] = []  # a sampled draft token that is not one target token
         feed = torch.tensor([new])
         n = len(state.tokens)
+        mapped, mapped_of = [], 0  # greedy: the target ids of drafted[:mapped_of]
         for i in range(steps):
             logits = (yield self.draft, feed, 1)[:, -1:, :vd].float()
             processed = process_logits(logits, params, torch.tensor([context]), None,
@@ -257,14 +257,15 @@ class CrossTokenizerProposer(Proposer):
             drafted.append(d)
             context.append(d)
             if params.greedy and len(drafted) > k:
-                mapped = self._to_target(state, [], drafted)
+                mapped, mapped_of = self._to_target(state, [], drafted), len(drafted)
                 if mapped is None or len(mapped) > k:
                     break
             if i + 1 < steps:
                 self.cached.append(d)
                 feed = torch.tensor([[d]])
         if params.greedy:
-            mapped = self._to_target(state, [], drafted) if drafted else []
+            if mapped_of != len(drafted):
+                mapped = self._to_target(state, [], drafted) if drafted else []
             if mapped is None:
                 return DraftOutput.empty()
             mapped = mapped[:-1] if end is None else mapped + [end]
