@@ -710,11 +710,13 @@ def test_long_passes_multiply_in_bf16_where_the_cpu_has_amx_bf16(kind):
         assert torch.equal(long_on, exact)
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 1536, 8960), (5, 96, 37), (7, 64, 9), (8, 33, 3), (17, 272, 64), (130, 64, 31), (3, 7, 5)])
+@pytest.mark.parametrize("rows,k,n", [(1, 1536, 8960), (5, 96, 37), (7, 64, 9), (8, 33, 3), (17, 272, 64),
+                                      (130, 64, 31), (3, 7, 5), (45, 4133, 70), (33, 2080, 33), (40, 2070, 5)])
 def test_avx2_int8_product_is_exact_and_rows_are_independent(rows, k, n):
     """cpu_kernels_avx2.cpp's int8 product (what CPUs with AVX2 but without the VNNI kernel
     run): the exact int32 product, whatever the shape (tails of k not a multiple of 16, odd
-    n, row blocks of 8 and their rest), each row the same alone."""
+    n, row blocks of 8 and their rest; prefill's cache blocks: slices of k, channel blocks and
+    their rests), each row the same alone."""
     lib = quant.avx2_library()
     assert lib is not None or "avx2" not in _cpu_flags()
     if lib is None:

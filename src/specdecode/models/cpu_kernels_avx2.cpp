@@ -34,16 +34,16 @@ static inline int32_t hsum(__m256i v) {
 // pairs of channels without it (docs/EXPERIMENTS.md).
 constexpr int64_t PREFETCH = 1024;
 
-template <int R>
+template <int R, bool PF>
 static inline void tile(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int32_t* y,
-                        int64_t r0, int64_t j) {
-    const int64_t k32 = k & ~(int64_t)31;
+                        int64_t r0, int64_t j, int64_t k0, int64_t k1, bool add) {
+    const int64_t k32 = k0 + ((k1 - k0) & ~(int64_t)31);
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* wr = w + j * k;
     __m256i acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < k32; i += 32) {
-        _mm_prefetch((const char*)(wr + i + PREFETCH), _MM_HINT_T0);
+    for (int64_t i = k0; i < k32; i += 32) {
+        if (PF) _mm_prefetch((const char*)(wr + i + PREFETCH), _MM_HINT_T0);
         const __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + i));
         const __m256i wa = _mm256_abs_epi8(wv);
         for (int r = 0; r < R; ++r) {
@@ -55,28 +55,60 @@ static inline void tile(const int8_t* x, int64_t k, const int8_t* w, int64_t n, 
     for (int r = 0; r < R; ++r) {
         int32_t s = hsum(acc[r]);
         const int8_t* xr = x + (r0 + r) * k;
-        for (int64_t i = k32; i < k; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
-        y[(r0 + r) * n + j] = s;
+        for (int64_t i = k32; i < k1; ++i) s += (int32_t)xr[i] * (int32_t)wr[i];
+        y[(r0 + r) * n + j] = add ? y[(r0 + r) * n + j] + s : s;
     }
 }
 
-// y[m, n] = sum_k x[m, k] * w[n, k]: the channels split over the threads, each channel's
-// weights (k bytes) kept in L1 while the rows pass in tiles of up to 8
+// rows r0..r0+R-1 (R = 1..8) against channel j over k0..k1, into y or added to it
+template <bool PF>
+static inline void tiles(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int32_t* y,
+                         int64_t r0, int64_t R, int64_t j, int64_t k0, int64_t k1, bool add) {
+    switch (R) {
+        case 8: tile<8, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 7: tile<7, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 6: tile<6, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 5: tile<5, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 4: tile<4, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 3: tile<3, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 2: tile<2, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        case 1: tile<1, PF>(x, k, w, n, y, r0, j, k0, k1, add); break;
+        default: break;
+    }
+}
+
+// Passes of BLOCKED_ROWS rows or more (prefill) are blocked for the caches: a thread takes NC
+// channels at a time and walks k in slices of KC bytes, so that the slice of 8 rows it
+// multiplies (8 * KC bytes) stays in L1 while the NC channels' slices (NC * KC bytes) stay in
+// L2; one channel at a time over all the rows re-read every row from L2 or L3 for every
+// channel. Integer sums are exact in any order, so the blocking never changes a bit.
+constexpr int64_t KC = 2048, NC = 32;
+
+// Below this many rows the weights' stream from memory (prefetched) bounds the product, not
+// the arithmetic: one channel at a time over all the rows.
+constexpr int64_t BLOCKED_ROWS = 32;
+
+// y[m, n] = sum_k x[m, k] * w[n, k]: the channels split over the threads
 extern "C" void sd_int8_mm_nk(const int8_t* x, int64_t rows, int64_t k, const int8_t* w,
                               int64_t n, int32_t* y) {
+    if (rows < BLOCKED_ROWS) {  // decode and verify passes: each channel's weights read once
+        #pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t r0 = 0; r0 < rows; r0 += 8)
+                tiles<true>(x, k, w, n, y, r0, rows - r0 < 8 ? rows - r0 : 8, j, 0, k, false);
+        return;
+    }
+    const int64_t blocks = (n + NC - 1) / NC;
     #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; ++j) {
-        int64_t r0 = 0;
-        for (; r0 + 8 <= rows; r0 += 8) tile<8>(x, k, w, n, y, r0, j);
-        switch (rows - r0) {
-            case 7: tile<7>(x, k, w, n, y, r0, j); break;
-            case 6: tile<6>(x, k, w, n, y, r0, j); break;
-            case 5: tile<5>(x, k, w, n, y, r0, j); break;
-            case 4: tile<4>(x, k, w, n, y, r0, j); break;
-            case 3: tile<3>(x, k, w, n, y, r0, j); break;
-            case 2: tile<2>(x, k, w, n, y, r0, j); break;
-            case 1: tile<1>(x, k, w, n, y, r0, j); break;
-            default: break;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j1 = (b + 1) * NC < n ? (b + 1) * NC : n;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t k1 = k - k0 <= KC + 31 ? k : k0 + KC;
+            for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+                const int64_t R = rows - r0 < 8 ? rows - r0 : 8;
+                for (int64_t j = b * NC; j < j1; ++j) tiles<false>(x, k, w, n, y, r0, R, j, k0, k1, k0 > 0);
+            }
+            if (k1 == k) break;
         }
     }
 }
@@ -96,11 +128,16 @@ extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const 
     xq_scratch.resize(M * K);
     xs_scratch.resize(M);
     acc_scratch.resize(M * N);
+    // the caller's scratch (thread_local: the OpenMP threads below would see their own)
+    int8_t* xq = xq_scratch.data();
+    float* xs = xs_scratch.data();
+    int32_t* acc = acc_scratch.data();
     const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         const float* r = x + m * K;
-        int8_t* q = xq_scratch.data() + m * K;
+        int8_t* q = xq + m * K;
         const int64_t k8 = K & ~(int64_t)7;
         __m256 vmax = _mm256_setzero_ps();
         for (int64_t k = 0; k < k8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(r + k), absmask));
@@ -110,7 +147,7 @@ extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const 
         for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
         for (int64_t k = k8; k < K; k++) amax = fabsf(r[k]) > amax ? fabsf(r[k]) : amax;
         const float sc = amax > 0.0f ? amax / 127.0f : 1.0f;
-        xs_scratch[m] = sc;
+        xs[m] = sc;
         const __m256 sv = _mm256_set1_ps(sc);
         for (int64_t k = 0; k < k8; k += 8) {
             const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(r + k), sv), lo), hi);
@@ -124,10 +161,11 @@ extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const 
             q[k] = (int8_t)nearbyintf(v);
         }
     }
-    sd_int8_mm_nk(xq_scratch.data(), M, K, w, N, acc_scratch.data());
+    sd_int8_mm_nk(xq, M, K, w, N, acc);
+    #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
-            float v = (float)acc_scratch[m * N + n] * xs_scratch[m];
+            float v = (float)acc[m * N + n] * xs[m];
             v = v * ws[n];
             y[m * N + n] = bias ? v + bias[n] : v;
         }
