@@ -1,13 +1,15 @@
 """The acceptance rules of speculative decoding, pure functions of tensors: which draft
 tokens the target keeps, and the one recovered or bonus token after them — speculative
-sampling (:func:`rejection_sample`; :func:`greedy_verify`, its T -> 0 case) and the
-drafter-invariant Gumbel rule (:func:`gumbel_verify`). A tree verifier joins them here."""
+sampling (:func:`rejection_sample`; :func:`greedy_verify`, its T -> 0 case), the
+drafter-invariant Gumbel rule (:func:`gumbel_verify`), and both over a draft tree
+(:func:`verify_tree`, :func:`greedy_verify_tree`)."""
 
 from __future__ import annotations
 
 import torch
 
 from .sampling import sample
+from .tree import DraftTree
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -110,3 +112,91 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor
     keep = torch.arange(k + 1, device=best.device)[None] <= num_accepted[:, None]
     return torch.where(keep, best, torch.full_like(best, -1)), num_accepted
 
+
+
+def _check_tree_rows(tree: DraftTree, rows: torch.Tensor, name: str):
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    if rows.dim() != 2 or rows.shape[0] != tree.num_nodes + 1:
+        raise ValueError(f"{name} has shape {tuple(rows.shape)}, expected [{tree.num_nodes + 1},V] "
+                         "(the root's row, then one per node)")
+
+
+def verify_tree(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None,
+                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """Speculative sampling over a draft tree: the accepted root-to-node path, then one
+    recovered or bonus token; the output is distributed exactly as the target's sampling.
+
+    Walks down from the root. At a node with target distribution p (its pass row), the
+    children are tried in index order: child x with proposal q is accepted with probability
+    min(1, p(x) / q(x)); on rejection p becomes norm(max(0, p - q)) and the next child is
+    tried. An accepted child becomes the current node; when every child is rejected the
+    recovered token is drawn from what is left of p, and at a leaf the bonus token from its p.
+    SpecInfer's multi-step speculative sampling (Miao et al., arXiv:2305.09781, Theorem 4.2);
+    with point-mass proposals it is EAGLE-2's rule for top-k children (a rejected candidate's
+    probability removed from p and p renormalised), exact for any candidates chosen without
+    looking at the target.
+
+    tree: the drafts; target_probs: [N+1,V] processed target distributions of the pass rows
+        (row 0 after the root, row i+1 after node i; one-hot rows for greedy).
+    draft_probs: None when every child is a point mass (top-k or greedy candidates: q =
+        one-hot(x)); or [N+1,V'] (V' <= V, missing tokens count as probability 0): row r is
+        the distribution from which the children of pass row r were drawn, independently and
+        with replacement (SpecInfer). It must be the distribution they were drawn from:
+        soft probabilities for deterministic candidates bias the output.
+    Returns (path, token): the accepted nodes from the root's child down (possibly empty) and
+    the recovered or bonus token. Raises ValueError for rows of the wrong shape.
+    """
+    _check_tree_rows(tree, target_probs, "target_probs")
+    v = target_probs.shape[-1]
+    if draft_probs is not None:
+        _check_tree_rows(tree, draft_probs, "draft_probs")
+        if draft_probs.shape[-1] < v:
+            draft_probs = torch.nn.functional.pad(draft_probs, (0, v - draft_probs.shape[-1]))
+    tokens = tree.token_ids.tolist()
+    path, row = [], 0
+    while True:
+        p = target_probs[row]
+        for child in tree.children(row):
+            x = tokens[child]
+            if x >= v:
+                raise ValueError(f"node {child} holds token {x}, outside the vocabulary of {v}")
+            q = None if draft_probs is None else draft_probs[row]
+            qx = 1.0 if q is None else float(q[x])
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * qx < float(p[x]):  # u < p(x) / q(x) without dividing by q(x)
+                path.append(child)
+                row = child + 1
+                break
+            if q is None:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = (p - q).clamp_min(0)
+            mass = residual.sum()
+            if mass > 0:  # else p == q: that rejection had probability 0
+                p = residual / mass
+        else:
+            return path, int(sample(p[None], generator)[0])
+
+
+def greedy_verify_tree(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy verification over a draft tree: from the root, follow the child whose token is
+    the target's argmax at the current node (the first such child, for duplicates) while there
+    is one; then the argmax there is the recovered or bonus token. The longest accepted path,
+    and the same output as greedy decoding of the target. With logits plus Gumbel noise keyed
+    on each row's position (root position + depth) it is :func:`gumbel_verify` over a tree.
+
+    target_logits: [N+1,V] processed logits of the pass rows (see :func:`verify_tree`).
+    Returns (path, token) as :func:`verify_tree`. Raises ValueError for rows of the wrong shape.
+    """
+    _check_tree_rows(tree, target_logits, "target_logits")
+    best = target_logits.argmax(-1).tolist()
+    tokens = tree.token_ids.tolist()
+    path, row = [], 0
+    while True:
+        nxt = next((c for c in tree.children(row) if tokens[c] == best[row]), None)
+        if nxt is None:
+            return path, best[row]
+        path.append(nxt)
+        row = nxt + 1

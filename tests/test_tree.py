@@ -1,0 +1,206 @@
+"""Draft trees (specdecode.tree) and the acceptance rules over them (verify_tree,
+greedy_verify_tree): the tree's mask and positions, certain outcomes, greedy equality with the
+linear rule, and TESTPACK section 5's distribution test for top-k (point-mass) and SpecInfer
+(i.i.d. sampled) children, with a power check that a biased use of the rule is detected."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lossless import assert_lossless, chi2_critical, chi2_stat, probs_of
+from specdecode.config import SamplingParams
+from specdecode.tree import DraftTree
+from specdecode.verify import greedy_verify, greedy_verify_tree, verify_tree
+
+# root -> a(0), b(1); a -> c(2), d(3); d -> e(4)
+TREE = DraftTree(torch.tensor([5, 3, 2, 7, 1]), torch.tensor([-1, -1, 0, 0, 3]))
+
+
+def test_mask_positions_and_paths_of_a_small_tree():
+    m = TREE.attn_mask()
+    sees = {i: m[i].nonzero()[:, 0].tolist() for i in range(6)}
+    assert sees == {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 1, 4, 5]}
+    assert TREE.position_ids(10).tolist() == [10, 11, 11, 12, 12, 13]
+    assert TREE.input_ids(9).tolist() == [9, 5, 3, 2, 7, 1]
+    assert TREE.path(4) == [0, 3, 4] and TREE.path(1) == [1] and TREE.path(-1) == []
+    assert TREE.children(0) == (0, 1) and TREE.children(1) == (2, 3) and TREE.children(5) == ()
+
+
+def test_a_chain_is_the_causal_mask():
+    chain = DraftTree.chain([4, 4, 2])
+    assert torch.equal(chain.attn_mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert chain.position_ids(3).tolist() == [3, 4, 5, 6]
+    assert DraftTree.chain([]).attn_mask().tolist() == [[True]]
+
+
+@pytest.mark.parametrize("tokens,parents,match", [
+    ([1, 2], [-1, 1], "node 1 has parent 1"),
+    ([1, 2], [-1, -2], "node 1 has parent -2"),
+    ([1, 2], [-1], "2 token_ids but 1 parents"),
+    ([1, -3], [-1, 0], "token_ids must be >= 0"),
+])
+def test_bad_trees_are_refused_with_the_bad_value(tokens, parents, match):
+    with pytest.raises(ValueError, match=match):
+        DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def test_bad_tensors_and_rows_are_refused():
+    with pytest.raises(ValueError, match="int64 vector"):
+        DraftTree(torch.tensor([1.0]), torch.tensor([-1]))
+    with pytest.raises(ValueError, match=r"expected \[6,V\]"):
+        greedy_verify_tree(TREE, torch.zeros(5, 8))
+    with pytest.raises(ValueError, match=r"draft_probs has shape"):
+        verify_tree(TREE, torch.full((6, 8), 1 / 8), None, torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="outside the vocabulary of 4"):
+        verify_tree(TREE, torch.full((6, 4), 0.25), None)
+    with pytest.raises(ValueError, match="not in the tree"):
+        TREE.path(5)
+
+
+def _certain(rows):
+    """logits [len(rows), 8]: +10 at each row's chosen token, -10 elsewhere."""
+    out = torch.full((len(rows), 8), -10.0)
+    out[torch.arange(len(rows)), torch.tensor(rows)] = 10.0
+    return out
+
+
+@pytest.mark.parametrize("rows,path,token", [
+    ([3, 2, 6, 0, 1, 5], [1], 6),        # root picks b (3); b is a leaf: bonus 6
+    ([5, 7, 0, 0, 1, 4], [0, 3, 4], 4),  # a, then d, then e, then bonus from e's row
+    ([5, 2, 0, 0, 0, 0], [0, 2], 0),     # a, then c (2), c is a leaf
+    ([6, 0, 0, 0, 0, 0], [], 6),         # no child of the root matches: recovered 6
+    ([5, 4, 0, 0, 0, 0], [0], 4),        # a, then neither c nor d: recovered 4
+])
+def test_certain_outcomes_follow_the_one_possible_path(rows, path, token):
+    logits = _certain(rows)
+    assert greedy_verify_tree(TREE, logits) == (path, token)
+    probs = logits.softmax(-1)
+    for seed in range(5):
+        assert verify_tree(TREE, probs, torch.Generator().manual_seed(seed)) == (path, token)
+    # sampled children: q spread evenly; the outcome is still certain
+    q = torch.full((6, 8), 1 / 8)
+    assert verify_tree(TREE, probs, torch.Generator().manual_seed(0), q) == (path, token)
+
+
+def test_greedy_over_a_chain_is_the_linear_greedy_rule():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (), generator=g))
+        logits = torch.randn(k + 1, 5, generator=g)
+        drafts = torch.where(torch.rand(k, generator=g) < 0.7, logits[:k].argmax(-1),
+                             torch.randint(0, 5, (k,), generator=g))
+        out, na = greedy_verify(drafts[None], logits[None])
+        path, token = greedy_verify_tree(DraftTree.chain(drafts), logits)
+        assert path == list(range(int(na))) and token == int(out[0, na])
+
+
+def test_greedy_takes_the_first_of_duplicate_siblings_and_the_longest_path():
+    tree = DraftTree(torch.tensor([2, 2, 3]), torch.tensor([-1, -1, 1]))
+    logits = _certain([2, 3, 3, 0])
+    assert greedy_verify_tree(tree, logits) == ([0], 3)  # node 1 (under it: 3) is not tried
+    # top-k candidates as point masses with a one-hot target: the same as greedy
+    assert verify_tree(tree, torch.nn.functional.one_hot(logits.argmax(-1), 8).float(), None) == ([0], 3)
+
+
+# ----------------------------------------------------------------------------------------
+# Losslessness: the joint distribution of the first two emitted tokens through trees
+# ----------------------------------------------------------------------------------------
+
+V = 6
+B = 20000
+PREFIX = (1, 4)
+
+
+def _tables(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, generator=g) * 1.2, torch.randn(V, V, generator=g) * 1.2,
+            torch.randn(V, generator=g))
+
+
+TARGET, DRAFT = _tables(100), _tables(200)
+
+
+def _logits(tables, gen: tuple) -> torch.Tensor:
+    """The toy model's logits after generated tokens ``gen``: position 0, 1 (given the first
+    token), then one fixed row."""
+    return tables[0] if not gen else tables[1][gen[0]] if len(gen) == 1 else tables[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _dist(which: str, params: SamplingParams, gen: tuple) -> torch.Tensor:
+    """The processed distribution after PREFIX + gen (the context of a tree node: the
+    committed tokens and the node's ancestors, which the repetition penalty sees)."""
+    tables = TARGET if which == "target" else DRAFT
+    return probs_of(_logits(tables, gen)[None, None], params, torch.tensor([PREFIX + gen]), None)[0, 0]
+
+
+def target_joint(params):
+    p1 = _dist("target", params, ())
+    return p1[:, None] * torch.stack([_dist("target", params, (a,)) for a in range(V)])
+
+
+def _round(gen: tuple, params, mode, g, width=2, depth=2):
+    """One tree round after ``gen``: a full tree of ``width`` children a node, ``depth``
+    levels, top-k of the draft (mode "topk": point masses) or i.i.d. draws from it
+    ("sampled"; "topk-as-soft": top-k verified with the draft's soft q, a biased use).
+    Returns the emitted tokens (path + recovered or bonus)."""
+    tokens, parents, ctx = [], [], [gen]  # ctx[r]: generated tokens up to pass row r
+    frontier = [-1]
+    for _ in range(depth):
+        nxt = []
+        for parent in frontier:
+            q = _dist("draft", params, ctx[parent + 1])
+            kids = torch.topk(q, width).indices.tolist() if mode.startswith("topk") else \
+                torch.multinomial(q, width, replacement=True, generator=g).tolist()
+            for x in kids:
+                tokens.append(x)
+                parents.append(parent)
+                ctx.append(ctx[parent + 1] + (x,))
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    p = torch.stack([_dist("target", params, c) for c in ctx])
+    q = None if mode == "topk" else torch.stack([_dist("draft", params, c) for c in ctx])
+    path, last = verify_tree(tree, p, g, q)
+    return [tokens[i] for i in path] + [last]
+
+
+def sample_two_tokens(params, mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V, dtype=torch.long)
+    for _ in range(B):
+        out = _round((), params, mode, g)
+        if len(out) < 2:
+            out += _round((out[0],), params, mode, g)
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+SETTINGS = {
+    "T1": SamplingParams(temperature=1.0),
+    "T0.5": SamplingParams(temperature=0.5),
+    "T2-top_k4": SamplingParams(temperature=2.0, top_k=4),
+    "T1-rep1.5": SamplingParams(temperature=1.0, repetition_penalty=1.5),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["topk", "sampled"])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_tree_output_follows_target(name, mode):
+    params = SETTINGS[name]
+    counts = sample_two_tokens(params, mode, seed=list(SETTINGS).index(name) * 2 + (mode == "topk"))
+    assert counts.sum() == B
+    assert_lossless(counts, target_joint(params))
+
+
+@pytest.mark.slow
+def test_power_top_k_children_verified_with_soft_probs_is_detected():
+    """Deterministic candidates given soft draft probabilities (a top-k proposer that reports
+    its q): the output leaves the target's distribution, and the test above sees it."""
+    params = SETTINGS["T1"]
+    stat, df = chi2_stat(sample_two_tokens(params, "topk-as-soft", seed=7), target_joint(params))
+    assert stat > chi2_critical(df)
