@@ -270,6 +270,56 @@ def test_int8_verify_pass_rows_equal_one_token_passes_bit_for_bit(layout, tied):
             assert torch.equal(block, singles[pos - p:pos - p + k + 1]), (k, pos)
 
 
+def test_int8_tree_pass_rows_equal_one_token_passes_bit_for_bit():
+    """A draft tree verified in one pass (two rows of their own cached lengths): every node's
+    row has the bits of the one-token passes along its root-to-node path, and after
+    compaction to an accepted path the next step has plain decoding's bits. Where the
+    attention kernel runs trees (native.tree_kernel: the AVX2 kernel) this is exact; elsewhere
+    the masked PyTorch path is close, and trees must not be used for an exact target."""
+    from specdecode.tree import DraftTree
+    model = tiny_model(5, int8="nk", dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+    kernel = attention_kernel(torch.device("cpu"), torch.float32, model.args)
+    exact = native.tree_kernel(kernel)
+    g = torch.Generator().manual_seed(3)
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1, 4, 4, 6, -1, 9, 5])
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (23, 9)]
+    trees = [DraftTree(torch.randint(0, 96, (12,), generator=g), parents) for _ in prompts]
+    roots = [7, 50]
+    batch = model.fork()
+    batch.allocate(2, 64)
+    x = torch.zeros(2, 23, dtype=torch.long)
+    x[0], x[1, :9] = prompts[0], prompts[1]
+    batch.forward_rows(x, [23, 9], num_logits=0)
+    ids = torch.stack([t.input_ids(r) for t, r in zip(trees, roots)])
+    pos = torch.stack([t.position_ids(len(p)) for t, p in zip(trees, prompts)])
+    out = batch.forward_rows(ids, attn_mask=trees[0].attn_mask(), position_ids=pos).logits
+
+    def plain(b, tokens):  # one-token passes (the decode path) after the prompt
+        m = model.fork()
+        m.allocate(1, 64)
+        m.forward(prompts[b][None], num_logits=0)
+        return [m.forward(torch.tensor([[tok]]))[0, -1] for tok in tokens][-1]
+
+    for b, (tree, root) in enumerate(zip(trees, roots)):
+        for row in range(13):
+            path = tree.path(row - 1)
+            want = plain(b, [root] + tree.token_ids[path].tolist())
+            if exact:
+                assert torch.equal(out[b, row], want), (b, row)
+            else:
+                torch.testing.assert_close(out[b, row], want, rtol=1e-4, atol=1e-4)
+    path = trees[0].path(8)  # 0 -> 2 -> 4 -> 6 -> 8
+    batch.compact(0, 23, [0] + [i + 1 for i in path])
+    batch.compact(1, 9, [0])
+    nxt = batch.forward_rows(torch.tensor([[11], [12]]), num_logits=1).logits[:, 0]
+    want = [plain(0, [roots[0]] + trees[0].token_ids[path].tolist() + [11]), plain(1, [roots[1], 12])]
+    for b in range(2):
+        if exact:
+            assert torch.equal(nxt[b], want[b]), b
+        else:
+            torch.testing.assert_close(nxt[b], want[b], rtol=1e-4, atol=1e-4)
+
+
 def test_int8_layouts_give_the_same_logits():
     models = [tiny_model(3, int8=lay) for lay in quant.LAYOUTS]
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))

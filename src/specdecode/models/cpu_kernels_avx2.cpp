@@ -8,7 +8,8 @@
 //   torch._int_mm's, every row's its own, for weights and activations in -127..127 (the
 //   symmetric int8 of quantize_rows; -128 would saturate vpmaddubsw, see tile()).
 // sd_attend: causal attention of decode and verify rows, each (row, KV head) computed by one
-//   thread in one fixed order that depends only on its own query, keys and values.
+//   thread in one fixed order that depends only on its own query, keys and values;
+//   sd_attend_slots the same over a list of slots a query (draft tree node; this file only).
 // sd_silu_mul: silu(gate) * up, element-wise.
 
 #include <immintrin.h>
@@ -206,6 +207,54 @@ inline float hsum8(__m256 v) {
 
 thread_local std::vector<float> scores;
 
+// One (row, query head) of sd_attend / sd_attend_slots: query qi over the n keys at cache
+// slots slot(0..n-1) of kc, vc, in that order. The arithmetic depends only on that sequence
+// of keys and values, not on where they sit in the cache: a tree node attending to the
+// committed slots and its ancestors computes the bits of the one-token pass that sees the
+// same keys at consecutive slots.
+template <typename Slot>
+inline void attend_one(const float* qi, const float* kc, const float* vc, int64_t D, int64_t n,
+                       Slot slot, float scale, float* o) {
+    if ((int64_t)scores.size() < n + 8) scores.resize(n + 8);
+    float* s = scores.data();
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const float* kj = kc + slot(j) * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kj + d), acc);
+        s[j] = hsum8(acc) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        vsum = _mm256_add_ps(vsum, e);
+        _mm256_storeu_ps(s + j, e);
+    }
+    float sum = hsum8(vsum);
+    if (j < n) {  // the tail: 8 lanes with -inf past n
+        float tail[8];
+        for (int l = 0; l < 8; l++) tail[l] = j + l < n ? s[j + l] - m : -INFINITY;
+        float e[8];
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
+        for (int l = 0; l < 8 && j + l < n; l++) { s[j + l] = e[l]; sum += e[l]; }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // up to 4 x 8 floats of the values at a time
+        const int nv = (int)((D - d0 < 32 ? D - d0 : 32) / 8);
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t jj = 0; jj < n; jj++) {
+            const __m256 p = _mm256_set1_ps(s[jj]);
+            const float* vj = vc + slot(jj) * D + d0;
+            for (int c = 0; c < nv; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
+        }
+        const __m256 sv = _mm256_set1_ps(sum);
+        for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(a[c], sv));
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -221,48 +270,27 @@ void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64
 #pragma omp parallel for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t b = it / (T * H), t = it / H % T, h = it % H, kv = h / g;
-        const int64_t n = lens[b * T + t];
-        if ((int64_t)scores.size() < n + 8) scores.resize(n + 8);
-        float* s = scores.data();
-        const float* qi = q + b * qb + t * qt + h * qh;
-        const float* kc = k + (b * Hkv + kv) * L * D;
-        const float* vc = v + (b * Hkv + kv) * L * D;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kc + j * D + d), acc);
-            s[j] = hsum8(acc) * scale;
-            m = s[j] > m ? s[j] : m;
-        }
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-            vsum = _mm256_add_ps(vsum, e);
-            _mm256_storeu_ps(s + j, e);
-        }
-        float sum = hsum8(vsum);
-        if (j < n) {  // the tail: 8 lanes with -inf past n
-            float tail[8];
-            for (int l = 0; l < 8; l++) tail[l] = j + l < n ? s[j + l] - m : -INFINITY;
-            float e[8];
-            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
-            for (int l = 0; l < 8 && j + l < n; l++) { s[j + l] = e[l]; sum += e[l]; }
-        }
-        float* o = out + ((b * T + t) * H + h) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {  // up to 4 x 8 floats of the values at a time
-            const int nv = (int)((D - d0 < 32 ? D - d0 : 32) / 8);
-            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t jj = 0; jj < n; jj++) {
-                const __m256 p = _mm256_set1_ps(s[jj]);
-                const float* vj = vc + jj * D + d0;
-                for (int c = 0; c < nv; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
-            }
-            const __m256 sv = _mm256_set1_ps(sum);
-            for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(a[c], sv));
-        }
+        const int64_t cache = (b * Hkv + kv) * L * D;
+        attend_one(q + b * qb + t * qt + h * qh, k + cache, v + cache, D, lens[b * T + t],
+                   [](int64_t j) { return j; }, scale, out + ((b * T + t) * H + h) * D);
+    }
+}
+
+// sd_attend with query (b, t) seeing the slots slots[(b*T+t)*S + 0..lens[b*T+t]-1], in that
+// order (a draft tree: the committed slots, then the node's ancestors and itself).
+void sd_attend_slots(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
+                     int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv,
+                     int64_t L, const int64_t* lens, const int64_t* slots, int64_t S,
+                     float scale, float* out) {
+    const int64_t g = H / Hkv;
+    const int64_t items = B * T * H;
+#pragma omp parallel for schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / (T * H), t = it / H % T, h = it % H, kv = h / g;
+        const int64_t cache = (b * Hkv + kv) * L * D;
+        const int64_t* sl = slots + (b * T + t) * S;
+        attend_one(q + b * qb + t * qt + h * qh, k + cache, v + cache, D, lens[b * T + t],
+                   [sl](int64_t j) { return sl[j]; }, scale, out + ((b * T + t) * H + h) * D);
     }
 }
 

@@ -279,14 +279,42 @@ class Attention(nn.Module):
 
 class Prefixes(NamedTuple):
     """Query (b, t) sees cache slots 0..lens[b, t]-1: the attention of decode and verify
-    rows, chains of their own lengths included, run by :func:`attend_rows`.
+    rows, chains of their own lengths included, run by :func:`attend_rows`; or, with
+    ``slots``, the slots slots[b, t, 0..lens[b, t]-1] in that order (a draft tree's node: the
+    committed slots, then its ancestors and itself; see :func:`tree_slots`).
 
-    lib: the loaded ``cpu_kernels.cpp`` (:func:`quant.vnni_kernel`); lens: int64 [B, T],
-    contiguous, each in 1..max_len.
+    lib: the loaded ``cpu_kernels.cpp`` or ``cpu_kernels_avx2.cpp``; lens: int64 [B, T],
+    contiguous, each in 1..max_len; slots: None or int64 [B, T, S], contiguous.
     """
 
     lib: object
     lens: torch.Tensor
+    slots: torch.Tensor | None = None
+
+
+def tree_slots(tree: torch.Tensor, starts: list[int], valid: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots each new token of a tree pass sees, in slot order: its row's committed slots
+    0..start-1, then the new tokens its mask row allows (ancestors and itself) at start + j.
+
+    tree: bool [B, T, T] (the pass's attn_mask); starts: each row's cache length before the
+    pass; valid: bool [B, T], False for padding (which sees slot 0 only: computed, never
+    used). Returns (lens int64 [B, T], slots int64 [B, T, max(starts) + T]) for
+    :class:`Prefixes`.
+    """
+    b, t, _ = tree.shape
+    width = max(starts) + t
+    slots = torch.zeros(b, t, width, dtype=torch.long)
+    lens = torch.ones(b, t, dtype=torch.long)
+    new = torch.arange(t)
+    for row, start in enumerate(starts):
+        sees = tree[row].cpu() & valid[row].cpu()[None]
+        # the visible new tokens first, in order; the rest (past the count, never read) 0
+        tail = torch.where(sees, start + new, width).sort(1).values
+        slots[row, :, :start] = torch.arange(start)
+        slots[row, :, start:start + t] = tail.masked_fill(tail == width, 0)
+        lens[row] = torch.where(valid[row].cpu(), start + sees.sum(1), 1)
+    return lens, slots
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype):
@@ -314,6 +342,14 @@ def attention_kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int
     return lib
 
 
+def tree_kernel(lib) -> bool:
+    """Whether this attention kernel (:func:`attention_kernel`) also runs tree passes
+    (``sd_attend_slots``, in ``cpu_kernels_avx2.cpp`` only), so that a tree node's row has
+    the bits of the one-token pass of its path. Elsewhere a tree pass takes PyTorch's masked
+    path, whose bits may differ from the decode kernel's."""
+    return lib is not None and hasattr(lib, "sd_attend_slots")
+
+
 def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache,
                 scale: float | None = None) -> torch.Tensor:
     """Attention of each query over its own prefix of the cache, on the CPU (``sd_attend``).
@@ -334,9 +370,17 @@ def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache,
         q = q.contiguous()
     out = torch.empty(b, t, h, d)
     kc, lens = cache.k, prefixes.lens
-    prefixes.lib.sd_attend(q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1),
-                           kc.data_ptr(), cache.v.data_ptr(), kc.shape[1], kc.shape[2],
-                           lens.data_ptr(), d ** -0.5 if scale is None else scale, out.data_ptr())
+    scale = d ** -0.5 if scale is None else scale
+    if prefixes.slots is None:
+        prefixes.lib.sd_attend(q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1),
+                               kc.data_ptr(), cache.v.data_ptr(), kc.shape[1], kc.shape[2],
+                               lens.data_ptr(), scale, out.data_ptr())
+    else:
+        sl = prefixes.slots
+        prefixes.lib.sd_attend_slots(q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2),
+                                     q.stride(1), kc.data_ptr(), cache.v.data_ptr(), kc.shape[1],
+                                     kc.shape[2], lens.data_ptr(), sl.data_ptr(), sl.shape[2],
+                                     scale, out.data_ptr())
     return out
 
 
@@ -733,8 +777,11 @@ class Transformer(nn.Module):
                 pos = pos.masked_fill(~valid, 0)
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
         kernel = attention_kernel(dev, self.caches[0].k.dtype, self.args) \
-            if attn_mask is None and t <= SDPA_MIN_TOKENS else None
-        if kernel is not None:  # causal over the new tokens, each row its own prefix
+            if t <= SDPA_MIN_TOKENS else None
+        if attn_mask is not None and tree_kernel(kernel):  # a tree on the decode kernel
+            lens_t, slots_t = tree_slots(attn_mask, starts, valid)
+            mask = Prefixes(kernel, lens_t, slots_t)
+        elif kernel is not None and attn_mask is None:  # causal, each row its own prefix
             if same_start and not ragged:
                 lens_t = torch.arange(s0 + 1, s0 + t + 1).expand(b, t).contiguous()
             else:  # padding queries see slot 0: computed, never used
@@ -758,8 +805,8 @@ class Transformer(nn.Module):
 
         x = self.model.embed_tokens(input_ids)
         want, hidden = output_hidden, {}
-        layer_stack = fused.stack(self) if isinstance(mask, Prefixes) and \
-            all(k == FINAL for k in want) else None
+        layer_stack = fused.stack(self) if isinstance(mask, Prefixes) and mask.slots is None \
+            and all(k == FINAL for k in want) else None
         if layer_stack is not None:  # the same bits in one C call (models/fused.py)
             if same_start and not ragged:
                 slots = torch.arange(s0, s0 + t).expand(b, t)

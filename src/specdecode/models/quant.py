@@ -146,6 +146,8 @@ def avx2_library() -> ctypes.CDLL | None:
     lib.sd_int8_linear_nk_x.restype = None
     lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
     lib.sd_attend.restype = None
+    lib.sd_attend_slots.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, P, I, ctypes.c_float, P]
+    lib.sd_attend_slots.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
     lib.sd_rmsnorm.argtypes = [P, I, I, P, ctypes.c_float, P]
