@@ -10,8 +10,11 @@ import functools
 import pytest
 import torch
 
+from helpers import PROMPTS, MockLM, run, tiny_model
 from lossless import assert_lossless, chi2_critical, chi2_stat, probs_of
 from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.proposers import DraftModelProposer
 from specdecode.tree import DraftTree
 from specdecode.verify import greedy_verify, greedy_verify_tree, verify_tree
 
@@ -204,3 +207,85 @@ def test_power_top_k_children_verified_with_soft_probs_is_detected():
     params = SETTINGS["T1"]
     stat, df = chi2_stat(sample_two_tokens(params, "topk-as-soft", seed=7), target_joint(params))
     assert stat > chi2_critical(df)
+
+
+# ----------------------------------------------------------------------------------------
+# Draft trees in the engine: a draft model's chain with its next candidates beside it
+# ----------------------------------------------------------------------------------------
+
+def _tree_target():
+    return tiny_model(0, int8="nk")  # the layout of the AVX2 kernel, which runs tree passes
+
+
+def _draft():
+    """The target's float weights with noise: its argmax agrees with the target's about
+    two times in three, and its runner-up is often the target's token where it does not."""
+    d = tiny_model(0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.035)
+    return d
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=60),
+                                    SamplingParams(max_new_tokens=60, repetition_penalty=1.3),
+                                    SamplingParams(max_new_tokens=60, temperature=0.8, seed=5)],
+                         ids=["greedy", "greedy-penalty", "gumbel"])
+def test_tree_drafts_keep_the_target_output_and_take_siblings(params):
+    """Greedy (with and without a repetition penalty, which sees each node's own path) and
+    seeded Gumbel-rule requests give plain decoding's tokens through draft trees; with a draft
+    that disagrees with the target at times, the trees' siblings save verify passes. Where the target cannot run exact tree passes, the engine refuses the tree."""
+    target = _tree_target()
+    prompt = PROMPTS["twenty"]
+    if not target.exact_trees:
+        with pytest.raises(ValueError, match="draft trees need a target"):
+            Engine(target, DraftModelProposer(tiny_model(0), tree_width=3), 4)
+        return
+    plain, _ = run(target, None, None, prompt, params)
+    chain, _ = run(target, DraftModelProposer(_draft()), 4, prompt, params)
+    tree, _ = run(target, DraftModelProposer(_draft(), tree_width=3), 4, prompt, params)
+    assert chain.token_ids == plain.token_ids
+    assert tree.token_ids == plain.token_ids
+    assert tree.stats.num_verify_passes < chain.stats.num_verify_passes
+    kinds = {i.kind for i in tree.token_info}
+    assert "accepted" in kinds and kinds <= {"accepted", "recovered", "bonus", "target"}
+
+
+def test_tree_logprobs_come_from_the_rows_of_the_path():
+    target = _tree_target()
+    if not target.exact_trees:
+        return
+    params = SamplingParams(max_new_tokens=30, logprobs=2)
+    prompt = PROMPTS["twenty"]
+    plain, _ = run(target, None, None, prompt, params)
+    tree, _ = run(target, DraftModelProposer(_draft(), tree_width=2), 4, prompt, params)
+    assert tree.token_ids == plain.token_ids
+    for a, b in zip(tree.token_info, plain.token_info):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+
+
+def test_rejection_rule_requests_get_the_chain_and_bad_widths_are_refused():
+    target = _tree_target()
+    if target.exact_trees:
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3, acceptance_rule="rejection")
+        proposer = DraftModelProposer(tiny_model(0), tree_width=3)
+        gen, _ = run(target, proposer, 4, PROMPTS["twenty"], params)
+        assert len(gen.token_ids) == 20 and gen.stats.num_draft_tokens > 0
+    for bad in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match="tree_width"):
+            DraftModelProposer(tiny_model(0), tree_width=bad)
+    with pytest.raises(ValueError, match="draft trees need a target"):
+        Engine(MockLM(8, lambda ctx: torch.zeros(8)), DraftModelProposer(tiny_model(0), tree_width=2), 3)
+
+
+def test_a_batch_refuses_draft_trees():
+    from specdecode.batch import BatchEngine
+    batch = BatchEngine(_tree_target(), 2, 64)
+    try:
+        with pytest.raises(ValueError, match="single-request engine"):
+            batch.add(PROMPTS["twenty"], SamplingParams(max_new_tokens=4),
+                      proposer=DraftModelProposer(_draft(), tree_width=2))
+    finally:
+        batch.close()

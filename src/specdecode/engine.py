@@ -25,7 +25,7 @@ from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
-from .verify import greedy_verify, gumbel_verify, rejection_sample
+from .verify import greedy_verify, greedy_verify_tree, gumbel_verify, rejection_sample, verify_tree
 
 
 TOKEN_KINDS = ("accepted", "recovered", "bonus", "target")
@@ -106,6 +106,8 @@ class Engine:
             k = FixedK(proposer.default_k)
         elif not isinstance(k, Schedule):
             k = FixedK(check_k("num_speculative_tokens (K)", k))
+        if getattr(proposer, "tree_width", 1) > 1:
+            check_tree_target(target)
         if proposer is not None and any(m is target for m in proposer.models()):
             raise ValueError("the proposer's draft model is the target itself, whose KV cache the "
                              "target needs: give the draft its own cache, e.g. "
@@ -153,8 +155,16 @@ class Engine:
         try:
             while True:
                 drafts = run.propose(run.wanted_k())
-                logits = target.forward(torch.cat([torch.tensor([[run.state.tokens[-1]]]), drafts], 1))
-                emitted = run.finish(logits)
+                last, tree = run.state.tokens[-1], run.tree
+                if tree is None:
+                    logits = target.forward(torch.cat([torch.tensor([[last]]), drafts], 1))
+                    emitted = run.finish(logits)
+                else:  # one tree pass; the accepted path's cache entries kept
+                    start = len(run.state.tokens) - 1
+                    logits = target.forward_rows(tree.input_ids(last)[None], attn_mask=tree.attn_mask(),
+                                                 position_ids=tree.position_ids(start)).logits
+                    emitted = run.finish(logits)
+                    target.compact(0, start, [0] + [i + 1 for i in run.accepted_path])
                 target.rollback(len(run.state.tokens) - 1)
                 run.after_rollback()
                 stats.total_s = time.perf_counter() - t0
@@ -163,6 +173,25 @@ class Engine:
                     return
         finally:
             stats.total_s = time.perf_counter() - t0
+
+
+def _deepest_first_child(tree) -> int:
+    """The node reached from the root by first children (-1 for an empty tree)."""
+    node = -1
+    while tree.children(node + 1):
+        node = tree.children(node + 1)[0]
+    return node
+
+
+def check_tree_target(target: CausalLM) -> None:
+    """Raise ValueError unless ``target`` verifies draft trees with the bits of its one-token
+    passes (:attr:`~specdecode.models.native.Transformer.exact_trees`)."""
+    if not getattr(target, "exact_trees", False):
+        raise ValueError(
+            f"draft trees need a target whose tree passes give the bits of its one-token passes: "
+            f"the native runtime in fp32 on a CPU with the AVX2 attention kernel; this target "
+            f"({type(target).__name__}, {getattr(target, 'weight_format', '?')}) cannot, so its "
+            "output would not be exactly its own decoding. Use a draft tree width of 1 (no tree)")
 
 
 def check_request(target: CausalLM, input_ids, params: SamplingParams,
@@ -250,6 +279,8 @@ class RequestRun:
         # depend on K); greedy and gumbel outputs do not
         self.clocked = params.rule != "rejection" or params.seed is None
         self._draft = None
+        self.tree = None  # this round's draft tree, if the proposer made one
+        self.accepted_path: list[int] = []  # its accepted nodes, after finish
 
     def begin(self, t0: float) -> None:
         """After the target's prefill of all but the prompt's last token (started at t0)."""
@@ -288,6 +319,16 @@ class RequestRun:
         if k and bool(((drafts < 0) | (drafts >= v)).any()):
             raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
                              f"[0, {v}): {drafts[0].tolist()}")
+        self.tree = draft.tree if draft is not None and k else None
+        if self.tree is not None and (self.tree.num_nodes != k or draft.probs is not None):
+            raise ValueError("a proposer's draft tree must come with its tokens as token_ids "
+                             "[1, N] and no probs (point-mass candidates)")
+        if self.tree is not None and k > self.limit - len(self.state.tokens):
+            # the pass would overrun the cache (sized for chains): the chain, first children
+            chain = self.tree.path(_deepest_first_child(self.tree))
+            drafts, self.tree = self.tree.token_ids[chain][None], None
+            k = drafts.shape[1]
+            self.stats.speculation_lengths[-1] = k
         self._draft, self._drafts = draft, drafts
         return drafts
 
@@ -297,18 +338,22 @@ class RequestRun:
         state, params, stats, gen = self.state, self.params, self.stats, self.gen
         draft, drafts, noise = self._draft, self._drafts, self.noise
         n, k = len(state.tokens), drafts.shape[1]
-        context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
-        processed = process_logits(logits, params, context, drafts, state.num_generated,
-                                   state.eos_token_ids)
-        if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
-            out, num_accepted = gumbel_verify(drafts, processed, noise.rows(n, k + 1, processed.device)[None])
-        elif params.greedy:
-            out, num_accepted = greedy_verify(drafts, processed)
+        if self.tree is not None:
+            block, rows = self._finish_tree(logits)
+            accepted = len(block) - 1
         else:
-            out, num_accepted = rejection_sample(drafts, draft.probs if draft is not None else None,
-                                                 to_probs(processed, params), self.generator)
-        accepted = int(num_accepted[0])
-        block = out[0, :accepted + 1].tolist()
+            context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
+            processed = process_logits(logits, params, context, drafts, state.num_generated,
+                                       state.eos_token_ids)
+            if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
+                out, num_accepted = gumbel_verify(drafts, processed, noise.rows(n, k + 1, processed.device)[None])
+            elif params.greedy:
+                out, num_accepted = greedy_verify(drafts, processed)
+            else:
+                out, num_accepted = rejection_sample(drafts, draft.probs if draft is not None else None,
+                                                     to_probs(processed, params), self.generator)
+            accepted = int(num_accepted[0])
+            block, rows = out[0, :accepted + 1].tolist(), list(range(accepted + 1))
         t1, t2, t3 = self._t1, self._t2, time.perf_counter()
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
@@ -326,17 +371,50 @@ class RequestRun:
                 gen.finish_reason = "stop"
                 break
         source = (draft.source or self.proposer.name) if k else ""
-        self.gen.token_info += self._info(logits, emitted, k, accepted, source)
-        stats.record_round(k, min(accepted, len(emitted)), source)
+        if k == 0:
+            last = "target"
+        elif self.tree is not None:  # a bonus after a leaf, else a recovered token
+            last = "recovered" if self.tree.children(rows[-1]) else "bonus"
+        else:
+            last = "recovered" if accepted < k else "bonus"
+        self.gen.token_info += self._info(logits[:, rows], emitted, accepted, source, last)
+        stats.record_round(k, min(accepted, len(emitted)), source,
+                           None if self.tree is None else int(self.tree.depths().max()))
         stats.num_generated_tokens += len(emitted)
         if gen.finish_reason is None and len(state.tokens) >= self.limit:
             gen.finish_reason = "length"
         return emitted
 
-    def _info(self, logits: torch.Tensor, emitted: list[int], k: int, accepted: int,
-              source: str) -> list[TokenInfo]:
-        """The block's :class:`TokenInfo`; logits: the verify pass's [1, k+1, V]."""
-        last = "target" if k == 0 else "recovered" if accepted < k else "bonus"
+    def _finish_tree(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The block a tree pass commits (accepted path + recovered or bonus token) and the
+        pass rows that predicted each of its tokens; sets ``accepted_path``. logits: the
+        pass's [1, N+1, V]. Each row is processed with its own context (the committed tokens
+        and the row's ancestors) at its own depth, as a linear verify pass processes its
+        rows."""
+        state, params, tree, noise = self.state, self.params, self.tree, self.noise
+        n, tokens = len(state.tokens), tree.token_ids.tolist()
+        depth = [0] + tree.depths().tolist()
+        rows = []
+        for r in range(tree.num_nodes + 1):
+            path = [tokens[i] for i in tree.path(r - 1)]
+            context = torch.tensor([state.tokens + path]) if params.repetition_penalty != 1.0 else None
+            rows.append(process_logits(logits[:, r:r + 1], params, context, None,
+                                       state.num_generated + depth[r], state.eos_token_ids)[0, 0])
+        processed = torch.stack(rows)
+        if noise is not None:  # row r's token is at position n + its depth
+            noise_rows = noise.rows(n, max(depth) + 1, processed.device)[torch.tensor(depth)]
+            path, last = greedy_verify_tree(tree, processed + noise_rows[:, :processed.shape[-1]])
+        elif params.greedy:
+            path, last = greedy_verify_tree(tree, processed)
+        else:
+            path, last = verify_tree(tree, to_probs(processed[None], params)[0], self.generator)
+        self.accepted_path = path
+        return [tokens[i] for i in path] + [last], [0] + [i + 1 for i in path]
+
+    def _info(self, logits: torch.Tensor, emitted: list[int], accepted: int, source: str,
+              last: str) -> list[TokenInfo]:
+        """The block's :class:`TokenInfo`; logits: the verify pass's rows that predicted the
+        block's tokens [1, accepted + 1, V]; last: the kind of the token after the accepted."""
         out = [TokenInfo("accepted", source) if i < accepted else TokenInfo(last)
                for i in range(len(emitted))]
         n = self.params.logprobs

@@ -25,7 +25,8 @@ from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
-# suffix_cache, skip (a layer-skip draft's layers), exit_layer, self_draft_dtype
+# suffix_cache, skip (a layer-skip draft's layers), exit_layer, self_draft_dtype, tree (a
+# draft model's tree width)
 OPTIONS = {
     "draft": "a draft model (draft=, assistant_model=, --draft and its --draft-* options) applies",
     "draft_p_min": "draft_p_min applies",
@@ -34,6 +35,7 @@ OPTIONS = {
     "skip": "skipped layers (skip_layers=, skip_profile=; layers=, profile=) apply",
     "exit_layer": "an exit layer (exit_layer=; layer=) applies",
     "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
+    "tree": "a draft tree width (draft_tree_width=; tree=) applies",
 }
 
 
@@ -72,13 +74,19 @@ def _own_draft(target: LoadedModel, draft: LoadedModel):
 
 
 def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None = None,
-                   hybrid: bool = False) -> Proposer:
+                   hybrid: bool = False, tree_width: int = 1) -> Proposer:
     """The draft model's proposer for this pair: token ids straight through when the two
     share a tokenizer, through text when they do not (:func:`check_compatible`'s mode).
-    ``hybrid``: as the hybrid's member (:meth:`HybridProposer.draft_for`'s settings)."""
+    ``hybrid``: as the hybrid's member (:meth:`HybridProposer.draft_for`'s settings).
+    ``tree_width`` > 1: draft trees (:class:`DraftModelProposer`), same tokenizer only (else
+    ValueError)."""
     lm = _own_draft(target, draft)
     if check_compatible(target, draft) == "same":
-        return HybridProposer.draft_for(lm, p_min) if hybrid else DraftModelProposer(lm, p_min=p_min)
+        return HybridProposer.draft_for(lm, p_min) if hybrid else \
+            DraftModelProposer(lm, p_min=p_min, tree_width=tree_width)
+    if tree_width > 1:
+        raise ValueError("draft trees need a draft of the target's tokenizer; this pair's "
+                         "tokenizers differ (see `specdecode check-pair`): use tree=1")
     if hybrid:
         p_min = HybridTuning.draft_p_min if p_min is None else p_min
     return CrossTokenizerProposer(lm, target.tokenizer, draft.tokenizer, draft.eos_token_ids,
@@ -194,8 +202,10 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("ar", "nobody: plain autoregressive decoding (the baseline)", None,
                lambda spec, target, draft: None),
     MethodSpec("draft", "a smaller model drafts K tokens (of another tokenizer: through text)",
-               DraftModelProposer, lambda spec, target, draft: draft_proposer(target, draft, spec.draft_p_min),
-               needs_draft_model=True, options=frozenset({"draft", "draft_p_min"})),
+               DraftModelProposer,
+               lambda spec, target, draft: draft_proposer(target, draft, spec.draft_p_min,
+                                                          tree_width=spec.draft_tree_width),
+               needs_draft_model=True, options=frozenset({"draft", "draft_p_min", "tree"})),
     MethodSpec("prompt-lookup", "copy what followed the last n tokens earlier in prompt + output",
                PromptLookupProposer,
                lambda spec, target, draft: PromptLookupProposer(spec.max_ngram, spec.min_ngram),
@@ -265,7 +275,8 @@ class SpeculativeConfig:
     (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_profile`` (``skip``: the layers a
     layer-skip draft skips, or a ``tune-skip`` profile file; neither: the target's cached
     default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
-    None: int4). Raises ValueError naming a bad value, or an option the method does not
+    None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
+    next w - 1 candidates at each depth as a draft tree; 1: no tree). Raises ValueError naming a bad value, or an option the method does not
     honour (never silently ignored).
     """
 
@@ -281,6 +292,7 @@ class SpeculativeConfig:
     skip_profile: str | None = None
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
+    draft_tree_width: int = 1
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
     k_given: bool = field(default=False, init=False, repr=False, compare=False)
@@ -323,6 +335,10 @@ class SpeculativeConfig:
         e = self.exit_layer
         if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
             raise ValueError(f"exit_layer = {e!r} is invalid; allowed: an integer >= 1")
+        w = self.draft_tree_width
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 8:
+            raise ValueError(f"draft_tree_width = {w!r} is invalid; allowed: an integer in 1..8 "
+                             "(1: no tree)")
         if self.self_draft_dtype not in (None, *SELF_DRAFT_DTYPES):
             raise ValueError(f"self_draft_dtype = {self.self_draft_dtype!r} is invalid; allowed: "
                              f"{', '.join(SELF_DRAFT_DTYPES)}")
@@ -331,7 +347,8 @@ class SpeculativeConfig:
                                                                SpeculativeConfig.max_ngram),
                  "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
                  "skip": self.skip_layers is not None or self.skip_profile is not None,
-                 "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None}
+                 "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
+                 "tree": w != 1}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -368,13 +385,14 @@ METHOD_OPTIONS = {
     "profile": ("skip", lambda v: {"skip_profile": v}),
     "layer": ("exit_layer", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", lambda v: {"self_draft_dtype": v}),
+    "tree": ("tree", lambda v: {"draft_tree_width": _positive("tree", v)}),
 }
 
 
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
-    early-exit, dtype= for self-draft); keys the method does not honour are left in ``opts``.
+    early-exit, dtype= for self-draft, tree= for draft); keys the method does not honour are left in ``opts``.
     Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}

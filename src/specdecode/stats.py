@@ -58,7 +58,11 @@ class SpecDecodingStats:
     def other_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
 
-    def record_round(self, proposed: int, accepted: int, source: str = "") -> None:
+    def record_round(self, proposed: int, accepted: int, source: str = "",
+                     depth: int | None = None) -> None:
+        """One verify pass: ``proposed`` draft tokens (a tree's nodes), ``accepted`` of them
+        along the accepted path; ``depth``: the tree's depth (default: ``proposed``, a chain),
+        the positions ``accepted_per_position`` counts."""
         self.num_verify_passes += 1
         if proposed:
             self.num_drafts += 1
@@ -69,8 +73,9 @@ class SpecDecodingStats:
             mine["num_drafts"] += 1
             mine["num_draft_tokens"] += proposed
             mine["num_accepted_tokens"] += accepted
-            if len(self.accepted_per_position) < proposed:
-                self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+            depth = proposed if depth is None else depth
+            if len(self.accepted_per_position) < depth:
+                self.accepted_per_position += [0] * (depth - len(self.accepted_per_position))
             for i in range(accepted):
                 self.accepted_per_position[i] += 1
 

@@ -609,6 +609,15 @@ class Transformer(nn.Module):
                                  f"positions (allowed: 0..{held})")
         self._set_lengths(list(lengths))
 
+    @property
+    def exact_trees(self) -> bool:
+        """Whether a tree pass's rows have the bits of the one-token passes along each path
+        (tree passes of up to SDPA_MIN_TOKENS tokens on the attention kernel that runs
+        trees, :func:`tree_kernel`), so that draft trees keep the output exactly the
+        target's own decoding."""
+        w = self.model.norm.weight  # the caches' dtype and device (see allocate)
+        return tree_kernel(attention_kernel(w.device, w.dtype, self.args))
+
     @torch.inference_mode()  # the caches may be inference tensors (allocated under it)
     def compact(self, row: int, start: int, keep: list[int]):
         """Keep only some of the positions a pass wrote from ``start`` on in one row.

@@ -17,6 +17,7 @@ import torch
 from ..config import SamplingParams
 from ..sampling import GumbelNoise
 from ..models.base import CausalLM
+from ..tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,15 @@ class DraftOutput:
     source: which proposer supplied the tokens (a hybrid's stats count accepted tokens per source).
     free: True when the tokens cost nothing to propose (lookups), so the K schedule may cut
         the proposal short after seeing it (``Schedule.trim``); False for a draft model's tokens.
+    tree: a draft tree (:class:`~specdecode.tree.DraftTree`) of point-mass candidates,
+        verified in one tree pass; then ``token_ids`` is its tokens [1, N] and ``probs`` None.
     """
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None = None
     source: str = ""
     free: bool = False
+    tree: DraftTree | None = None
 
     @classmethod
     def empty(cls, batch: int = 1) -> "DraftOutput":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..models.base import CausalLM
-from ..sampling import gumbel_sample, process_logits, sample, to_probs
+from ..sampling import process_logits, sample, to_probs
+from ..tree import DraftTree
 from .base import DraftOutput, Proposer, RequestState, Steps, run_alone
 
 
@@ -36,18 +37,31 @@ class DraftModelProposer(Proposer):
     in one call, the int8 0.5B draft's first token matched the target's on 16 of 23 bench
     prompts; split, on 18 (the hybrid's lazy prefill had lost the first round of short QA
     answers this way).
-    Raises ValueError for p_min outside [0, 1).
+    tree_width: w > 1 proposes a draft tree to greedy and Gumbel-rule requests: the drafted
+    chain, and at each of its depths the draft's next w - 1 most likely tokens (after the
+    request's processing, and its noise under the Gumbel rule) as leaves beside it, so that
+    where the target rejects the chain's token for one of those it keeps that token and the
+    bonus after it. They come from the logits the chain's draft steps computed anyway (no
+    extra draft pass); the verify pass has 1 + w * (drafted tokens) rows. Sampled requests of
+    the rejection rule get the chain. 1 (default): no tree.
+    Raises ValueError for p_min outside [0, 1) or a tree_width outside 1..8.
     """
 
     name = "draft"
     default_k = 6
     reads_guess = True
 
-    def __init__(self, draft: CausalLM, p_min: float | None = None, lazy_prefill: bool = False):
+    def __init__(self, draft: CausalLM, p_min: float | None = None, lazy_prefill: bool = False,
+                 tree_width: int = 1):
         if p_min is not None and not (isinstance(p_min, (int, float)) and 0 <= p_min < 1):
             raise ValueError(f"draft p_min={p_min!r} is invalid; allowed: a number in [0, 1), or None")
+        if isinstance(tree_width, bool) or not isinstance(tree_width, int) or not 1 <= tree_width <= 8:
+            raise ValueError(f"draft tree_width={tree_width!r} is invalid; allowed: an integer in "
+                             "1..8 (1: no tree)")
         self.draft = draft
         self.p_min = p_min
+        self.tree_width = tree_width
+        self._proposed_at, self._chain = 0, []  # the last proposal: len(tokens) then, its ids
         self.lazy_prefill = lazy_prefill
         self.enabled = False
         self._limit = 0
@@ -102,6 +116,7 @@ class DraftModelProposer(Proposer):
         token, the proposal ends before it.
         """
         n = len(state.tokens)
+        self._proposed_at, self._chain = n, []
         if self._limit - n + 1 <= 0:
             self.enabled = False  # the draft's context is full
         params, v = state.params, state.target_vocab_size
@@ -118,7 +133,7 @@ class DraftModelProposer(Proposer):
             yield self.draft, torch.tensor([new[:-1]]), 0
             new = new[-1:]
         context = torch.tensor([state.tokens + guess])
-        ids, dists = [], []
+        ids, dists, alts = [], [], {}  # alts: depth -> the tree's other candidates there
         if guess:
             logits = yield self.draft, torch.tensor([new + guess]), len(guess) + 1
             own = False  # the last token is the draft's own (not in the guess)
@@ -135,7 +150,7 @@ class DraftModelProposer(Proposer):
                 break
             self.draft.rollback(n - 1 + len(ids))  # the kept guess tokens stay in the cache
             if not own:
-                return self._output(ids, dists)  # the draft is unsure of its own next token
+                return self._output(ids, dists, alts)  # the draft is unsure of its own next token
             context = torch.cat([context[:, :n + len(ids) - 1], ids[-1][:, None]], 1)
             new = [int(ids[-1])]  # the draft drafts on from its own token
         feed = torch.tensor([new])
@@ -148,16 +163,21 @@ class DraftModelProposer(Proposer):
             if self._unsure(logits, probs):
                 break
             if state.noise is not None:  # the target's noise at position n + i
-                tok = gumbel_sample(logits, state.noise.rows(n + i, 1, logits.device))
+                scored = logits + state.noise.rows(n + i, 1, logits.device)[..., :logits.shape[-1]]
+                tok = scored.argmax(-1)  # gumbel_sample's token
             elif probs is None:
+                scored = logits
                 tok = logits.argmax(-1)
             else:
                 tok = sample(probs, state.generator)
                 dists.append(probs)
+            if probs is None and self.tree_width > 1:
+                top = scored[0].topk(min(self.tree_width, scored.shape[-1])).indices.tolist()
+                alts[i] = [t for t in top if t != int(tok)][:self.tree_width - 1]
             ids.append(tok)
             feed = tok[:, None]
             context = torch.cat([context, feed], 1)
-        return self._output(ids, dists)
+        return self._output(ids, dists, alts)
 
     def _unsure(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> bool:
         """Whether the draft's top probability ([1, V] logits, or the sampled request's
@@ -166,12 +186,25 @@ class DraftModelProposer(Proposer):
             return False
         return float((torch.softmax(logits.float(), -1) if probs is None else probs).max()) < self.p_min
 
-    @staticmethod
-    def _output(ids: list, dists: list) -> DraftOutput:
+    def _output(self, ids: list, dists: list, alts: dict) -> DraftOutput:
+        self._chain = [int(t) for t in ids]  # the cache holds the committed tokens + ids[:-1]
         if not ids:
             return DraftOutput.empty()
-        return DraftOutput(torch.stack(ids, 1), torch.stack(dists, 1) if dists else None, "draft")
+        if not alts:
+            return DraftOutput(torch.stack(ids, 1), torch.stack(dists, 1) if dists else None, "draft")
+        tokens, parents, parent = [], [], -1
+        for i, tok in enumerate(ids):  # the chain's node first, then its siblings (leaves)
+            tokens += [int(tok)] + alts.get(i, [])
+            parents += [parent] * (1 + len(alts.get(i, [])))
+            parent = len(tokens) - 1 - len(alts.get(i, []))
+        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+        return DraftOutput(tree.token_ids[None], None, "draft", tree=tree)
 
     def on_accept(self, state: RequestState) -> None:
         if self.enabled:
-            self.draft.rollback(min(self.draft.seq_len, len(state.tokens) - 1))
+            # the drafted tokens stay cached as far as they were committed: a tree's target
+            # may have kept a sibling of the chain's token, which the draft never read
+            n, chain = self._proposed_at, self._chain
+            kept = next((i for i, t in enumerate(chain) if n + i >= len(state.tokens)
+                         or state.tokens[n + i] != t), len(chain))
+            self.draft.rollback(min(self.draft.seq_len, n + kept, len(state.tokens) - 1))
