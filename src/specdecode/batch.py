@@ -324,7 +324,7 @@ class BatchEngine:
         its K itself: its schedule's K is used every round, not the policy's. Raises ValueError as
         :meth:`Engine.generate`, and when prompt + max_new_tokens exceeds max_len."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
-        if getattr(proposer, "tree_width", 1) > 1:
+        if proposer is not None and proposer.makes_trees:
             raise ValueError("draft trees run in the single-request engine (Engine) only, not in "
                              "a batch: use a draft tree width of 1 here")
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)

@@ -25,6 +25,7 @@ from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
+from .tree import check_target
 from .verify import greedy_verify, greedy_verify_tree, gumbel_verify, rejection_sample, verify_tree
 
 
@@ -106,8 +107,8 @@ class Engine:
             k = FixedK(proposer.default_k)
         elif not isinstance(k, Schedule):
             k = FixedK(check_k("num_speculative_tokens (K)", k))
-        if getattr(proposer, "tree_width", 1) > 1:
-            check_tree_target(target)
+        if proposer is not None and proposer.makes_trees:
+            check_target(target)
         if proposer is not None and any(m is target for m in proposer.models()):
             raise ValueError("the proposer's draft model is the target itself, whose KV cache the "
                              "target needs: give the draft its own cache, e.g. "
@@ -181,17 +182,6 @@ def _deepest_first_child(tree) -> int:
     while tree.children(node + 1):
         node = tree.children(node + 1)[0]
     return node
-
-
-def check_tree_target(target: CausalLM) -> None:
-    """Raise ValueError unless ``target`` verifies draft trees with the bits of its one-token
-    passes (:attr:`~specdecode.models.native.Transformer.exact_trees`)."""
-    if not getattr(target, "exact_trees", False):
-        raise ValueError(
-            f"draft trees need a target whose tree passes give the bits of its one-token passes: "
-            f"the native runtime in fp32 on a CPU with the AVX2 attention kernel; this target "
-            f"({type(target).__name__}, {getattr(target, 'weight_format', '?')}) cannot, so its "
-            "output would not be exactly its own decoding. Use a draft tree width of 1 (no tree)")
 
 
 def check_request(target: CausalLM, input_ids, params: SamplingParams,

@@ -109,3 +109,16 @@ class DraftTree:
             out.append(node)
             node = int(self.parents[node])
         return out[::-1]
+
+
+def check_target(target) -> None:
+    """Raise ValueError unless ``target`` (a :class:`~specdecode.models.base.CausalLM`)
+    verifies draft trees with the bits of its one-token passes
+    (:attr:`~specdecode.models.native.Transformer.exact_trees`), so that trees keep its output
+    exactly its own decoding."""
+    if not getattr(target, "exact_trees", False):
+        raise ValueError(
+            "draft trees need a target whose tree passes give the bits of its one-token passes: "
+            "the native runtime in fp32 on a CPU with the AVX2 attention kernel; this target "
+            f"({type(target).__name__}, {getattr(target, 'weight_format', '?')}) cannot, so its "
+            "output would not be exactly its own decoding. Use a draft tree width of 1 (no tree)")

@@ -115,6 +115,12 @@ class Proposer(ABC):
         return ()
 
     @property
+    def makes_trees(self) -> bool:
+        """Whether this proposer may return draft trees (``DraftOutput.tree``): the engine
+        then checks that the target verifies trees exactly (:func:`~specdecode.tree.check_target`)."""
+        return False
+
+    @property
     def active(self) -> bool:
         """False once the proposer can propose nothing more in this request (a draft model
         whose context is full, or that met a token outside its vocabulary)."""

@@ -80,6 +80,10 @@ class DraftModelProposer(Proposer):
         return (self.draft,)
 
     @property
+    def makes_trees(self) -> bool:
+        return self.tree_width > 1
+
+    @property
     def active(self) -> bool:
         return self.enabled
 
