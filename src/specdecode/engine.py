@@ -18,14 +18,16 @@ from typing import Callable, Iterator
 import torch
 
 from .config import SamplingParams, check_k
+from .heads import check_heads_target
 from .models.base import CausalLM, busy_lock
+from .models.native import FINAL
 from .proposers import Proposer, RequestState
 from .proposers.base import run_alone
 from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
-from .tree import check_target
+from .tree import check_tree_target
 from .verify import greedy_verify, greedy_verify_tree, gumbel_verify, rejection_sample, verify_tree
 
 
@@ -108,7 +110,9 @@ class Engine:
         elif not isinstance(k, Schedule):
             k = FixedK(check_k("num_speculative_tokens (K)", k))
         if proposer is not None and proposer.makes_trees:
-            check_target(target)
+            check_tree_target(target)
+        if proposer is not None and proposer.wants_hidden:
+            check_heads_target(target)
         if proposer is not None and any(m is target for m in proposer.models()):
             raise ValueError("the proposer's draft model is the target itself, whose KV cache the "
                              "target needs: give the draft its own cache, e.g. "
@@ -150,6 +154,7 @@ class Engine:
         run = RequestRun(target, self.proposer, self.schedule, prompt, params, eos, decode,
                          stats, gen, (lambda: target.seq_len) if self.debug else None)
         target.allocate(1, run.limit)
+        hidden = (FINAL,) if self.proposer is not None and self.proposer.wants_hidden else ()
         if len(prompt) > 1:
             target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
         run.begin(t0)
@@ -157,14 +162,17 @@ class Engine:
             while True:
                 drafts = run.propose(run.wanted_k())
                 last, tree = run.state.tokens[-1], run.tree
-                if tree is None:
-                    logits = target.forward(torch.cat([torch.tensor([[last]]), drafts], 1))
-                    emitted = run.finish(logits)
+                if tree is None and not hidden:
+                    emitted = run.finish(target.forward(torch.cat([torch.tensor([[last]]), drafts], 1)))
+                elif tree is None:
+                    out = target.forward_rows(torch.cat([torch.tensor([[last]]), drafts], 1),
+                                              output_hidden=hidden)
+                    emitted = run.finish(out.logits, out.hidden[FINAL])
                 else:  # one tree pass; the accepted path's cache entries kept
                     start = len(run.state.tokens) - 1
-                    logits = target.forward_rows(tree.input_ids(last)[None], attn_mask=tree.attn_mask(),
-                                                 position_ids=tree.position_ids(start)).logits
-                    emitted = run.finish(logits)
+                    out = target.forward_rows(tree.input_ids(last)[None], attn_mask=tree.attn_mask(),
+                                              position_ids=tree.position_ids(start), output_hidden=hidden)
+                    emitted = run.finish(out.logits, out.hidden.get(FINAL))
                     target.compact(0, start, [0] + [i + 1 for i in run.accepted_path])
                 target.rollback(len(run.state.tokens) - 1)
                 run.after_rollback()
@@ -322,9 +330,10 @@ class RequestRun:
         self._draft, self._drafts = draft, drafts
         return drafts
 
-    def finish(self, logits: torch.Tensor) -> list[int]:
-        """The block this round commits, from the verify pass's logits [1, k+1, V]; sets
-        ``gen.finish_reason`` when the request ends."""
+    def finish(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> list[int]:
+        """The block this round commits, from the verify pass's logits [1, k+1, V] (a tree
+        pass: [1, N+1, V]); sets ``gen.finish_reason`` when the request ends. hidden: the
+        pass's final hidden states [1, k+1, dim], for a proposer that reads them."""
         state, params, stats, gen = self.state, self.params, self.stats, self.gen
         draft, drafts, noise = self._draft, self._drafts, self.noise
         n, k = len(state.tokens), drafts.shape[1]
@@ -352,6 +361,8 @@ class RequestRun:
                 self.schedule.update(k, accepted, t2 - t1, t3 - t2)
             else:
                 self.schedule.update(k, accepted, None, None)
+        if hidden is not None:
+            self.proposer.take_hidden(hidden[0, rows[-1]])
         emitted = []
         for tok in block:
             emitted.append(tok)

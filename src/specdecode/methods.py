@@ -15,18 +15,19 @@ from pathlib import Path
 from typing import Callable
 
 from .config import MAX_K, KSchedule, check_k
+from .heads import MedusaHeads
 from .layer_skip import SkipProfile, check_skip, default_profile
 from .models.loading import LoadedModel, check_compatible, load
 from .profile import verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
-                        PromptLookupProposer, Proposer, SuffixProposer)
+                        MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
 from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
 # suffix_cache, skip (a layer-skip draft's layers), exit_layer, self_draft_dtype, tree (a
-# draft model's tree width)
+# draft tree's width), heads (Medusa heads' directory)
 OPTIONS = {
     "draft": "a draft model (draft=, assistant_model=, --draft and its --draft-* options) applies",
     "draft_p_min": "draft_p_min applies",
@@ -36,6 +37,7 @@ OPTIONS = {
     "exit_layer": "an exit layer (exit_layer=; layer=) applies",
     "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
     "tree": "a draft tree width (draft_tree_width=; tree=) applies",
+    "heads": "a directory of draft heads (heads_dir=; heads=) applies",
 }
 
 
@@ -91,6 +93,23 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
         p_min = HybridTuning.draft_p_min if p_min is None else p_min
     return CrossTokenizerProposer(lm, target.tokenizer, draft.tokenizer, draft.eos_token_ids,
                                   p_min=p_min, lazy_prefill=hybrid)
+
+
+def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
+    """The Medusa heads of ``spec.heads_dir`` for this target, as a chain or, with
+    ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
+    if spec.heads_dir is None:
+        raise ValueError("method 'medusa' needs its heads: medusa:heads=DIR (Python: "
+                         "heads_dir=DIR), a directory of Medusa heads in vLLM's format made for "
+                         "this target")
+    heads = MedusaHeads.load(spec.heads_dir)
+    lm = _native(target, "medusa")
+    if (heads.dim, heads.vocab_size) != (lm.args.dim, lm.vocab_size):
+        raise ValueError(f"the Medusa heads in {spec.heads_dir} are for hidden size {heads.dim} and "
+                         f"{heads.vocab_size} tokens; this target has {lm.args.dim} and "
+                         f"{lm.vocab_size}: give heads made for this target")
+    w = spec.draft_tree_width
+    return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None)
 
 
 def _suffix(spec: "SpeculativeConfig", target: LoadedModel) -> SuffixProposer:
@@ -228,6 +247,9 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                DraftModelProposer,
                lambda spec, target, draft: _self_draft(spec, _lower_precision_draft(spec, target)),
                options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
+    MethodSpec("medusa", "Medusa heads on the target's own last hidden state (heads=DIR: vLLM's "
+               "Medusa format)", MedusaProposer, lambda spec, target, draft: _medusa(spec, target),
+               options=frozenset({"heads", "tree"}), k=3),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
                options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
@@ -276,7 +298,8 @@ class SpeculativeConfig:
     layer-skip draft skips, or a ``tune-skip`` profile file; neither: the target's cached
     default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
     None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
-    next w - 1 candidates at each depth as a draft tree; 1: no tree). Raises ValueError naming a bad value, or an option the method does not
+    next w - 1 candidates at each depth as a draft tree; 1: no tree), ``heads_dir``
+    (``heads``: the Medusa heads of the ``medusa`` method). Raises ValueError naming a bad value, or an option the method does not
     honour (never silently ignored).
     """
 
@@ -293,6 +316,7 @@ class SpeculativeConfig:
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
     draft_tree_width: int = 1
+    heads_dir: str | None = None
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
     k_given: bool = field(default=False, init=False, repr=False, compare=False)
@@ -348,7 +372,7 @@ class SpeculativeConfig:
                  "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
                  "skip": self.skip_layers is not None or self.skip_profile is not None,
                  "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
-                 "tree": w != 1}
+                 "tree": w != 1, "heads": self.heads_dir is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -386,13 +410,14 @@ METHOD_OPTIONS = {
     "layer": ("exit_layer", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", lambda v: {"self_draft_dtype": v}),
     "tree": ("tree", lambda v: {"draft_tree_width": _positive("tree", v)}),
+    "heads": ("heads", lambda v: {"heads_dir": v}),
 }
 
 
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
-    early-exit, dtype= for self-draft, tree= for draft); keys the method does not honour are left in ``opts``.
+    early-exit, dtype= for self-draft, tree= for draft and medusa, heads= for medusa); keys the method does not honour are left in ``opts``.
     Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}

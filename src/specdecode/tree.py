@@ -111,7 +111,7 @@ class DraftTree:
         return out[::-1]
 
 
-def check_target(target) -> None:
+def check_tree_target(target) -> None:
     """Raise ValueError unless ``target`` (a :class:`~specdecode.models.base.CausalLM`)
     verifies draft trees with the bits of its one-token passes
     (:attr:`~specdecode.models.native.Transformer.exact_trees`), so that trees keep its output
@@ -122,3 +122,4 @@ def check_target(target) -> None:
             "the native runtime in fp32 on a CPU with the AVX2 attention kernel; this target "
             f"({type(target).__name__}, {getattr(target, 'weight_format', '?')}) cannot, so its "
             "output would not be exactly its own decoding. Use a draft tree width of 1 (no tree)")
+

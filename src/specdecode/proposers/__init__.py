@@ -9,8 +9,9 @@ from .base import DraftOutput, Forecast, Proposer, RequestState
 from .cross_tokenizer import CrossTokenizerProposer
 from .draft_model import DraftModelProposer
 from .hybrid import HybridProposer, HybridTuning
+from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
 from .suffix import ContinuationCounts, SuffixProposer
 
 __all__ = ["ContinuationCounts", "CrossTokenizerProposer", "DraftModelProposer", "DraftOutput", "Forecast", "HybridProposer",
-           "HybridTuning", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer"]
+           "HybridTuning", "MedusaProposer", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer"]

@@ -98,6 +98,9 @@ class Proposer(ABC):
     name: ClassVar[str]
     default_k: ClassVar[int] = 16
     free: ClassVar[bool] = False
+    # reads the target's final hidden states (draft heads): the engine then runs the target
+    # through forward_rows and calls take_hidden after every verify pass
+    wants_hidden: ClassVar[bool] = False
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         """Start a request: ``state.tokens`` is the prompt; at most ``max_total_len`` tokens."""
@@ -109,6 +112,11 @@ class Proposer(ABC):
     def on_accept(self, state: RequestState) -> None:
         """``state.tokens`` now holds the committed tokens after verification."""
 
+    def take_hidden(self, hidden: torch.Tensor) -> None:
+        """For proposers with ``wants_hidden``: the target's final normed hidden state [dim]
+        of the pass row that predicted the last committed token (the lm_head's input there),
+        after every verify pass and before ``on_accept``."""
+
     def models(self) -> tuple[CausalLM, ...]:
         """The models whose KV caches this proposer uses: the engine holds them for the whole
         request (one request at a time per model) and refuses the target among them."""
@@ -117,7 +125,7 @@ class Proposer(ABC):
     @property
     def makes_trees(self) -> bool:
         """Whether this proposer may return draft trees (``DraftOutput.tree``): the engine
-        then checks that the target verifies trees exactly (:func:`~specdecode.tree.check_target`)."""
+        then checks that the target verifies trees exactly (:func:`~specdecode.tree.check_tree_target`)."""
         return False
 
     @property

@@ -1,0 +1,179 @@
+"""Medusa draft heads (specdecode.heads, proposers/medusa.py): the module, vLLM's directory
+format, the hidden state the engine hands over, and lossless output through chains and static
+trees on the real kernels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import PROMPTS, MockLM, run, tiny_model
+from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.heads import MedusaHeads
+from specdecode.models.native import FINAL
+from specdecode.proposers import MedusaProposer
+
+
+def _random_heads(model, num_heads=3, seed=0, shared=False):
+    g = torch.Generator().manual_seed(seed)
+    lm = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
+    heads = MedusaHeads(model.args.dim, model.args.vocab_size, num_heads,
+                        lm_head=lm.detach() if shared else None)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return heads
+
+
+def test_identity_blocks_with_the_target_projection_guess_the_target_token():
+    """Medusa's initialisation: zero blocks and the target's lm_head, so each head's logits
+    are the target's own logits from the same hidden state."""
+    lm = torch.randn(50, 16)
+    heads = MedusaHeads(16, 50, 2, lm_head=lm)
+    h = torch.randn(4, 16)
+    out = heads(h)
+    assert out.shape == (2, 4, 50)
+    torch.testing.assert_close(out[0], h @ lm.t())
+    torch.testing.assert_close(out[1], h @ lm.t())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_save_writes_vllm_medusa_format_and_load_reads_it_back(tmp_path, shared):
+    model = tiny_model(0)
+    heads = _random_heads(model, shared=shared)
+    out = heads.save(tmp_path / "medusa", trained_on="test")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["medusa_fc_bias"] is True
+    assert config["num_heads"] == 3 and config["hidden_size"] == model.args.dim
+    assert config["original_lm_head"] is shared and config["trained_on"] == "test"
+    names = set(load_file(str(out / "model.safetensors")))
+    blocks = {f"blocks.{i}.layers.0.{k}" for i in range(3) for k in ("weight", "bias")}
+    assert names == blocks | ({"lm_heads.0.weight"} if shared else {f"lm_heads.{i}.weight" for i in range(3)})
+    back = MedusaHeads.load(out)
+    with torch.no_grad():  # what bf16 on disk keeps of the weights
+        for p in heads.parameters():
+            p.copy_(p.bfloat16().float())
+        if shared:
+            heads.shared_lm_head.copy_(heads.shared_lm_head.bfloat16().float())
+    h = torch.randn(2, model.args.dim)
+    assert torch.equal(back(h), heads(h))
+    assert back.original_lm_head is shared
+    exact = MedusaHeads.load(heads.save(tmp_path / "fp32", dtype=torch.float32))
+    assert torch.equal(exact(h), heads(h))
+
+
+def test_load_names_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="not a Medusa heads directory"):
+        MedusaHeads.load(tmp_path / "nothing")
+    out = MedusaHeads(8, 20, 2).save(tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_heads": 3}))
+    with pytest.raises(ValueError, match="does not hold 3 Medusa heads"):
+        MedusaHeads.load(out)
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="not \\['MedusaModel'\\]"):
+        MedusaHeads.load(out)
+    with pytest.raises(ValueError, match="shared lm_head has shape"):
+        MedusaHeads(8, 20, 2, lm_head=torch.zeros(20, 9))
+    with pytest.raises(ValueError, match="num_heads=0"):
+        MedusaHeads(8, 20, 0)
+
+
+@pytest.mark.parametrize("tree,match", [([(0, 0)], "no parent"), ([()], "invalid"),
+                                        ([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], "invalid"),
+                                        ([(0,), (0,)], "repeat"), ([(-1,)], "invalid")])
+def test_bad_trees_are_refused(tree, match):
+    with pytest.raises(ValueError, match=match):
+        MedusaProposer(MedusaHeads(8, 20, 3), tree)
+
+
+class _Spy(MedusaProposer):
+    """Records, after every verify pass, the hidden state handed over and the last token."""
+
+    def __init__(self, heads, tree=None):
+        super().__init__(heads, tree)
+        self.seen = []
+
+    def take_hidden(self, hidden):
+        super().take_hidden(hidden)
+        self.seen.append(hidden.clone())
+
+    def on_accept(self, state):
+        self.seen[-1] = (self.seen[-1], state.tokens[-1])
+
+
+def test_the_hidden_state_is_the_one_that_predicted_the_last_committed_token():
+    """With the target's own projection and identity blocks, head 0's argmax on the hidden
+    state handed over is the last committed token (greedy): the engine gives the row that
+    predicted it, in chains and in trees."""
+    target = tiny_model(0)  # fp32: the heads' projection is the target's exactly
+    for tree in (None, [(0,), (1,), (0, 0)]):
+        spy = _Spy(MedusaHeads(target.args.dim, target.args.vocab_size, 2,
+                               lm_head=target.lm_head.weight.detach()), tree)
+        if tree is not None and not target.exact_trees:
+            continue
+        gen, _ = run(target, spy, 2, PROMPTS["twenty"], SamplingParams(max_new_tokens=20))
+        assert len(spy.seen) == gen.stats.num_verify_passes
+        for h, last in spy.seen:
+            assert int(spy.heads(h)[0].argmax()) == last
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
+                                    SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
+                         ids=["greedy", "gumbel"])
+@pytest.mark.parametrize("tree", [None, [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)]],
+                         ids=["chain", "tree"])
+def test_medusa_output_equals_plain_decoding_on_the_int8_target(params, tree):
+    target = tiny_model(0, int8="nk")
+    proposer = MedusaProposer(_random_heads(target, seed=4), tree)
+    if tree is not None and not target.exact_trees:
+        with pytest.raises(ValueError, match="draft trees need a target"):
+            Engine(target, proposer, 3)
+        return
+    plain, _ = run(target, None, None, PROMPTS["twenty"], params)
+    gen, _ = run(target, proposer, 3, PROMPTS["twenty"], params)
+    assert gen.token_ids == plain.token_ids
+    assert gen.stats.num_draft_tokens > 0
+
+
+def test_heads_need_the_native_runtime_and_a_single_request_engine():
+    heads = MedusaHeads(8, 8, 2)
+    with pytest.raises(ValueError, match="native runtime"):
+        Engine(MockLM(8, lambda ctx: torch.zeros(8)), MedusaProposer(heads), 2)
+    from specdecode.batch import BatchEngine
+    batch = BatchEngine(tiny_model(0), 2, 64)
+    try:
+        with pytest.raises(ValueError, match="single-request engine"):
+            batch.add(PROMPTS["twenty"], SamplingParams(max_new_tokens=4),
+                      proposer=MedusaProposer(MedusaHeads(tiny_model(0).args.dim, 96, 2)))
+    finally:
+        batch.close()
+    assert FINAL == -1
+
+
+def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory):
+    """``method="medusa:heads=DIR"`` loads the heads, checks them against the target, and
+    keeps plain decoding's output; without heads= or with another target's heads it says what
+    to give."""
+    import specdecode
+    from tiny_dirs import tiny_dirs_in
+    target = specdecode.load(tiny_dirs_in(tmp_path_factory)["target"])
+    lm = target.lm
+    heads = _random_heads(lm, num_heads=2, seed=1).save(tmp_path / "heads")
+    prompt = "def add(a, b):"
+    plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24)
+    for method in (f"medusa:heads={heads}", f"medusa:heads={heads}:tree=2"):
+        if method.endswith("tree=2") and not lm.exact_trees:
+            continue
+        out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
+        assert out.token_ids == plain.token_ids
+        assert out.stats.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="needs its heads"):
+        specdecode.generate(target, prompt, method="medusa", max_new_tokens=4)
+    other = MedusaHeads(lm.args.dim + 8, lm.vocab_size, 2).save(tmp_path / "other")
+    with pytest.raises(ValueError, match="give heads made for this target"):
+        specdecode.generate(target, prompt, method=f"medusa:heads={other}", max_new_tokens=4)
