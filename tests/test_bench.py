@@ -205,8 +205,8 @@ def test_parse_methods():
     assert runners.parse_methods("ar, draft:k=4:dtype=float32,hf-pld") == [
         ("ar", "ar", {}), ("draft:k=4:dtype=float32", "draft", {"k": "4", "dtype": "float32"}),
         ("hf-pld", "hf-pld", {})]
-    with pytest.raises(ValueError, match="unknown method 'medusa'; available: ar, draft"):
-        runners.parse_methods("ar,medusa")
+    with pytest.raises(ValueError, match="unknown method 'eagle9'; available: ar, draft"):
+        runners.parse_methods("ar,eagle9")
     with pytest.raises(ValueError, match="key=value"):
         runners.parse_methods("draft:4")
     with pytest.raises(ValueError, match="twice"):

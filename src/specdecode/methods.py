@@ -52,6 +52,8 @@ class MethodSpec:
     build: (config, target, draft or None) -> the request's proposer (None for plain decoding).
     needs_draft_model: a draft model must be given (and is checked against the target).
     options: the :data:`OPTIONS` it honours; giving another is an error.
+    batched: whether it runs in the batched engine (the server and lists of prompts); draft
+        heads and trees run in the single-request engine only.
     """
 
     name: str
@@ -61,6 +63,7 @@ class MethodSpec:
     needs_draft_model: bool = False
     options: frozenset[str] = frozenset()
     k: int | None = None  # its default K where it is not its proposer class's
+    batched: bool = True  # runs in the batched engine (the server, lists of prompts)
 
     @property
     def default_k(self) -> int | None:
@@ -249,7 +252,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (heads=DIR: vLLM's "
                "Medusa format)", MedusaProposer, lambda spec, target, draft: _medusa(spec, target),
-               options=frozenset({"heads", "tree"}), k=3),
+               options=frozenset({"heads", "tree"}), k=3, batched=False),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
                options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
@@ -264,6 +267,10 @@ class _MethodBase(str, Enum):
     @property
     def needs_draft_model(self) -> bool:
         return self.spec.needs_draft_model
+
+    @property
+    def batched(self) -> bool:
+        return self.spec.batched
 
     @classmethod
     def parse(cls, value) -> "Method":

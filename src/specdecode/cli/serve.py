@@ -85,6 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "layers= apply to `specdecode generate` and the bench (layer-skip and self "
                          "use the target's default profile here)")
     method = Method(args.method)
+    if not method.batched:
+        raise ValueError(f"--method {method.value} runs in the single-request engine only (`specdecode "
+                         "generate`, the Python API), not in the server's batches")
     threads = apply_threads(args)
     name = model_name(args)
     def load():

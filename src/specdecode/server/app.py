@@ -42,8 +42,8 @@ class _Context:
     def __init__(self, worker: Worker, model_name: str, default_method: str):
         tgt = worker.target
         self.model_name, self.default_method = model_name, default_method
-        self.methods = [m.value for m in Method
-                        if not m.needs_draft_model or worker.draft is not None]
+        self.methods = [m.value for m in Method if m.batched
+                        and (not m.needs_draft_model or worker.draft is not None)]
         self.max_context, self.vocab_size = worker.context, tgt.lm.vocab_size
         self._target = tgt
 
