@@ -259,25 +259,9 @@ inline void attend_one(const float* qi, const float* kc, const float* vc, int64_
 
 extern "C" {
 
-// out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
-// caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
-// (1 <= lens <= L); H % Hkv == 0, D % 8 == 0; scores scaled by `scale`.
-void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
-               int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
-               const int64_t* lens, float scale, float* out) {
-    const int64_t g = H / Hkv;
-    const int64_t items = B * T * H;
-#pragma omp parallel for schedule(static)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t b = it / (T * H), t = it / H % T, h = it % H, kv = h / g;
-        const int64_t cache = (b * Hkv + kv) * L * D;
-        attend_one(q + b * qb + t * qt + h * qh, k + cache, v + cache, D, lens[b * T + t],
-                   [](int64_t j) { return j; }, scale, out + ((b * T + t) * H + h) * D);
-    }
-}
-
 // sd_attend with query (b, t) seeing the slots slots[(b*T+t)*S + 0..lens[b*T+t]-1], in that
-// order (a draft tree: the committed slots, then the node's ancestors and itself).
+// order (a draft tree: the committed slots, then the node's ancestors and itself); slots
+// null: slots 0..lens[b*T+t]-1.
 void sd_attend_slots(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
                      int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv,
                      int64_t L, const int64_t* lens, const int64_t* slots, int64_t S,
@@ -287,11 +271,25 @@ void sd_attend_slots(const float* q, int64_t B, int64_t T, int64_t H, int64_t D,
 #pragma omp parallel for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t b = it / (T * H), t = it / H % T, h = it % H, kv = h / g;
-        const int64_t cache = (b * Hkv + kv) * L * D;
-        const int64_t* sl = slots + (b * T + t) * S;
-        attend_one(q + b * qb + t * qt + h * qh, k + cache, v + cache, D, lens[b * T + t],
-                   [sl](int64_t j) { return sl[j]; }, scale, out + ((b * T + t) * H + h) * D);
+        const int64_t cache = (b * Hkv + kv) * L * D, n = lens[b * T + t];
+        const float* qi = q + b * qb + t * qt + h * qh;
+        float* o = out + ((b * T + t) * H + h) * D;
+        if (slots == nullptr) {
+            attend_one(qi, k + cache, v + cache, D, n, [](int64_t j) { return j; }, scale, o);
+        } else {
+            const int64_t* sl = slots + (b * T + t) * S;
+            attend_one(qi, k + cache, v + cache, D, n, [sl](int64_t j) { return sl[j]; }, scale, o);
+        }
     }
+}
+
+// out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
+// caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
+// (1 <= lens <= L); H % Hkv == 0, D % 8 == 0; scores scaled by `scale`.
+void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
+               int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
+               const int64_t* lens, float scale, float* out) {
+    sd_attend_slots(q, B, T, H, D, qb, qt, qh, k, v, Hkv, L, lens, nullptr, 0, scale, out);
 }
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for n floats
