@@ -81,9 +81,24 @@ def test_load_names_what_is_wrong(tmp_path):
         MedusaHeads(8, 20, 2, lm_head=torch.zeros(20, 9))
     with pytest.raises(ValueError, match="num_heads=0"):
         MedusaHeads(8, 20, 0)
+    (out / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="not \\['MedusaModel'\\]"):
+        MedusaHeads.load(out)
 
 
-@pytest.mark.parametrize("tree,match", [([(0, 0)], "no parent"), ([()], "invalid"),
+def test_heads_without_fc_bias_load_as_vllm_loads_them(tmp_path):
+    """vLLM drops the blocks' biases unless the config says medusa_fc_bias: true."""
+    heads = _random_heads(tiny_model(0), num_heads=2)
+    out = heads.save(tmp_path / "m", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
+    back = MedusaHeads.load(out)
+    assert all(not layer.bias.any() for block in back.blocks for layer in block.layers)
+    assert torch.equal(back.blocks[0].layers[0].weight, heads.blocks[0].layers[0].weight)
+
+
+@pytest.mark.parametrize("tree,match", [([(0, 0)], "no parent"), ([()], "invalid"), ([], "empty"),
+                                        ([(0,), (20,)], "invalid"),
                                         ([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], "invalid"),
                                         ([(0,), (0,)], "repeat"), ([(-1,)], "invalid")])
 def test_bad_trees_are_refused(tree, match):

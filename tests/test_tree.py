@@ -289,3 +289,63 @@ def test_a_batch_refuses_draft_trees():
                       proposer=DraftModelProposer(_draft(), tree_width=2))
     finally:
         batch.close()
+
+
+def test_prune_keeps_parents_and_renumbers():
+    kept = TREE.prune(torch.tensor([True, True, False, True, True]))
+    assert kept.token_ids.tolist() == [5, 3, 7, 1] and kept.parents.tolist() == [-1, -1, 0, 2]
+    assert TREE.prune(TREE.depths() <= 1).token_ids.tolist() == [5, 3]
+    with pytest.raises(ValueError, match="without its parent"):
+        TREE.prune(torch.tensor([False, True, True, False, False]))
+
+
+def test_trees_beyond_an_exact_pass_are_pruned_and_stay_exact():
+    """A tree of 8 x 9 nodes would make a 73-row pass, past what the exact attention kernel
+    runs: the engine verifies its first 64 nodes, and logprobs stay bit for bit plain
+    decoding's."""
+    target = _tree_target()
+    if not target.exact_trees:
+        return
+    params = SamplingParams(max_new_tokens=100, logprobs=1)  # room for 64 nodes at first
+    plain, _ = run(target, None, None, PROMPTS["twenty"], params)
+    gen, _ = run(target, DraftModelProposer(_draft(), tree_width=8), 9, PROMPTS["twenty"], params)
+    assert gen.token_ids == plain.token_ids
+    assert max(gen.stats.speculation_lengths) == 64
+    assert [i.logprob for i in gen.token_info] == [i.logprob for i in plain.token_info]
+
+
+def test_the_k_schedules_see_the_tree_depth():
+    """Heuristic K grows after fully accepted paths of a tree as after a fully accepted chain
+    (a draft that is the target itself is always right)."""
+    from specdecode.schedule import HeuristicK
+    target = _tree_target()
+    if not target.exact_trees:
+        return
+    params = SamplingParams(max_new_tokens=120)
+    passes = {}
+    for w in (1, 2):
+        gen = Engine(target, DraftModelProposer(target.fork(), tree_width=w), HeuristicK(4)) \
+            .generate(PROMPTS["twenty"], params).run()
+        passes[w] = gen.stats.num_verify_passes
+    assert passes[2] <= passes[1]
+
+
+def test_a_proposer_that_gives_more_than_k_is_cut_to_k():
+    from specdecode.proposers import DraftOutput, Proposer
+
+    class Greedy(Proposer):
+        name = "greedy"
+
+        def propose(self, state, k):
+            return DraftOutput(torch.arange(10)[None])
+
+    gen, _ = run(_tree_target(), Greedy(), 2, PROMPTS["twenty"], SamplingParams(max_new_tokens=5))
+    assert len(gen.token_ids) == 5 and max(gen.stats.speculation_lengths) <= 2
+
+
+def test_trim_keeps_the_first_child_chain_first():
+    assert TREE.trim(5, 10) is TREE
+    cut = TREE.trim(3, 3)  # the chain a -> c is kept whole, then b
+    assert cut.token_ids.tolist() == [5, 3, 2] and cut.parents.tolist() == [-1, -1, 0]
+    assert TREE.trim(3, 2).token_ids.tolist() == [5, 2]  # the chain only
+    assert TREE.trim(1, 5).token_ids.tolist() == [5, 3]

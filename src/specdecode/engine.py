@@ -12,7 +12,7 @@ with no proposer (k = 0 every round), so both share every line of stop handling.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -27,7 +27,7 @@ from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
-from .tree import check_tree_target
+from .tree import MAX_NODES, check_tree_target
 from .verify import greedy_verify, greedy_verify_tree, gumbel_verify, rejection_sample, verify_tree
 
 
@@ -184,14 +184,6 @@ class Engine:
             stats.total_s = time.perf_counter() - t0
 
 
-def _deepest_first_child(tree) -> int:
-    """The node reached from the root by first children (-1 for an empty tree)."""
-    node = -1
-    while tree.children(node + 1):
-        node = tree.children(node + 1)[0]
-    return node
-
-
 def check_request(target: CausalLM, input_ids, params: SamplingParams,
                   eos_token_ids: tuple[int, ...], decode) -> tuple[list[int], frozenset]:
     """The prompt as a list of ints and the request's EOS ids, or ValueError (see
@@ -303,7 +295,7 @@ class RequestRun:
         """:meth:`propose` as a generator of the proposer's forward passes
         (:meth:`~specdecode.proposers.Proposer.propose_steps`); returns the draft tokens."""
         state, schedule, proposer = self.state, self.schedule, self.proposer
-        t1 = time.perf_counter()
+        t1, wanted = time.perf_counter(), k
         draft = (yield from proposer.propose_steps(state, k)) if k > 0 else None
         drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
         if draft is not None and draft.free and drafts.shape[1]:
@@ -318,15 +310,22 @@ class RequestRun:
             raise ValueError(f"the proposer returned token ids outside the target's vocabulary "
                              f"[0, {v}): {drafts[0].tolist()}")
         self.tree = draft.tree if draft is not None and k else None
-        if self.tree is not None and (self.tree.num_nodes != k or draft.probs is not None):
-            raise ValueError("a proposer's draft tree must come with its tokens as token_ids "
-                             "[1, N] and no probs (point-mass candidates)")
-        if self.tree is not None and k > self.limit - len(self.state.tokens):
-            # the pass would overrun the cache (sized for chains): the chain, first children
-            chain = self.tree.path(_deepest_first_child(self.tree))
-            drafts, self.tree = self.tree.token_ids[chain][None], None
+        if self.tree is not None:
+            if self.tree.num_nodes != k or draft.probs is not None:
+                raise ValueError("a proposer's draft tree must come with its tokens as token_ids "
+                                 "[1, N] and no probs (point-mass candidates)")
+            # no deeper than the K asked for, no more nodes than the cache has room for (it is
+            # sized for chains) or than an exact pass holds
+            self.tree = self.tree.trim(wanted, min(MAX_NODES, self.limit - len(self.state.tokens)))
+            drafts = self.tree.token_ids[None]
             k = drafts.shape[1]
             self.stats.speculation_lengths[-1] = k
+        elif k > wanted:  # a proposer that gave more than it was asked for
+            drafts = drafts[:, :wanted]
+            k = wanted
+            self.stats.speculation_lengths[-1] = k
+            if draft.probs is not None:
+                draft = replace(draft, token_ids=drafts, probs=draft.probs[:, :k])
         self._draft, self._drafts = draft, drafts
         return drafts
 
@@ -356,11 +355,12 @@ class RequestRun:
         t1, t2, t3 = self._t1, self._t2, time.perf_counter()
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
-        if self.proposer is not None:
+        if self.proposer is not None:  # a tree's K is its depth: the longest path it offered
+            depth = k if self.tree is None else int(self.tree.depths().max())
             if self.clocked:
-                self.schedule.update(k, accepted, t2 - t1, t3 - t2)
+                self.schedule.update(depth, accepted, t2 - t1, t3 - t2)
             else:
-                self.schedule.update(k, accepted, None, None)
+                self.schedule.update(depth, accepted, None, None)
         if hidden is not None:
             self.proposer.take_hidden(hidden[0, rows[-1]])
         emitted = []

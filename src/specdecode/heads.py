@@ -113,7 +113,8 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> "MedusaHeads":
-        """Heads from a vLLM Medusa directory (fp32). Raises ValueError naming what is wrong:
+        """Heads from a vLLM Medusa directory (fp32); without ``medusa_fc_bias: true`` in its
+        config the blocks have no biases, as vLLM loads them. Raises ValueError naming what is wrong:
         a missing or unreadable file, another architecture, or tensors of the wrong names or
         shapes."""
         path = Path(path)
@@ -122,9 +123,9 @@ class MedusaHeads(nn.Module):
             tensors = load_file(str(path / "model.safetensors"))
         except (OSError, json.JSONDecodeError, RuntimeError) as e:
             raise ValueError(f"{path} is not a Medusa heads directory: {e}") from None
-        if config.get("architectures") != ["MedusaModel"]:
-            raise ValueError(f"{path}/config.json is for {config.get('architectures')}, not "
-                             "['MedusaModel']")
+        if not isinstance(config, dict) or config.get("architectures") != ["MedusaModel"]:
+            got = config.get("architectures") if isinstance(config, dict) else config
+            raise ValueError(f"{path}/config.json is for {got!r}, not ['MedusaModel']")
         try:
             dim, vocab = int(config["hidden_size"]), int(config["vocab_size"])
             heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
@@ -134,6 +135,9 @@ class MedusaHeads(nn.Module):
         m = cls(dim, vocab, heads, layers, lm_head=shared.float() if shared is not None else None)
         state = {k: v.float() for k, v in tensors.items() if not (m.original_lm_head and k.startswith("lm_heads."))}
         want = m.state_dict()
+        if not config.get("medusa_fc_bias", False):  # vLLM's default: blocks without biases
+            state = {k: v for k, v in state.items() if not k.endswith(".bias")}
+            state.update({k: torch.zeros_like(t) for k, t in want.items() if k.endswith(".bias")})
         if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
             bad = sorted(set(state) ^ set(want)) or [k for k in want if state[k].shape != want[k].shape]
             raise ValueError(f"{path}/model.safetensors does not hold {heads} Medusa heads of "

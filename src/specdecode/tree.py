@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+# The most nodes a tree pass verifies: a pass of MAX_NODES + 1 rows is the longest the exact
+# attention kernel runs (native.SDPA_MIN_TOKENS); the engine prunes bigger trees.
+MAX_NODES = 64
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     """N draft nodes below the root, parents before children.
@@ -98,6 +103,38 @@ class DraftTree:
             mask[i + 1] = mask[parent + 1]
             mask[i + 1, i + 1] = True
         return mask
+
+    def prune(self, keep: torch.Tensor) -> "DraftTree":
+        """The tree of the nodes where ``keep`` (bool [N]) is True, renumbered in order; a
+        kept node's parent must be kept too (ValueError otherwise). ``keep = arange(N) < n``
+        (the first n nodes) and ``depths() <= d`` always qualify."""
+        keep = torch.as_tensor(keep, dtype=torch.bool)
+        if keep.shape != self.token_ids.shape:
+            raise ValueError(f"prune: keep has shape {list(keep.shape)}, expected [{self.num_nodes}]")
+        new = torch.cumsum(keep.long(), 0) - 1  # old index -> new index
+        parents = self.parents[keep]
+        orphans = (parents >= 0) & ~keep[parents.clamp(min=0)]
+        if orphans.any():
+            raise ValueError("prune would keep a node without its parent")
+        return DraftTree(self.token_ids[keep], torch.where(parents >= 0, new[parents.clamp(min=0)], -1))
+
+    def trim(self, depth: int, nodes: int) -> "DraftTree":
+        """This tree cut to paths of at most ``depth`` nodes and at most ``nodes`` nodes in
+        all: the chain of first children first (a proposer's most trusted path), then the
+        other nodes in order while they fit (self when nothing is cut)."""
+        depth = min(depth, nodes)
+        parents, depths = self.parents.tolist(), self.depths().tolist()
+        chain, node = set(), -1
+        while self.children(node + 1) and len(chain) < depth:
+            node = self.children(node + 1)[0]
+            chain.add(node)
+        keep, extra = [], nodes - len(chain)
+        for i, parent in enumerate(parents):
+            ok = depths[i] <= depth and (parent < 0 or keep[parent])
+            if ok and i not in chain:
+                ok, extra = extra > 0, extra - 1
+            keep.append(ok)
+        return self if all(keep) else self.prune(torch.tensor(keep, dtype=torch.bool))
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node`` (-1: the empty path). Raises

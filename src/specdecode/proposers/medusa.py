@@ -23,7 +23,8 @@ class MedusaProposer(Proposer):
     (:func:`~specdecode.tree.check_tree_target`). A round drafts nodes of depth <= K only. The
     candidates are point masses (lossless for every acceptance rule). The first round of a
     request drafts nothing (no hidden state yet).
-    Raises ValueError for a malformed tree or one deeper than the heads.
+    Raises ValueError for an empty or malformed tree, one deeper than the heads, or ranks
+    beyond their vocabulary.
     """
 
     name = "medusa"
@@ -32,12 +33,15 @@ class MedusaProposer(Proposer):
 
     def __init__(self, heads: MedusaHeads, tree: list[tuple[int, ...]] | None = None):
         self.heads = heads.eval()
-        h = heads.num_heads
+        h, v = heads.num_heads, heads.vocab_size
         nodes = [tuple(p) for p in tree] if tree is not None else [(0,) * d for d in range(1, h + 1)]
+        if not nodes:
+            raise ValueError("the Medusa tree is empty: give at least one node, e.g. [(0,)]")
         for p in nodes:
-            if not p or len(p) > h or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in p):
+            if not p or len(p) > h or any(isinstance(r, bool) or not isinstance(r, int)
+                                          or not 0 <= r < v for r in p):
                 raise ValueError(f"Medusa tree node {p!r} is invalid; allowed: a tuple of 1..{h} "
-                                 "candidate ranks >= 0 (one per depth)")
+                                 f"candidate ranks in 0..{v - 1} (one per depth)")
             if len(p) > 1 and p[:-1] not in nodes:
                 raise ValueError(f"Medusa tree node {p!r} has no parent {p[:-1]!r} in the tree")
         if len(set(nodes)) != len(nodes):
