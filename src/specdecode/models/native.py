@@ -611,10 +611,10 @@ class Transformer(nn.Module):
 
     @property
     def exact_trees(self) -> bool:
-        """Whether a tree pass's rows have the bits of the one-token passes along each path
-        (tree passes of up to SDPA_MIN_TOKENS tokens on the attention kernel that runs
-        trees, :func:`tree_kernel`), so that draft trees keep the output exactly the
-        target's own decoding."""
+        """Whether a tree pass computes each node's row as a verify pass of its path would
+        (tree passes of up to SDPA_MIN_TOKENS tokens on the attention kernel that also runs
+        trees, :func:`tree_kernel`): trees then keep the exactness chains have, the bits of
+        one-token passes on the int8 kernels."""
         w = self.model.norm.weight  # the caches' dtype and device (see allocate)
         return tree_kernel(attention_kernel(w.device, w.dtype, self.args))
 
