@@ -318,11 +318,12 @@ class BatchEngine:
             fixed_k: bool = False) -> Generation:
         """Queue a request (it joins at the next :meth:`step` with a free row); returns its
         :class:`~specdecode.engine.Generation`, whose ``token_ids``, ``finish_reason`` and
-        ``stats`` fill in as steps run. A proposer of draft trees or heads is refused (ValueError). draft_seconds_per_token: what one draft token costs
+        ``stats`` fill in as steps run. draft_seconds_per_token: what one draft token costs
         this request (its draft model's T(1)), for the batch's K policy (default: a quarter
         of the target's T(1) with a draft model, 0 for lookups). fixed_k: the request chose
         its K itself: its schedule's K is used every round, not the policy's. Raises ValueError as
-        :meth:`Engine.generate`, and when prompt + max_new_tokens exceeds max_len."""
+        :meth:`Engine.generate`, when prompt + max_new_tokens exceeds max_len, and for a
+        proposer of draft trees or heads (single-request engine only)."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
         if proposer is not None and (proposer.makes_trees or proposer.wants_hidden):
             raise ValueError(f"{'draft trees' if proposer.makes_trees else 'draft heads'} run in "

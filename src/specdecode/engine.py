@@ -356,7 +356,7 @@ class RequestRun:
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         if self.proposer is not None:  # a tree's K is its depth: the longest path it offered
-            depth = k if self.tree is None else int(self.tree.depths().max())
+            depth = k if self.tree is None else self.tree.depth
             if self.clocked:
                 self.schedule.update(depth, accepted, t2 - t1, t3 - t2)
             else:
@@ -380,7 +380,7 @@ class RequestRun:
             last = "recovered" if accepted < k else "bonus"
         self.gen.token_info += self._info(logits[:, rows], emitted, accepted, source, last)
         stats.record_round(k, min(accepted, len(emitted)), source,
-                           None if self.tree is None else int(self.tree.depths().max()))
+                           None if self.tree is None else self.tree.depth)
         stats.num_generated_tokens += len(emitted)
         if gen.finish_reason is None and len(state.tokens) >= self.limit:
             gen.finish_reason = "length"
@@ -395,13 +395,18 @@ class RequestRun:
         state, params, tree, noise = self.state, self.params, self.tree, self.noise
         n, tokens = len(state.tokens), tree.token_ids.tolist()
         depth = [0] + tree.depths().tolist()
-        rows = []
-        for r in range(tree.num_nodes + 1):
-            path = [tokens[i] for i in tree.path(r - 1)]
-            context = torch.tensor([state.tokens + path]) if params.repetition_penalty != 1.0 else None
-            rows.append(process_logits(logits[:, r:r + 1], params, context, None,
-                                       state.num_generated + depth[r], state.eos_token_ids)[0, 0])
-        processed = torch.stack(rows)
+        if params.repetition_penalty == 1.0 and state.num_generated >= params.min_new_tokens:
+            # no processor sees the context or the position: every row processed alike
+            processed = process_logits(logits, params, None, None, state.num_generated,
+                                       state.eos_token_ids)[0]
+        else:
+            rows = []
+            for r in range(tree.num_nodes + 1):
+                context = None if params.repetition_penalty == 1.0 else \
+                    torch.tensor([state.tokens + [tokens[i] for i in tree.path(r - 1)]])
+                rows.append(process_logits(logits[:, r:r + 1], params, context, None,
+                                           state.num_generated + depth[r], state.eos_token_ids)[0, 0])
+            processed = torch.stack(rows)
         if noise is not None:  # row r's token is at position n + its depth
             noise_rows = noise.rows(n, max(depth) + 1, processed.device)[torch.tensor(depth)]
             path, last = greedy_verify_tree(tree, processed + noise_rows[:, :processed.shape[-1]])

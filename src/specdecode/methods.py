@@ -306,8 +306,8 @@ class SpeculativeConfig:
     default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
     None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``heads_dir``
-    (``heads``: the Medusa heads of the ``medusa`` method). Raises ValueError naming a bad value, or an option the method does not
-    honour (never silently ignored).
+    (``heads``: the Medusa heads of the ``medusa`` method). Raises ValueError naming a bad
+    value, or an option the method does not honour (never silently ignored).
     """
 
     method: Method = Method.DRAFT
@@ -424,8 +424,8 @@ METHOD_OPTIONS = {
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
-    early-exit, dtype= for self-draft, tree= for draft and medusa, heads= for medusa); keys the method does not honour are left in ``opts``.
-    Raises ValueError for a bad value."""
+    early-exit, dtype= for self-draft, tree= for draft and medusa, heads= for medusa); keys
+    the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}
     for key, (option, parse) in METHOD_OPTIONS.items():

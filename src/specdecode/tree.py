@@ -43,6 +43,7 @@ class DraftTree:
     token_ids: torch.Tensor
     parents: torch.Tensor
     _children: tuple = field(init=False, repr=False, compare=False)
+    _depths: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         t, p = self.token_ids, self.parents
@@ -55,12 +56,15 @@ class DraftTree:
         if t.numel() and t.min() < 0:
             raise ValueError(f"DraftTree token_ids must be >= 0, got {t.min().item()}")
         kids: list[list[int]] = [[] for _ in range(t.numel() + 1)]
+        depths: list[int] = []
         for i, parent in enumerate(p.tolist()):
             if not -1 <= parent < i:
                 raise ValueError(f"DraftTree node {i} has parent {parent}: allowed -1 (the root) "
                                  f"to {i - 1} (parents come before their children)")
             kids[parent + 1].append(i)
+            depths.append(1 if parent < 0 else depths[parent] + 1)
         object.__setattr__(self, "_children", tuple(tuple(k) for k in kids))
+        object.__setattr__(self, "_depths", tuple(depths))
 
     @classmethod
     def chain(cls, token_ids: list[int] | torch.Tensor) -> "DraftTree":
@@ -79,10 +83,12 @@ class DraftTree:
 
     def depths(self) -> torch.Tensor:
         """int64 [N]: 1 for a child of the root, its parent's depth + 1 otherwise."""
-        d = [0] * self.num_nodes
-        for i, parent in enumerate(self.parents.tolist()):
-            d[i] = 1 if parent < 0 else d[parent] + 1
-        return torch.tensor(d, dtype=torch.long)
+        return torch.tensor(self._depths, dtype=torch.long)
+
+    @property
+    def depth(self) -> int:
+        """The longest root-to-leaf path, in nodes (0 for an empty tree)."""
+        return max(self._depths, default=0)
 
     def input_ids(self, root_token: int) -> torch.Tensor:
         """int64 [N + 1]: the verify pass's tokens, the root (last committed token) first."""
@@ -123,7 +129,7 @@ class DraftTree:
         all: the chain of first children first (a proposer's most trusted path), then the
         other nodes in order while they fit (self when nothing is cut)."""
         depth = min(depth, nodes)
-        parents, depths = self.parents.tolist(), self.depths().tolist()
+        parents, depths = self.parents.tolist(), self._depths
         chain, node = set(), -1
         while self.children(node + 1) and len(chain) < depth:
             node = self.children(node + 1)[0]

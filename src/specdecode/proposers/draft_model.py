@@ -198,9 +198,8 @@ class DraftModelProposer(Proposer):
             return DraftOutput(torch.stack(ids, 1), torch.stack(dists, 1) if dists else None, "draft")
         tokens, parents, parent = [], [], -1
         for i, tok in enumerate(ids):  # the chain's node first, then its siblings (leaves)
-            tokens += [int(tok)] + alts.get(i, [])
-            parents += [parent] * (1 + len(alts.get(i, [])))
-            parent = len(tokens) - 1 - len(alts.get(i, []))
+            here = [int(tok)] + alts.get(i, [])
+            tokens, parents, parent = tokens + here, parents + [parent] * len(here), len(tokens)
         tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
         return DraftOutput(tree.token_ids[None], None, "draft", tree=tree)
 
