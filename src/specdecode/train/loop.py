@@ -1,0 +1,182 @@
+"""The training loop every draft head shares, on Hugging Face ``accelerate``: the same code
+runs in one process on this CPU and under ``accelerate launch`` on many GPUs or machines
+(each process takes every n-th example of the epoch's permutation; gradients are averaged
+by accelerate's data-parallel wrapper).
+
+A :class:`Task` says what is trained (its module, examples, loss, held-out measure and how
+it is saved); :func:`train` runs epochs over it and owns the run's state in ``out``:
+
+- ``out/checkpoint/``: accelerate's state (module, optimizer, RNG) and ``trainer.json``
+  (epoch, step within it, history), written at the end of every epoch and when the run is
+  interrupted; a later call with the same ``out`` resumes from it, skipping the examples
+  already seen in the epoch (the epoch's permutation is a function of the seed and epoch).
+- after every epoch: the head itself, saved by the task into ``out`` (usable at once).
+
+Ctrl-C (SIGINT) during training finishes the current step, saves the checkpoint and raises
+KeyboardInterrupt: at most one step is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+STATE_FILE = "trainer.json"
+
+
+@dataclass
+class Task:
+    """What a head's training needs from its kind.
+
+    module: the trainable module. examples: the training examples (a list; ``collate`` turns
+    a list of them into a batch, a dict of tensors moved to the accelerator's device). loss(module, batch) -> scalar tensor. evaluate(module) ->
+    dict of held-out measures (e.g. ``{"acceptance_length": 2.3}``), run on the main process
+    after every epoch. save(module, out, info): write the head into ``out``; info is the
+    run's summary (epochs, history, data) for its config.
+    """
+
+    module: nn.Module
+    examples: list
+    collate: Callable[[list], object]
+    loss: Callable[[nn.Module, object], torch.Tensor]
+    evaluate: Callable[[nn.Module], dict]
+    save: Callable[[nn.Module, Path, dict], None]
+    info: dict = field(default_factory=dict)
+
+
+class _StopFlag:
+    """SIGINT sets ``raised`` instead of interrupting mid-step (restored on exit)."""
+
+    def __enter__(self):
+        self.raised = False
+        self._old = signal.getsignal(signal.SIGINT)
+        try:
+            signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: Ctrl-C cannot reach it anyway
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.raised:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _check(name: str, value, low, kind=int):
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+            or not value >= low or (kind is float and not math.isfinite(value)):
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {'a number' if kind is float else 'an integer'} >= {low}")
+
+
+def train(task: Task, out: str | Path, *, epochs: int = 1, batch_size: int = 32, lr: float = 1e-3,
+          seed: int = 0, progress: bool = True, accelerator=None) -> dict:
+    """Train ``task.module`` for ``epochs`` epochs of ``task.examples`` in batches of
+    ``batch_size`` examples (per process), AdamW at learning rate ``lr`` with a linear
+    warm-up over the first 5 % of steps and cosine decay; resumes from ``out/checkpoint``
+    when it exists (see the module docstring). Returns the summary: per-epoch mean
+    training loss and held-out measures (``history``), steps, examples.
+
+    accelerator: an ``accelerate.Accelerator`` (default: a new one: this CPU, or the devices
+    ``accelerate launch`` gives). Raises ValueError for bad sizes or no examples,
+    KeyboardInterrupt after saving the checkpoint when interrupted.
+    """
+    from accelerate import Accelerator
+
+    _check("epochs", epochs, 1)
+    _check("batch_size", batch_size, 1)
+    _check("lr", lr, 0.0, float)
+    if not task.examples:
+        raise ValueError("there are no training examples: record more prompts (--max-prompts) or "
+                         "longer answers (--max-new-tokens)")
+    out = Path(out)
+    ckpt = out / "checkpoint"
+    acc = accelerator or Accelerator()
+    n = len(task.examples)
+    per_epoch = math.ceil(math.ceil(n / acc.num_processes) / batch_size)
+    total = per_epoch * epochs
+    module = task.module
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    warm = max(1, total // 20)
+
+    def schedule(step):
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    module, opt, sched = acc.prepare(module, opt, sched)
+    state = {"epoch": 0, "step": 0, "history": [], "epochs": epochs, "batch_size": batch_size,
+             "lr": lr, "seed": seed, "examples": n}
+    if (ckpt / STATE_FILE).exists():
+        saved = json.loads((ckpt / STATE_FILE).read_text())
+        for k in ("batch_size", "seed", "examples"):
+            if saved.get(k) != state[k]:
+                raise ValueError(f"{ckpt} is from a run with {k}={saved.get(k)!r}, this one has "
+                                 f"{state[k]!r}: use the same settings to resume, or another --out")
+        acc.load_state(str(ckpt))
+        state.update({k: saved[k] for k in ("epoch", "step", "history")})
+        if progress and acc.is_main_process:
+            print(f"resuming from {ckpt}: epoch {state['epoch'] + 1}, step {state['step']}")
+
+    def save_checkpoint():
+        acc.wait_for_everyone()
+        acc.save_state(str(ckpt))
+        if acc.is_main_process:
+            tmp = ckpt / (STATE_FILE + ".tmp")
+            tmp.write_text(json.dumps(state, indent=1) + "\n")
+            os.replace(tmp, ckpt / STATE_FILE)
+
+    with _StopFlag() as stop:
+        while state["epoch"] < epochs:
+            epoch = state["epoch"]
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+            mine = perm[acc.process_index::acc.num_processes]
+            bar = tqdm(total=per_epoch, initial=state["step"], desc=f"epoch {epoch + 1}/{epochs}",
+                       unit="step", disable=not (progress and acc.is_main_process))
+            losses = state.setdefault("epoch_losses", [])
+            module.train()
+            while state["step"] < per_epoch:
+                s = state["step"]
+                batch = task.collate([task.examples[i] for i in mine[s * batch_size:(s + 1) * batch_size]])
+                batch = {k: v.to(acc.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
+                loss = task.loss(module, batch)
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses.append(float(loss.detach()))
+                state["step"] += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                if stop.raised:
+                    bar.close()
+                    save_checkpoint()
+                    raise KeyboardInterrupt(f"stopped at epoch {epoch + 1}, step {state['step']}: "
+                                            "run the same command again to resume")
+            bar.close()
+            module.eval()
+            raw = acc.unwrap_model(module)
+            with torch.no_grad():
+                measures = task.evaluate(raw) if acc.is_main_process else {}
+            state["history"].append({"epoch": epoch + 1, "loss": sum(losses) / len(losses), **measures})
+            state.update(epoch=epoch + 1, step=0, epoch_losses=[])
+            if progress and acc.is_main_process:
+                print("epoch {epoch}: loss {loss:.4f}".format(**state["history"][-1])
+                      + "".join(f", {k} {v:.3f}" for k, v in measures.items()))
+            if acc.is_main_process:
+                task.save(raw, out, {**task.info, "epochs": state["epoch"], "history": state["history"]})
+            save_checkpoint()
+    return {"history": state["history"], "steps": total, "examples": n}
