@@ -18,7 +18,7 @@ sequences, each with:
   offsets[s+1]], its answer begins at offsets[s] + starts[s];
 - ``final`` bf16 [N, dim]: the final norm's output (the lm_head input; ``FINAL``);
 - ``aux`` bf16 [N, 3*dim]: the residual stream after the layers ``aux_layers`` (EAGLE-3's
-  fused features), concatenated in that order;
+  fused features), concatenated in that order ([N, 0] for a target of under 7 layers);
 - ``topk_ids`` int32 [N, TOPK], ``topk_logp`` fp32 [N, TOPK]: the TOPK most likely next
   tokens at each position and their log-probabilities under the target's full softmax.
 
@@ -50,10 +50,9 @@ def aux_layers(n_layers: int) -> list[int]:
     """EAGLE-3's three captured layers for a target of ``n_layers`` decoder layers, as indices
     of our ``output_hidden`` (the residual stream after layer i): vLLM's and SGLang's default
     (transformers ``hidden_states`` indices 2, n/2 and n-3, i.e. the outputs of layers 1,
-    n/2-1 and n-4; 1, 13, 24 for 28 layers). Raises ValueError below 5 layers."""
-    if n_layers < 5:
-        raise ValueError(f"EAGLE-3 captures three distinct layers; the target has {n_layers} (at least 5 needed)")
-    return [1, n_layers // 2 - 1, n_layers - 4]
+    n/2-1 and n-4; 1, 13, 24 for 28 layers); none below 7 layers, where they would not be
+    three distinct layers."""
+    return [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 7 else []
 
 
 @dataclass
@@ -168,7 +167,8 @@ def _feature_pass(lm, seqs: list[list[int]], starts: list[int], layers: list[int
             logp = torch.log_softmax(o.logits[0].float(), dim=-1)
             top = logp.topk(TOPK, dim=-1)
         finals.append(o.hidden[FINAL][0].to(torch.bfloat16))
-        auxes.append(torch.cat([o.hidden[i][0] for i in layers], dim=-1).to(torch.bfloat16))
+        auxes.append(torch.cat([o.hidden[i][0] for i in layers], dim=-1).to(torch.bfloat16)
+                     if layers else torch.zeros(len(seq), 0, dtype=torch.bfloat16))
         ids.append(top.indices.to(torch.int32))
         logps.append(top.values)
         del o, logp

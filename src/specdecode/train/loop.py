@@ -102,6 +102,7 @@ def train(task: Task, out: str | Path, *, epochs: int = 1, batch_size: int = 32,
         raise ValueError("there are no training examples: record more prompts (--max-prompts) or "
                          "longer answers (--max-new-tokens)")
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint"
     acc = accelerator or Accelerator()
     n = len(task.examples)

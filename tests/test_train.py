@@ -1,0 +1,338 @@
+"""Training draft heads (specdecode.train, ``specdecode train``): the prompts and their
+decontamination, the recorded features, the Medusa objective, the resumable training loop,
+and the command end to end on a tiny target."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import specdecode
+from specdecode.cli import main
+from specdecode.heads import MedusaHeads
+from specdecode.train import data
+from specdecode.train.features import (TOPK, Sequence, aux_layers, float_weight, load_sequences,
+                                       read_manifest, record)
+from specdecode.train.loop import Task, train
+from specdecode.train.medusa import chain_acceptance, medusa_examples, medusa_loss, medusa_task
+from tiny_dirs import _llama_config, _randomize, local_tokenizer, tiny_dirs_in
+
+
+# ---------------------------------------------------------------- prompts
+
+def test_a_prompt_sharing_an_8_word_run_with_the_evaluation_sets_is_dropped():
+    bench = "Write a function that returns the sum of all even numbers in a list of integers."
+    exclude = data.word_runs(bench)
+    eight = data.Prompt("Please, WRITE a function that returns the sum of all even numbers, thanks", True, "sharegpt")
+    seven = data.Prompt("please make a function that returns the sum of odd values", True, "sharegpt")
+    assert data.word_runs(eight.text) & exclude  # case and punctuation do not hide a run
+    assert not data.word_runs(seven.text) & exclude
+
+
+def test_the_real_evaluation_sets_are_in_the_filter():
+    """Spec-Bench's and HumanEval's own text is caught (both files are read)."""
+    from specdecode.bench.workloads import SPEC_BENCH_PATH, _humaneval_problems
+    runs = data.evaluation_runs()
+    question = json.loads(SPEC_BENCH_PATH.read_text().splitlines()[0])["turns"][0]
+    assert data.word_runs(question) & runs
+    assert data.word_runs(_humaneval_problems()[7]["prompt"]) & runs
+
+
+class _Trickle(io.StringIO):
+    """A stream that returns at most 7 characters a read, so records straddle reads."""
+
+    def read(self, n=-1):
+        return super().read(7)
+
+
+def test_complete_sharegpt_records_are_recovered_from_a_cut_file(tmp_path):
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i} ünïcode"},
+                                                {"from": "gpt", "value": "answer"}]} for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text[:text.index('"id": "4"') + 4]  # the last record is cut
+    got = list(data.sharegpt_records(_Trickle(cut)))
+    assert got == records[:4]
+    assert list(data.sharegpt_records(_Trickle(text))) == records
+    path = tmp_path / "sg.json"
+    gpt_first = {"id": "g", "conversations": [{"from": "gpt", "value": "hi"}]}
+    path.write_text(json.dumps(records[:2] + [gpt_first])[:-1])  # also cut: no closing bracket
+    prompts = list(data.sharegpt_prompts(path))
+    assert [p.text for p in prompts] == ["question 0 ünïcode", "question 1 ünïcode"]
+    assert all(p.chat and p.source == "sharegpt" for p in prompts)
+    with pytest.raises(ValueError, match="JSON array"):
+        list(data.sharegpt_records(io.StringIO('{"a": 1}')))
+
+
+def test_stdlib_prompts_are_documented_public_functions_as_written(tmp_path):
+    (tmp_path / "mod.py").write_text(
+        'import os\n\n@staticmethod\ndef public(a, b=2, *, c):\n    """Add the numbers a and b\n\n'
+        '    and c, returning their sum."""\n    return a + b + c\n\n'
+        'def _private(x):\n    """A private helper that is never a prompt."""\n\n'
+        'def terse(x):\n    """Too short."""\n\ndef nodoc(x):\n    return x\n')
+    (tmp_path / "test_mod.py").write_text('def tested(x):\n    """A test module function is not a prompt."""\n')
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text('def loads(s):\n    """Read an object from the string s."""\n    pass\n')
+    got = [p.text for p in data.stdlib_prompts(tmp_path)]
+    assert got == ['def public(a, b=2, *, c):\n    """Add the numbers a and b\n\n'
+                   '    and c, returning their sum."""\n',
+                   'def loads(s):\n    """Read an object from the string s."""\n']  # sorted by path
+    assert all(not p.chat and p.source == "stdlib" for p in data.stdlib_prompts(tmp_path))
+
+
+def test_prompts_alternate_between_sources_without_overlap_or_repeats(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "m.py").write_text("".join(
+        f'def f{i}(x):\n    """Return x times {i} for the caller, always."""\n\n' for i in range(4)))
+    conv = [{"conversations": [{"from": "human", "value": v}]} for v in
+            ("alpha question here", "alpha question here", "beta question here",
+             "one two three four five six seven eight", "gamma question here")]
+    (tmp_path / "sg.json").write_text(json.dumps(conv))
+    exclude = data.word_runs("zero one two three four five six seven eight nine")
+    paths = {"stdlib": tmp_path / "lib", "sharegpt": tmp_path / "sg.json"}
+    prompts, summary = data.training_prompts(data.SOURCES, 5, exclude, paths)
+    assert [p.source for p in prompts] == ["stdlib", "sharegpt"] * 2 + ["stdlib"]
+    assert [p.text for p in prompts if p.chat] == ["alpha question here", "beta question here"]
+    everything, summary = data.training_prompts(data.SOURCES, None, exclude, paths)
+    assert summary["sharegpt"] == {"kept": 3, "dropped_overlap": 1}
+    assert summary["stdlib"] == {"kept": 4, "dropped_overlap": 0}
+    assert len({p.key for p in everything}) == len(everything) == 7
+    with pytest.raises(ValueError, match="allowed: a comma-separated subset"):
+        data.parse_sources("stdlib,wiki")
+    assert data.parse_sources(" sharegpt ") == ("sharegpt",)
+
+
+def test_the_held_out_split_depends_on_the_prompt_only():
+    prompts = [data.Prompt(f"question number {i}", True, "sharegpt") for i in range(2000)]
+    held = [p for p in prompts if data.is_held_out(p)]
+    assert 60 < len(held) < 140  # ~5 %
+    assert [data.is_held_out(data.Prompt(p.text, True, "sharegpt")) for p in held] == [True] * len(held)
+
+
+# ---------------------------------------------------------------- features
+
+@pytest.fixture(scope="module")
+def deep_target_dir(tmp_path_factory):
+    """A random 8-layer Llama with the test tokenizer: enough layers for EAGLE-3's three."""
+    from transformers import LlamaForCausalLM
+    root = tmp_path_factory.mktemp("deep")
+    config = _llama_config(len(local_tokenizer()))
+    config.num_hidden_layers = 8
+    model = LlamaForCausalLM(config)
+    _randomize(model, seed=11, std=0.2)
+    model.save_pretrained(root)
+    local_tokenizer().save_pretrained(root)
+    return root
+
+
+def test_the_captured_layers_are_the_engines_defaults_in_transformers_indices(deep_target_dir):
+    """vLLM's and SGLang's EAGLE-3 default for n layers is transformers' hidden_states[2],
+    [n // 2] and [n - 3]; ours are the residual stream after layers 1, n/2-1, n-4."""
+    from transformers import AutoModelForCausalLM
+    from specdecode.models.native import FINAL
+    assert aux_layers(28) == [1, 13, 24] and aux_layers(6) == []
+    layers = aux_layers(8)
+    ids = [1, 15, 40, 7, 300, 22]
+    hf = AutoModelForCausalLM.from_pretrained(deep_target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    ours = specdecode.load(deep_target_dir, dtype="float32").lm
+    ours.allocate(1, len(ids))
+    out = ours.forward_rows(torch.tensor([ids]), output_hidden=(FINAL, *layers))
+    for ours_i, hf_i in zip(layers, (2, 8 // 2, 8 - 3)):
+        torch.testing.assert_close(out.hidden[ours_i], states[hf_i], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden[FINAL], states[-1], rtol=1e-4, atol=1e-4)
+
+
+def _prompts(n):
+    return [data.Prompt(f"def function_{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n", False, "stdlib")
+            for i in range(n)]
+
+
+def test_recorded_features_are_the_targets_answers_and_states(deep_target_dir, tmp_path):
+    target = specdecode.load(deep_target_dir)  # int8: the engine's own numerics
+    prompts = _prompts(5)
+    manifest = record(target, prompts[:3], tmp_path / "f", max_new_tokens=12, batch=2, progress=False)
+    assert manifest["aux_layers"] == aux_layers(8) and len(manifest["done"]) == 3
+    seqs = load_sequences(tmp_path / "f", False) + load_sequences(tmp_path / "f", True)
+    assert len(seqs) == 3
+    solo = {tuple(specdecode.generate(target, p.text, max_new_tokens=12).prompt_token_ids
+                  + specdecode.generate(target, p.text, max_new_tokens=12).token_ids) for p in prompts[:3]}
+    assert {tuple(s.tokens.tolist()) for s in seqs} == solo
+    for s in seqs:
+        t = len(s.tokens)
+        assert s.final.shape == (t, 32) and s.aux.shape == (t, 3 * 32) and s.topk_ids.shape == (t, TOPK)
+        # greedy answers: each answer token is the top-1 of the position before it
+        assert s.topk_ids[s.start - 1:t - 1, 0].tolist() == s.tokens[s.start:].tolist()
+        assert torch.all(s.topk_logp[:, :-1] >= s.topk_logp[:, 1:]) and torch.all(s.topk_logp <= 0)
+    # a second call resumes: only the new prompts are generated
+    shards = [s["file"] for s in manifest["shards"]]
+    again = record(target, prompts, tmp_path / "f", max_new_tokens=12, batch=2, progress=False)
+    assert len(again["done"]) == 5 and [s["file"] for s in again["shards"][:len(shards)]] == shards
+    assert sum(s["sequences"] for s in again["shards"]) == 5
+    with pytest.raises(ValueError, match="max_new_tokens: 12 there, 13 now"):
+        record(target, prompts, tmp_path / "f", max_new_tokens=13, progress=False)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "features.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        read_manifest(tmp_path / "bad")
+    with pytest.raises(ValueError, match="holds no recorded features"):
+        load_sequences(tmp_path, False)
+    w = float_weight(target, "lm_head.weight")
+    assert w.shape == (target.lm.vocab_size, 32) and w.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- Medusa objective
+
+def _sequence(t=10, start=4, dim=3):
+    tokens = torch.arange(100, 100 + t)
+    topk = torch.arange(t)[:, None] * 1000 + torch.arange(TOPK)  # label row j holds j*1000 + rank
+    return Sequence(tokens, start, torch.arange(t * dim, dtype=torch.float32).view(t, dim),
+                    torch.zeros(t, 0), topk, -torch.arange(TOPK, dtype=torch.float32).expand(t, TOPK))
+
+
+def test_medusa_examples_pair_each_position_with_the_tokens_two_and_more_ahead():
+    s = _sequence()
+    ex = medusa_examples([s], num_heads=3)
+    assert len(ex["hidden"]) == 10 - 1 - 3  # positions start-1 .. T-2
+    assert torch.equal(ex["hidden"][0], s.final[3])
+    # head i at position t: the label is the distribution at t+i+1, the token t+i+2
+    assert ex["label_ids"][0, :, 0].tolist() == [4000, 5000, 6000]
+    assert ex["next_tokens"][0].tolist() == [105, 106, 107]
+    last = len(ex["hidden"]) - 1  # t = 8 = T-2
+    assert ex["valid"][last].tolist() == [True, False, False]
+    assert ex["next_tokens"][last].tolist() == [-1, -1, -1]  # token 10 is beyond the answer
+    assert ex["next_tokens"][last - 1].tolist() == [109, -1, -1]
+
+
+def test_chain_acceptance_counts_the_leading_heads_that_guess_right():
+    class Fixed(nn.Module):  # head i guesses guesses[row][i]
+        def __init__(self, guesses, vocab=8):
+            super().__init__()
+            self.g = torch.nn.functional.one_hot(torch.tensor(guesses), vocab).float().transpose(0, 1)
+
+        def forward(self, hidden):
+            return self.g[:, hidden[:, 0].long()]
+
+    ex = {"hidden": torch.tensor([[0.0], [1.0], [2.0]]),
+          "next_tokens": torch.tensor([[1, 2, 3], [1, 5, 3], [4, -1, -1]])}
+    m = Fixed([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    got = chain_acceptance(m, ex)
+    assert got["acceptance_length"] == pytest.approx(1 + (3 + 1 + 0) / 3)
+    assert got["head1_top1"] == pytest.approx(2 / 3) and got["head2_top1"] == pytest.approx(1 / 2)
+    assert chain_acceptance(m, {}) == {}
+
+
+def test_the_loss_is_the_soft_cross_entropy_weighted_by_head():
+    heads = MedusaHeads(3, 8, 2, lm_head=torch.eye(8, 3))
+    batch = {"hidden": torch.randn(4, 3), "label_ids": torch.randint(0, 8, (4, 2, TOPK)),
+             "label_logp": torch.randn(4, 2, TOPK), "valid": torch.tensor([[True, True]] * 3 + [[True, False]])}
+    logq = torch.log_softmax(heads(batch["hidden"]), -1)
+    p = torch.softmax(batch["label_logp"], -1)
+    ce = [[-(p[b, i] * logq[i, b, batch["label_ids"][b, i]]).sum() for b in range(4)] for i in range(2)]
+    want = (sum(ce[0]) + 0.8 * sum(ce[1][:3])) / (4 + 0.8 * 3)
+    torch.testing.assert_close(medusa_loss(heads, batch), want)
+
+
+# ---------------------------------------------------------------- the loop
+
+def _toy_task(interrupt_at=None):
+    torch.manual_seed(0)
+    x = torch.randn(40, 4)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1
+    module = nn.Linear(4, 1)
+    calls = {"n": 0}
+
+    def loss(m, batch):
+        calls["n"] += 1
+        if calls["n"] == interrupt_at:
+            signal.raise_signal(signal.SIGINT)  # as Ctrl-C would, mid-step
+        return ((m(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean()
+
+    def evaluate(m):
+        return {"mse": float(((m(x).squeeze(-1) - y) ** 2).mean())}
+
+    def save(m, out, info):
+        torch.save(m.state_dict(), out / "toy.pt")
+        (out / "info.json").write_text(json.dumps(info))
+
+    return Task(module, list(range(40)), lambda idx: {"x": x[idx], "y": y[idx]}, loss, evaluate, save,
+                {"kind": "toy"})
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
+    plain = train(_toy_task(), tmp_path / "plain", epochs=3, batch_size=8, lr=0.05, progress=False)
+    assert plain["history"][-1]["mse"] < plain["history"][0]["mse"]
+    assert [h["loss"] for h in plain["history"]] == sorted(h["loss"] for h in plain["history"])[::-1]
+    with pytest.raises(KeyboardInterrupt, match="run the same command again"):
+        train(_toy_task(interrupt_at=8), tmp_path / "cut", epochs=3, batch_size=8, lr=0.05, progress=False)
+    state = json.loads((tmp_path / "cut" / "checkpoint" / "trainer.json").read_text())
+    assert (state["epoch"], state["step"]) == (1, 3)  # 5 steps an epoch: epoch 2, after its 3rd step
+    assert json.loads((tmp_path / "cut" / "info.json").read_text())["epochs"] == 1
+    resumed = train(_toy_task(), tmp_path / "cut", epochs=3, batch_size=8, lr=0.05, progress=False)
+    a = torch.load(tmp_path / "plain" / "toy.pt")
+    b = torch.load(tmp_path / "cut" / "toy.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
+    with pytest.raises(ValueError, match="batch_size=8.*use the same settings"):
+        train(_toy_task(), tmp_path / "cut", epochs=4, batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="epochs=0 is invalid"):
+        train(_toy_task(), tmp_path / "x", epochs=0)
+    empty = _toy_task()
+    empty.examples = []
+    with pytest.raises(ValueError, match="no training examples"):
+        train(empty, tmp_path / "x")
+
+
+def test_medusa_training_lowers_the_loss_on_recorded_features(deep_target_dir, tmp_path):
+    target = specdecode.load(deep_target_dir)
+    record(target, _prompts(8), tmp_path / "f", max_new_tokens=24, progress=False)
+    seqs = load_sequences(tmp_path / "f", False)
+    lm = target.lm
+    heads = MedusaHeads(lm.args.dim, lm.vocab_size, 2, lm_head=float_weight(target, "lm_head.weight"))
+    task = medusa_task(heads, seqs, seqs[:2], {"target": "deep"})
+    result = train(task, tmp_path / "heads", epochs=4, batch_size=16, lr=3e-2, progress=False)
+    losses = [h["loss"] for h in result["history"]]
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 1.0, losses
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert config["training"]["target"] == "deep" and len(config["training"]["history"]) == 4
+    MedusaHeads.load(tmp_path / "heads")
+
+
+# ---------------------------------------------------------------- the command
+
+def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory, tmp_path, capsys):
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    out = tmp_path / "heads"
+    args = ["train", "medusa", "--target", str(target), "--out", str(out), "--data", "stdlib",
+            "--max-prompts", "6", "--max-new-tokens", "10", "--epochs", "1", "--batch-size", "8",
+            "--heads", "2"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert "6 prompts (stdlib: 6" in printed.err and "held-out acceptance length" in printed.out
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_heads"] == 2 and config["training"]["data"]["sources"] == ["stdlib"]
+    assert config["training"]["data"]["prompts"]["stdlib"]["kept"] == 6
+    assert (out / "features" / "features.json").exists()
+    assert main(args) == 0  # everything done: nothing recorded again, the run resumes at its end
+    model = specdecode.load(target)
+    prompt = "def add(a, b):"
+    plain = specdecode.generate(model, prompt, method="ar", max_new_tokens=20)
+    spec = specdecode.generate(model, prompt, method=f"medusa:heads={out}", max_new_tokens=20)
+    assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--max-prompts", "1"], "--max-prompts must be 2..1000000"),
+    (["--data", "wiki"], "allowed: a comma-separated subset of stdlib, sharegpt"),
+    (["--lr", "0"], "--lr must be between 0 and 1"),
+    (["--heads", "9"], "--heads must be 1..8"),
+])
+def test_bad_training_arguments_exit_2_with_the_allowed_values(tmp_path, capsys, bad, message):
+    assert main(["train", "medusa", "--out", str(tmp_path / "h"), *bad]) == 2
+    assert message in capsys.readouterr().err
