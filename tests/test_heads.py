@@ -113,9 +113,16 @@ class _Spy(MedusaProposer):
         super().__init__(heads, tree)
         self.seen = []
 
-    def take_hidden(self, hidden):
-        super().take_hidden(hidden)
-        self.seen.append(hidden.clone())
+    def reset(self, state, max_total_len):
+        super().reset(state, max_total_len)
+        self.state = state
+
+    def take_hidden(self, start, hidden):
+        super().take_hidden(start, hidden)
+        if start == 0:  # the prefill's: every prompt position but the last
+            self.prefill = hidden[FINAL].clone()
+        else:
+            self.seen.append(hidden[FINAL][-1].clone())
 
     def on_accept(self, state):
         self.seen[-1] = (self.seen[-1], state.tokens[-1])
@@ -135,6 +142,10 @@ def test_the_hidden_state_is_the_one_that_predicted_the_last_committed_token():
         assert len(spy.seen) == gen.stats.num_verify_passes
         for h, last in spy.seen:
             assert int(spy.heads(h)[0].argmax()) == last
+        prompt = PROMPTS["twenty"]
+        target.allocate(1, len(prompt))
+        want = target.forward_rows(torch.tensor([prompt[:-1]]), output_hidden=(FINAL,)).hidden[FINAL][0]
+        torch.testing.assert_close(spy.prefill, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),

@@ -325,7 +325,7 @@ class BatchEngine:
         :meth:`Engine.generate`, when prompt + max_new_tokens exceeds max_len, and for a
         proposer of draft trees or heads (single-request engine only)."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
-        if proposer is not None and (proposer.makes_trees or proposer.wants_hidden):
+        if proposer is not None and (proposer.makes_trees or proposer.hidden_keys):
             raise ValueError(f"{'draft trees' if proposer.makes_trees else 'draft heads'} run in "
                              "the single-request engine (Engine) only, not in a batch")
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)

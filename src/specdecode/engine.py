@@ -20,7 +20,6 @@ import torch
 from .config import SamplingParams, check_k
 from .heads import check_heads_target
 from .models.base import CausalLM, busy_lock
-from .models.native import FINAL
 from .proposers import Proposer, RequestState
 from .proposers.base import run_alone
 from .sampling import GumbelNoise, process_logits, to_probs
@@ -111,7 +110,7 @@ class Engine:
             k = FixedK(check_k("num_speculative_tokens (K)", k))
         if proposer is not None and proposer.makes_trees:
             check_tree_target(target)
-        if proposer is not None and proposer.wants_hidden:
+        if proposer is not None and proposer.hidden_keys:
             check_heads_target(target)
         if proposer is not None and any(m is target for m in proposer.models()):
             raise ValueError("the proposer's draft model is the target itself, whose KV cache the "
@@ -154,10 +153,16 @@ class Engine:
         run = RequestRun(target, self.proposer, self.schedule, prompt, params, eos, decode,
                          stats, gen, (lambda: target.seq_len) if self.debug else None)
         target.allocate(1, run.limit)
-        hidden = (FINAL,) if self.proposer is not None and self.proposer.wants_hidden else ()
-        if len(prompt) > 1:
+        hidden = tuple(self.proposer.hidden_keys) if self.proposer is not None else ()
+        prefill = None
+        if len(prompt) > 1 and hidden:
+            prefill = target.forward_rows(torch.tensor([prompt[:-1]]), num_logits=0, output_hidden=hidden)
+        elif len(prompt) > 1:
             target.forward(torch.tensor([prompt[:-1]]), num_logits=0)
         run.begin(t0)
+        if prefill is not None:
+            self.proposer.take_hidden(0, {key: h[0] for key, h in prefill.hidden.items()})
+            del prefill
         try:
             while True:
                 drafts = run.propose(run.wanted_k())
@@ -167,12 +172,12 @@ class Engine:
                 elif tree is None:
                     out = target.forward_rows(torch.cat([torch.tensor([[last]]), drafts], 1),
                                               output_hidden=hidden)
-                    emitted = run.finish(out.logits, out.hidden[FINAL])
+                    emitted = run.finish(out.logits, out.hidden)
                 else:  # one tree pass; the accepted path's cache entries kept
                     start = len(run.state.tokens) - 1
                     out = target.forward_rows(tree.input_ids(last)[None], attn_mask=tree.attn_mask(),
                                               position_ids=tree.position_ids(start), output_hidden=hidden)
-                    emitted = run.finish(out.logits, out.hidden.get(FINAL))
+                    emitted = run.finish(out.logits, out.hidden)
                     target.compact(0, start, [0] + [i + 1 for i in run.accepted_path])
                 target.rollback(len(run.state.tokens) - 1)
                 run.after_rollback()
@@ -329,10 +334,11 @@ class RequestRun:
         self._draft, self._drafts = draft, drafts
         return drafts
 
-    def finish(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> list[int]:
+    def finish(self, logits: torch.Tensor, hidden: dict[int, torch.Tensor] | None = None) -> list[int]:
         """The block this round commits, from the verify pass's logits [1, k+1, V] (a tree
         pass: [1, N+1, V]); sets ``gen.finish_reason`` when the request ends. hidden: the
-        pass's final hidden states [1, k+1, dim], for a proposer that reads them."""
+        pass's hidden states ([1, k+1, dim] each, by ``output_hidden`` key), for a proposer
+        that reads them: it gets the accepted path's rows."""
         state, params, stats, gen = self.state, self.params, self.stats, self.gen
         draft, drafts, noise = self._draft, self._drafts, self.noise
         n, k = len(state.tokens), drafts.shape[1]
@@ -361,8 +367,8 @@ class RequestRun:
                 self.schedule.update(depth, accepted, t2 - t1, t3 - t2)
             else:
                 self.schedule.update(depth, accepted, None, None)
-        if hidden is not None:
-            self.proposer.take_hidden(hidden[0, rows[-1]])
+        if hidden:
+            self.proposer.take_hidden(n - 1, {key: h[0, rows] for key, h in hidden.items()})
         emitted = []
         for tok in block:
             emitted.append(tok)

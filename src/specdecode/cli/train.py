@@ -7,8 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+from ..heads import MedusaHeads
 from ..models import registry
 from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load
+from ..train.data import parse_sources, training_prompts
+from ..train.features import float_weight, load_sequences, record
+from ..train.loop import train
+from ..train.medusa import medusa_task
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED, add_threads_argument, apply_threads, run_command
 
 KINDS = ("medusa",)
@@ -69,12 +74,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..heads import MedusaHeads
-    from ..train.data import parse_sources, training_prompts
-    from ..train.features import float_weight, load_sequences, record
-    from ..train.loop import train
-    from ..train.medusa import medusa_task
-
     sources = parse_sources(args.data)
     for name, v, low, high in (("--max-prompts", args.max_prompts, 2, 10**6),
                                ("--max-new-tokens", args.max_new_tokens, 2, 4096),

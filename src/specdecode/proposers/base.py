@@ -98,9 +98,10 @@ class Proposer(ABC):
     name: ClassVar[str]
     default_k: ClassVar[int] = 16
     free: ClassVar[bool] = False
-    # reads the target's final hidden states (draft heads): the engine then runs the target
-    # through forward_rows and calls take_hidden after every verify pass
-    wants_hidden: ClassVar[bool] = False
+    # the target's hidden states this proposer reads (draft heads): keys of forward_rows'
+    # output_hidden (FINAL, layer indices); the engine then runs the target through
+    # forward_rows and calls take_hidden after the prefill and after every verify pass
+    hidden_keys: tuple[int, ...] = ()
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         """Start a request: ``state.tokens`` is the prompt; at most ``max_total_len`` tokens."""
@@ -112,10 +113,15 @@ class Proposer(ABC):
     def on_accept(self, state: RequestState) -> None:
         """``state.tokens`` now holds the committed tokens after verification."""
 
-    def take_hidden(self, hidden: torch.Tensor) -> None:
-        """For proposers with ``wants_hidden``: the target's final normed hidden state [dim]
-        of the pass row that predicted the last committed token (the lm_head's input there),
-        after every verify pass and before ``on_accept``."""
+    def take_hidden(self, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        """For proposers with ``hidden_keys``: the target's hidden states (one [n, dim]
+        tensor per key) of the positions start .. start+n-1, whose tokens are committed and
+        whose states no earlier call gave: after the prefill, every prompt position but the
+        last; after a verify pass, the rows of the accepted path (the first is the position
+        of the pass's first token). Their last row predicted the last committed token.
+        Called after ``reset`` and, for a verify pass, before ``on_accept``; a later call's
+        ``start`` may be below an earlier call's end only for positions whose state changed
+        (it never does in the engines here)."""
 
     def models(self) -> tuple[CausalLM, ...]:
         """The models whose KV caches this proposer uses: the engine holds them for the whole

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import MedusaHeads
+from ..models.native import FINAL
 from ..tree import DraftTree
 from .base import DraftOutput, Proposer, RequestState
 
@@ -13,7 +14,8 @@ from .base import DraftOutput, Proposer, RequestState
 class MedusaProposer(Proposer):
     """Proposes from :class:`~specdecode.heads.MedusaHeads`: no forward pass of any model,
     only the heads on the target's final hidden state of the row that predicted the last
-    committed token (the engine hands it over after every verify pass, ``take_hidden``).
+    committed token (the engine hands it over after the prefill and every verify pass,
+    ``take_hidden``).
 
     tree: Medusa's static tree as node paths of candidate ranks, e.g. ``[(0,), (1,), (0, 0)]``:
     node (r1, ..., rd) sits at depth d and holds head d-1's (r_d + 1)-th most likely token;
@@ -22,14 +24,14 @@ class MedusaProposer(Proposer):
     verifies; a tree with ranks above 0 needs a target with exact tree passes
     (:func:`~specdecode.tree.check_tree_target`). A round drafts nodes of depth <= K only. The
     candidates are point masses (lossless for every acceptance rule). The first round of a
-    request drafts nothing (no hidden state yet).
+    one-token prompt drafts nothing (no hidden state yet).
     Raises ValueError for an empty or malformed tree, one deeper than the heads, or ranks
     beyond their vocabulary.
     """
 
     name = "medusa"
     default_k = 3
-    wants_hidden = True
+    hidden_keys = (FINAL,)
 
     def __init__(self, heads: MedusaHeads, tree: list[tuple[int, ...]] | None = None):
         self.heads = heads.eval()
@@ -62,8 +64,8 @@ class MedusaProposer(Proposer):
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self._hidden = None
 
-    def take_hidden(self, hidden: torch.Tensor) -> None:
-        self._hidden = hidden
+    def take_hidden(self, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        self._hidden = hidden[FINAL][-1]
 
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         if self._hidden is None or k <= 0:
