@@ -182,8 +182,8 @@ def test_heads_need_the_native_runtime_and_a_single_request_engine():
 
 
 def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory):
-    """``method="medusa:heads=DIR"`` loads the heads, checks them against the target, and
-    keeps plain decoding's output; without heads= or with another target's heads it says what
+    """``method="medusa:head=DIR"`` loads the heads, checks them against the target, and
+    keeps plain decoding's output; without head= or with another target's heads it says what
     to give."""
     import specdecode
     from tiny_dirs import tiny_dirs_in
@@ -192,7 +192,7 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory):
     heads = _random_heads(lm, num_heads=2, seed=1).save(tmp_path / "heads")
     prompt = "def add(a, b):"
     plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24)
-    for method in (f"medusa:heads={heads}", f"medusa:heads={heads}:tree=2"):
+    for method in (f"medusa:head={heads}", f"medusa:head={heads}:tree=2"):
         if method.endswith("tree=2") and not lm.exact_trees:
             continue
         out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
@@ -202,4 +202,4 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory):
         specdecode.generate(target, prompt, method="medusa", max_new_tokens=4)
     other = MedusaHeads(lm.args.dim + 8, lm.vocab_size, 2).save(tmp_path / "other")
     with pytest.raises(ValueError, match="give heads made for this target"):
-        specdecode.generate(target, prompt, method=f"medusa:heads={other}", max_new_tokens=4)
+        specdecode.generate(target, prompt, method=f"medusa:head={other}", max_new_tokens=4)

@@ -16,8 +16,9 @@ import specdecode
 from specdecode.cli import main
 from specdecode.heads import MedusaHeads
 from specdecode.train import data
-from specdecode.train.features import (TOPK, Sequence, aux_layers, float_weight, load_sequences,
-                                       read_manifest, record)
+from specdecode.heads import aux_layers
+from specdecode.models.loading import checkpoint_tensor
+from specdecode.train.features import TOPK, Sequence, load_sequences, read_manifest, record
 from specdecode.train.loop import Task, train
 from specdecode.train.medusa import chain_acceptance, medusa_examples, medusa_loss, medusa_task
 from tiny_dirs import _llama_config, _randomize, local_tokenizer, tiny_dirs_in
@@ -182,7 +183,7 @@ def test_recorded_features_are_the_targets_answers_and_states(deep_target_dir, t
         read_manifest(tmp_path / "bad")
     with pytest.raises(ValueError, match="holds no recorded features"):
         load_sequences(tmp_path, False)
-    w = float_weight(target, "lm_head.weight")
+    w = checkpoint_tensor(target, "lm_head.weight")
     assert w.shape == (target.lm.vocab_size, 32) and w.dtype == torch.float32
 
 
@@ -294,7 +295,7 @@ def test_medusa_training_lowers_the_loss_on_recorded_features(deep_target_dir, t
     record(target, _prompts(8), tmp_path / "f", max_new_tokens=24, progress=False)
     seqs = load_sequences(tmp_path / "f", False)
     lm = target.lm
-    heads = MedusaHeads(lm.args.dim, lm.vocab_size, 2, lm_head=float_weight(target, "lm_head.weight"))
+    heads = MedusaHeads(lm.args.dim, lm.vocab_size, 2, lm_head=checkpoint_tensor(target, "lm_head.weight"))
     task = medusa_task(heads, seqs, seqs[:2], {"target": "deep"})
     result = train(task, tmp_path / "heads", epochs=4, batch_size=16, lr=3e-2, progress=False)
     losses = [h["loss"] for h in result["history"]]
@@ -323,7 +324,7 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     model = specdecode.load(target)
     prompt = "def add(a, b):"
     plain = specdecode.generate(model, prompt, method="ar", max_new_tokens=20)
-    spec = specdecode.generate(model, prompt, method=f"medusa:heads={out}", max_new_tokens=20)
+    spec = specdecode.generate(model, prompt, method=f"medusa:head={out}", max_new_tokens=20)
     assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
 
 

@@ -1,5 +1,6 @@
 """Draft heads: small modules on the target's own hidden states that guess the tokens after
 the next one, so that drafting costs almost nothing next to a draft model's forward passes.
+Two kinds: :class:`MedusaHeads` and :class:`Eagle3Head` (below).
 
 :class:`MedusaHeads` (Medusa-1, Cai et al., arXiv:2401.10774): head i reads the target's
 final hidden state h at the last committed token's predecessor (the lm_head input that
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .models.native import ModelArgs, apply_rope, rope_inv_freq
 
 
 class ResidualBlock(nn.Module):
@@ -153,3 +156,188 @@ def check_heads_target(target) -> None:
         raise ValueError(f"draft heads read the target's hidden states, which the native runtime "
                          f"gives; this target is {type(target).__name__} (load it with "
                          "backend='native')")
+
+
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+
+
+def aux_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's three captured layers for a target of ``n_layers`` decoder layers, as indices
+    of our ``output_hidden`` (the residual stream after layer i): vLLM's and SGLang's default
+    (transformers ``hidden_states`` indices 2, n/2 and n-3, i.e. the outputs of layers 1,
+    n/2-1 and n-4; 1, 13, 24 for 28 layers); none below 7 layers, where they would not be
+    three distinct layers."""
+    return [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 7 else []
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """EAGLE-3's reduced draft vocabulary: the ``size`` target ids with the highest
+    ``counts`` [V] (ties: the lower id), sorted ascending (int64 [size]). Raises ValueError
+    for a size outside 1..V."""
+    v = counts.numel()
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= v:
+        raise ValueError(f"draft vocabulary size {size!r} is invalid; allowed: 1..{v} (the target's vocabulary)")
+    order = torch.sort(-counts.double(), stable=True).indices[:size]  # stable: ties keep the lower id
+    return order.sort().values.to(torch.int64)
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 draft head (Li et al., arXiv:2503.01840), in the layout vLLM and SGLang load
+    as ``LlamaForCausalLMEagle3`` (../shared/docs/HEADS.md;
+    ``vllm/model_executor/models/llama_eagle3.py``).
+
+    One step reads a token id x (its embedding: the target's own, not part of the head) and
+    a hidden state h [dim] at RoPE position p:
+    ``r = h; a = attn(cat(input_layernorm(emb(x)), hidden_norm(h)), p)`` over the head's KV
+    cache, ``r = o_proj(a) + r``, ``pre = mlp(post_attention_layernorm(r)) + r``; the logits
+    over the draft vocabulary are ``lm_head(norm(pre))`` and ``pre`` is the h of the next
+    step. The first step's h is ``fc(cat(g1, g2, g3))``, the target's residual streams after
+    three layers (:func:`aux_layers`) at the position before x.
+    The draft vocabulary holds ``draft_ids`` (target ids, ascending): draft id i is target
+    id ``i + d2t[i]``; ``t2d`` [V] marks the target ids it holds.
+
+    Built from the target's ModelArgs (heads, head size, RoPE, norm eps) and its embedding
+    [V, dim] (fp32 buffer, not saved); ``intermediate_size`` defaults to the target's.
+    Raises ValueError for draft ids that are not sorted unique ids below V, or an embedding
+    of another shape.
+    """
+
+    def __init__(self, args: ModelArgs, draft_ids: torch.Tensor, embed: torch.Tensor,
+                 intermediate_size: int | None = None):
+        super().__init__()
+        ids = torch.as_tensor(draft_ids, dtype=torch.int64)
+        v, d = args.vocab_size, args.dim
+        if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) \
+                or int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ValueError(f"draft_ids must be sorted unique target ids in 0..{v - 1}")
+        if tuple(embed.shape) != (v, d):
+            raise ValueError(f"the target embedding has shape {tuple(embed.shape)}, expected [{v}, {d}]")
+        self.args = args
+        inter = intermediate_size or args.intermediate_size
+        hd, nh, nkv = args.head_dim, args.n_heads, args.n_kv_heads
+        self.fc = nn.Linear(3 * d, d, bias=False)
+        self.midlayer = nn.Module()
+        m = self.midlayer
+        m.input_layernorm = nn.RMSNorm(d, eps=args.norm_eps)
+        m.hidden_norm = nn.RMSNorm(d, eps=args.norm_eps)
+        m.post_attention_layernorm = nn.RMSNorm(d, eps=args.norm_eps)
+        m.self_attn = nn.Module()
+        m.self_attn.q_proj = nn.Linear(2 * d, nh * hd, bias=False)
+        m.self_attn.k_proj = nn.Linear(2 * d, nkv * hd, bias=False)
+        m.self_attn.v_proj = nn.Linear(2 * d, nkv * hd, bias=False)
+        m.self_attn.o_proj = nn.Linear(nh * hd, d, bias=False)
+        m.mlp = nn.Module()
+        m.mlp.gate_proj = nn.Linear(d, inter, bias=False)
+        m.mlp.up_proj = nn.Linear(d, inter, bias=False)
+        m.mlp.down_proj = nn.Linear(inter, d, bias=False)
+        self.norm = nn.RMSNorm(d, eps=args.norm_eps)
+        self.lm_head = nn.Linear(d, len(ids), bias=False)
+        self.register_buffer("d2t", ids - torch.arange(len(ids)))
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[ids] = True
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("embed", embed.detach().float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary, int64 [N] ascending."""
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., head_dim] for int positions [...]."""
+        f = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+        f = torch.cat([f, f], dim=-1)
+        return f.cos(), f.sin()
+
+    def project(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """The attention inputs of a step: ids [T], hidden [T, dim], positions [T] ->
+        q [H, T, hd], k and v [KV, T, hd] (RoPE applied), and the residual [T, dim]."""
+        a, m = self.args, self.midlayer
+        x = torch.cat([m.input_layernorm(self.embed[ids]), m.hidden_norm(hidden)], dim=-1)
+        cos, sin = self.rope(positions)
+        t = len(ids)
+        q = m.self_attn.q_proj(x).view(t, a.n_heads, a.head_dim).transpose(0, 1)
+        k = m.self_attn.k_proj(x).view(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        v = m.self_attn.v_proj(x).view(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, hidden
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [H, T, hd] (the attention output), residual [T, dim] -> (pre [T, dim], the
+        next step's hidden; logits [T, N] over the draft vocabulary)."""
+        m = self.midlayer
+        r = m.self_attn.o_proj(attn.transpose(0, 1).reshape(attn.shape[1], -1)) + residual
+        x = m.post_attention_layernorm(r)
+        pre = m.mlp.down_proj(nn.functional.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x)) + r
+        return pre, self.lm_head(self.norm(pre))
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Attention scores q [H, T, hd] x k [KV, S, hd] -> [H, T, S] (grouped-query: query
+        head h reads key head h // (H / KV)), scaled by 1/sqrt(hd)."""
+        g = q.shape[0] // k.shape[0]
+        return (q @ k.repeat_interleave(g, dim=0).transpose(1, 2)) * self.args.head_dim ** -0.5
+
+    def mix(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities p [H, T, S] x values v [KV, S, hd] -> [H, T, hd]."""
+        return p @ v.repeat_interleave(p.shape[0] // v.shape[0], dim=0)
+
+    def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, **extra) -> Path:
+        """Write the head as a ``LlamaForCausalLMEagle3`` directory (config.json and
+        model.safetensors: exactly the tensors of HEADS.md's table, weights in ``dtype``,
+        d2t int64, t2d bool); ``extra`` goes into config.json. Returns the directory."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
+                   for k, t in self.state_dict().items()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(self.config(dtype, **extra), indent=2) + "\n")
+        return out
+
+    def config(self, dtype: torch.dtype = torch.bfloat16, **extra) -> dict:
+        """The config.json of :meth:`save`."""
+        a = self.args
+        return {"architectures": [EAGLE3_ARCH], "model_type": "llama", "hidden_size": a.dim,
+                "intermediate_size": self.midlayer.mlp.gate_proj.out_features, "num_hidden_layers": 1,
+                "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+                "head_dim": a.head_dim, "hidden_act": "silu", "rms_norm_eps": a.norm_eps,
+                "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
+                "attention_bias": False, "tie_word_embeddings": False, "vocab_size": a.vocab_size,
+                "draft_vocab_size": len(self.d2t), "torch_dtype": str(dtype).removeprefix("torch."),
+                **extra}
+
+    @classmethod
+    def load(cls, path: str | Path, args: ModelArgs, embed: torch.Tensor) -> "Eagle3Head":
+        """A head from a ``LlamaForCausalLMEagle3`` directory, for the target of ``args`` and
+        ``embed`` (fp32 weights). Raises ValueError naming what is wrong: a missing or
+        unreadable file, another architecture, a head made for another target (hidden size,
+        vocabulary, attention shape) or tensors of the wrong names or shapes."""
+        path = Path(path)
+        try:
+            config = json.loads((path / "config.json").read_text())
+            tensors = load_file(str(path / "model.safetensors"))
+        except (OSError, json.JSONDecodeError, RuntimeError) as e:
+            raise ValueError(f"{path} is not an EAGLE-3 head directory: {e}") from None
+        if not isinstance(config, dict) or config.get("architectures") != [EAGLE3_ARCH]:
+            got = config.get("architectures") if isinstance(config, dict) else config
+            raise ValueError(f"{path}/config.json is for {got!r}, not [{EAGLE3_ARCH!r}]")
+        want = {"hidden_size": args.dim, "vocab_size": args.vocab_size, "num_attention_heads": args.n_heads,
+                "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim}
+        bad = {k: (config.get(k), v) for k, v in want.items() if config.get(k) != v}
+        if bad:
+            raise ValueError(f"the EAGLE-3 head in {path} is for another target ("
+                             + ", ".join(f"{k} {a!r}, the target's {b!r}" for k, (a, b) in bad.items())
+                             + "): give a head made for this target")
+        if "d2t" not in tensors or tensors["d2t"].dim() != 1:
+            raise ValueError(f"{path}/model.safetensors has no d2t [draft_vocab_size] tensor")
+        ids = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))
+        try:
+            head = cls(args, ids, embed, int(config.get("intermediate_size", args.intermediate_size)))
+        except ValueError as e:
+            raise ValueError(f"{path}: its d2t does not map to target ids ({e})") from None
+        expect = head.state_dict()
+        if set(tensors) != set(expect) or any(tensors[k].shape != expect[k].shape for k in expect):
+            wrong = sorted(set(tensors) ^ set(expect)) or [k for k in expect if tensors[k].shape != expect[k].shape]
+            raise ValueError(f"{path}/model.safetensors does not hold an EAGLE-3 head for this "
+                             f"target: check {wrong[:4]}")
+        head.load_state_dict({k: (t.float() if t.is_floating_point() else t) for k, t in tensors.items()})
+        return head

@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import Callable
 
 from .config import MAX_K, KSchedule, check_k
-from .heads import MedusaHeads
+from .heads import Eagle3Head, MedusaHeads, aux_layers
 from .layer_skip import SkipProfile, check_skip, default_profile
-from .models.loading import LoadedModel, check_compatible, load
+from .models.loading import LoadedModel, check_compatible, checkpoint_tensor, load
 from .profile import verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
-                        MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
+                        Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
 from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
 # suffix_cache, skip (a layer-skip draft's layers), exit_layer, self_draft_dtype, tree (a
-# draft tree's width), heads (Medusa heads' directory)
+# draft tree's width), head (a Medusa or EAGLE-3 head's directory)
 OPTIONS = {
     "draft": "a draft model (draft=, assistant_model=, --draft and its --draft-* options) applies",
     "draft_p_min": "draft_p_min applies",
@@ -37,7 +37,7 @@ OPTIONS = {
     "exit_layer": "an exit layer (exit_layer=; layer=) applies",
     "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
     "tree": "a draft tree width (draft_tree_width=; tree=) applies",
-    "heads": "a directory of draft heads (heads_dir=; heads=) applies",
+    "head": "a draft head's directory (head_dir=; head=) applies",
 }
 
 
@@ -99,20 +99,35 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
 
 
 def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
-    """The Medusa heads of ``spec.heads_dir`` for this target, as a chain or, with
+    """The Medusa heads of ``spec.head_dir`` for this target, as a chain or, with
     ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
-    if spec.heads_dir is None:
-        raise ValueError("method 'medusa' needs its heads: medusa:heads=DIR (Python: "
-                         "heads_dir=DIR), a directory of Medusa heads in vLLM's format made for "
+    if spec.head_dir is None:
+        raise ValueError("method 'medusa' needs its heads: medusa:head=DIR (Python: "
+                         "head_dir=DIR), a directory of Medusa heads in vLLM's format made for "
                          "this target")
-    heads = MedusaHeads.load(spec.heads_dir)
+    heads = MedusaHeads.load(spec.head_dir)
     lm = _native(target, "medusa")
     if (heads.dim, heads.vocab_size) != (lm.args.dim, lm.vocab_size):
-        raise ValueError(f"the Medusa heads in {spec.heads_dir} are for hidden size {heads.dim} and "
+        raise ValueError(f"the Medusa heads in {spec.head_dir} are for hidden size {heads.dim} and "
                          f"{heads.vocab_size} tokens; this target has {lm.args.dim} and "
                          f"{lm.vocab_size}: give heads made for this target")
     w = spec.draft_tree_width
     return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None)
+
+
+def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
+    """The EAGLE-3 head of ``spec.head_dir`` for this target, on the target's embedding."""
+    if spec.head_dir is None:
+        raise ValueError("method 'eagle3' needs its head: eagle3:head=DIR (Python: head_dir=DIR), "
+                         "a LlamaForCausalLMEagle3 directory made for this target (specdecode "
+                         "train eagle3 makes one)")
+    lm = _native(target, "eagle3")
+    layers = aux_layers(lm.args.n_layers)
+    if not layers:
+        raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
+                         "(at least 7 needed)")
+    head = Eagle3Head.load(spec.head_dir, lm.args, checkpoint_tensor(target, "model.embed_tokens.weight"))
+    return Eagle3Proposer(head, layers)
 
 
 def _suffix(spec: "SpeculativeConfig", target: LoadedModel) -> SuffixProposer:
@@ -250,9 +265,13 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                DraftModelProposer,
                lambda spec, target, draft: _self_draft(spec, _lower_precision_draft(spec, target)),
                options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
-    MethodSpec("medusa", "Medusa heads on the target's own last hidden state (heads=DIR: vLLM's "
+    MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
                "Medusa format)", MedusaProposer, lambda spec, target, draft: _medusa(spec, target),
-               options=frozenset({"heads", "tree"}), k=3, batched=False),
+               options=frozenset({"head", "tree"}), k=3, batched=False),
+    MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
+               "LlamaForCausalLMEagle3 format vLLM and SGLang load)", Eagle3Proposer,
+               lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head"}), k=4,
+               batched=False),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
                options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
@@ -305,8 +324,8 @@ class SpeculativeConfig:
     layer-skip draft skips, or a ``tune-skip`` profile file; neither: the target's cached
     default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
     None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
-    next w - 1 candidates at each depth as a draft tree; 1: no tree), ``heads_dir``
-    (``heads``: the Medusa heads of the ``medusa`` method). Raises ValueError naming a bad
+    next w - 1 candidates at each depth as a draft tree; 1: no tree), ``head_dir``
+    (``head``: the directory of the ``medusa`` or ``eagle3`` method's head). Raises ValueError naming a bad
     value, or an option the method does not honour (never silently ignored).
     """
 
@@ -323,7 +342,7 @@ class SpeculativeConfig:
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
     draft_tree_width: int = 1
-    heads_dir: str | None = None
+    head_dir: str | None = None
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
     k_given: bool = field(default=False, init=False, repr=False, compare=False)
@@ -379,7 +398,7 @@ class SpeculativeConfig:
                  "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
                  "skip": self.skip_layers is not None or self.skip_profile is not None,
                  "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
-                 "tree": w != 1, "heads": self.heads_dir is not None}
+                 "tree": w != 1, "head": self.head_dir is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -417,14 +436,14 @@ METHOD_OPTIONS = {
     "layer": ("exit_layer", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", lambda v: {"self_draft_dtype": v}),
     "tree": ("tree", lambda v: {"draft_tree_width": _positive("tree", v)}),
-    "heads": ("heads", lambda v: {"heads_dir": v}),
+    "head": ("head", lambda v: {"head_dir": v}),
 }
 
 
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
-    early-exit, dtype= for self-draft, tree= for draft and medusa, heads= for medusa); keys
+    early-exit, dtype= for self-draft, tree= for draft and medusa, head= for medusa and eagle3); keys
     the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}

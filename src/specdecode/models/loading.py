@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from . import llamacpp, registry
 from .base import CausalLM
@@ -307,3 +307,20 @@ def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT
     if drf is not None:
         check_compatible(tgt, drf)
     return tgt, drf
+
+
+def checkpoint_tensor(model: LoadedModel, name: str) -> torch.Tensor:
+    """A float tensor of a model's own checkpoint (fp32), e.g. ``"lm_head.weight"`` (the
+    tied embedding when the checkpoint has no separate lm_head) or
+    ``"model.embed_tokens.weight"``: heads share these with the target, at full precision
+    whatever dtype the target runs in. Raises ValueError when the target has no checkpoint
+    directory or the tensor is missing."""
+    files = sorted(Path(model.path).glob("*.safetensors")) if model.path else []
+    wanted = [name] + (["model.embed_tokens.weight"] if name == "lm_head.weight" else [])
+    for want in wanted:
+        for f in files:
+            with safe_open(str(f), "pt") as s:
+                if want in s.keys():
+                    return s.get_tensor(want).float()
+    raise ValueError(f"{name} not found in the model's safetensors files "
+                     f"({model.path or 'no directory'}); heads need the target's checkpoint directory")

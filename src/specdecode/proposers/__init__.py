@@ -8,10 +8,11 @@ they exchange with the engine. A new method is a new file here plus one entry in
 from .base import DraftOutput, Forecast, Proposer, RequestState
 from .cross_tokenizer import CrossTokenizerProposer
 from .draft_model import DraftModelProposer
+from .eagle3 import Eagle3Proposer
 from .hybrid import HybridProposer, HybridTuning
 from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
 from .suffix import ContinuationCounts, SuffixProposer
 
-__all__ = ["ContinuationCounts", "CrossTokenizerProposer", "DraftModelProposer", "DraftOutput", "Forecast", "HybridProposer",
+__all__ = ["ContinuationCounts", "CrossTokenizerProposer", "DraftModelProposer", "DraftOutput", "Eagle3Proposer", "Forecast", "HybridProposer",
            "HybridTuning", "MedusaProposer", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer"]

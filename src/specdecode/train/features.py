@@ -39,20 +39,12 @@ from tqdm import tqdm
 
 from ..api import generate
 from ..models.loading import LoadedModel
+from ..heads import aux_layers
 from ..models.native import FINAL
 from .data import Prompt, is_held_out
 
 TOPK = 16
 FORMAT = 1
-
-
-def aux_layers(n_layers: int) -> list[int]:
-    """EAGLE-3's three captured layers for a target of ``n_layers`` decoder layers, as indices
-    of our ``output_hidden`` (the residual stream after layer i): vLLM's and SGLang's default
-    (transformers ``hidden_states`` indices 2, n/2 and n-3, i.e. the outputs of layers 1,
-    n/2-1 and n-4; 1, 13, 24 for 28 layers); none below 7 layers, where they would not be
-    three distinct layers."""
-    return [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 7 else []
 
 
 @dataclass
@@ -203,21 +195,3 @@ def load_sequences(out: str | Path, held_out: bool) -> list[Sequence]:
                                  t["aux"][a:b], t["topk_ids"][a:b].long(), t["topk_logp"][a:b]))
     return seqs
 
-
-def float_weight(target: LoadedModel, name: str) -> torch.Tensor:
-    """A float tensor of the target's own checkpoint (fp32), e.g. ``"lm_head.weight"`` (the
-    tied embedding when the checkpoint has no separate lm_head) or
-    ``"model.embed_tokens.weight"``: heads share these with the target, at full precision
-    whatever dtype the target runs in. Raises ValueError when the target has no checkpoint
-    directory or the tensor is missing."""
-    from safetensors import safe_open
-
-    files = sorted(Path(target.path).glob("*.safetensors")) if target.path else []
-    wanted = [name] + (["model.embed_tokens.weight"] if name == "lm_head.weight" else [])
-    for want in wanted:
-        for f in files:
-            with safe_open(str(f), "pt") as s:
-                if want in s.keys():
-                    return s.get_tensor(want).float()
-    raise ValueError(f"{name} not found in the target's safetensors files "
-                     f"({target.path or 'no directory'}); heads need the target's checkpoint directory")

@@ -38,7 +38,7 @@ class Task:
     """What a head's training needs from its kind.
 
     module: the trainable module. examples: the training examples (a list; ``collate`` turns
-    a list of them into a batch, a dict of tensors moved to the accelerator's device). loss(module, batch) -> scalar tensor. evaluate(module) ->
+    a list of them into a batch: tensors, in dicts and lists, moved to the accelerator's device). loss(module, batch) -> scalar tensor. evaluate(module) ->
     dict of held-out measures (e.g. ``{"acceptance_length": 2.3}``), run on the main process
     after every epoch. save(module, out, info): write the head into ``out``; info is the
     run's summary (epochs, history, data) for its config.
@@ -73,6 +73,17 @@ class _StopFlag:
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+
+
+def _to(batch, device):
+    """Tensors of a batch (nested in dicts, lists and tuples) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
 
 
 def _check(name: str, value, low, kind=int):
@@ -152,7 +163,7 @@ def train(task: Task, out: str | Path, *, epochs: int = 1, batch_size: int = 32,
             while state["step"] < per_epoch:
                 s = state["step"]
                 batch = task.collate([task.examples[i] for i in mine[s * batch_size:(s + 1) * batch_size]])
-                batch = {k: v.to(acc.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
+                batch = _to(batch, acc.device)
                 loss = task.loss(module, batch)
                 acc.backward(loss)
                 opt.step()

@@ -1,0 +1,202 @@
+"""EAGLE-3 heads (specdecode.heads.Eagle3Head, proposers/eagle3.py, train/eagle3.py): the
+checkpoint layout vLLM and SGLang load, the draft vocabulary, the proposer's cache equal to
+the training-time test's attention, lossless output on the real kernels, training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import specdecode
+from helpers import PROMPTS, run, tiny_model
+from specdecode.config import SamplingParams
+from specdecode.engine import Engine
+from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, draft_vocabulary
+from specdecode.models.native import ModelArgs
+from specdecode.proposers import Eagle3Proposer
+from specdecode.proposers.base import RequestState
+from specdecode.train.eagle3 import chain_acceptance, eagle3_task, unroll
+from specdecode.train.loop import train
+
+# HEADS.md's table for the default target (Qwen2.5-Coder-1.5B: hidden 1536, 12 heads, 2 KV
+# heads, head_dim 128, 151,936 ids), with intermediate size I and draft vocabulary N
+QWEN_1_5B = ModelArgs(vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
+                      intermediate_size=8960, norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)
+
+
+def golden_tensors(i: int, n: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {"fc.weight": ((1536, 4608), "bfloat16"),
+            "midlayer.input_layernorm.weight": ((1536,), "bfloat16"),
+            "midlayer.hidden_norm.weight": ((1536,), "bfloat16"),
+            "midlayer.self_attn.q_proj.weight": ((1536, 3072), "bfloat16"),
+            "midlayer.self_attn.k_proj.weight": ((256, 3072), "bfloat16"),
+            "midlayer.self_attn.v_proj.weight": ((256, 3072), "bfloat16"),
+            "midlayer.self_attn.o_proj.weight": ((1536, 1536), "bfloat16"),
+            "midlayer.post_attention_layernorm.weight": ((1536,), "bfloat16"),
+            "midlayer.mlp.gate_proj.weight": ((i, 1536), "bfloat16"),
+            "midlayer.mlp.up_proj.weight": ((i, 1536), "bfloat16"),
+            "midlayer.mlp.down_proj.weight": ((1536, i), "bfloat16"),
+            "norm.weight": ((1536,), "bfloat16"),
+            "lm_head.weight": ((n, 1536), "bfloat16"),
+            "d2t": ((n,), "int64"),
+            "t2d": ((151936,), "bool")}
+
+
+def test_the_default_targets_head_has_the_layout_vllm_and_sglang_load(tmp_path):
+    ids = torch.arange(0, 151936, 37)[:512]
+    head = Eagle3Head(QWEN_1_5B, ids, torch.zeros(151936, 1536), intermediate_size=1024)
+    out = head.save(tmp_path / "e3", trained_on="test")
+    tensors = load_file(str(out / "model.safetensors"))
+    got = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
+    assert got == golden_tensors(1024, 512)
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    assert torch.equal(d2t + torch.arange(512), ids) and int(t2d.sum()) == 512 and bool(t2d[ids].all())
+    config = json.loads((out / "config.json").read_text())
+    assert config == {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                      "hidden_size": 1536, "intermediate_size": 1024, "num_hidden_layers": 1,
+                      "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+                      "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                      "max_position_embeddings": 32768, "attention_bias": False,
+                      "tie_word_embeddings": False, "vocab_size": 151936, "draft_vocab_size": 512,
+                      "torch_dtype": "bfloat16", "trained_on": "test"}
+    assert "eagle_aux_hidden_state_layer_ids" not in config  # the engines' defaults apply
+    assert aux_layers(28) == [1, 13, 24]
+
+
+def _args(**kw):
+    base = dict(vocab_size=96, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48)
+    return ModelArgs(**{**base, **kw})
+
+
+def _random_head(args, n=40, seed=0, embed=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(args.vocab_size, generator=g)[:n].sort().values
+    embed = torch.randn(args.vocab_size, args.dim, generator=g) if embed is None else embed
+    head = Eagle3Head(args, ids, embed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "norm" not in name else 0.1) + ("norm" in name))
+    return head
+
+
+def test_save_and_load_round_trip_and_errors(tmp_path):
+    args = _args()
+    head = _random_head(args)
+    out = head.save(tmp_path / "h", dtype=torch.float32)
+    back = Eagle3Head.load(out, args, head.embed)
+    for k, v in head.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="for another target .*hidden_size 32, the target's 64"):
+        Eagle3Head.load(out, _args(dim=64, head_dim=16), torch.zeros(96, 64))
+    config = json.loads((out / "config.json").read_text())
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "architectures": ["MedusaModel"]}))
+    (tmp_path / "m" / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"is for \['MedusaModel'\], not \['LlamaForCausalLMEagle3'\]"):
+        Eagle3Head.load(tmp_path / "m", args, head.embed)
+    with pytest.raises(ValueError, match="not an EAGLE-3 head directory"):
+        Eagle3Head.load(tmp_path / "nothing", args, head.embed)
+    with pytest.raises(ValueError, match="sorted unique target ids"):
+        Eagle3Head(args, torch.tensor([3, 2]), head.embed)
+    assert EAGLE3_ARCH == "LlamaForCausalLMEagle3"
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_ids_ascending():
+    counts = torch.tensor([0, 5, 1, 5, 9, 0, 2.0])
+    assert draft_vocabulary(counts, 3).tolist() == [1, 3, 4]
+    assert draft_vocabulary(counts, 5).tolist() == [1, 2, 3, 4, 6]
+    assert draft_vocabulary(counts, 6).tolist() == [0, 1, 2, 3, 4, 6]  # ties: the lower id
+    with pytest.raises(ValueError, match="allowed: 1..7"):
+        draft_vocabulary(counts, 8)
+
+
+def test_the_proposers_cache_reproduces_the_training_time_test():
+    """The chain the proposer drafts from its incremental cache is the one the training-time
+    test computes for the same position, step for step (teacher-forced on the chain's own
+    tokens): training and inference see the same attention."""
+    args = _args()
+    head = _random_head(args, n=96)  # every id in the draft vocabulary
+    g = torch.Generator().manual_seed(3)
+    n, k = 12, 4
+    tokens = torch.randint(0, 96, (n,), generator=g).tolist()
+    aux = torch.randn(n + k, 3 * args.dim, generator=g)
+    prop = Eagle3Proposer(head, [1, 3, 4])
+    state = RequestState(list(tokens), 0, SamplingParams(), (), None, 96)
+    prop.reset(state, 64)
+    prop.take_hidden(0, {1: aux[:5, :32], 3: aux[:5, 32:64], 4: aux[:5, 64:]})  # two calls, as
+    prop.take_hidden(5, {1: aux[5:n - 1, :32], 3: aux[5:n - 1, 32:64], 4: aux[5:n - 1, 64:]})  # the engine
+    drafts = prop.propose(state, k).token_ids[0].tolist()
+    assert len(drafts) == k
+    ex = {"tokens": torch.tensor(tokens + drafts), "start": torch.tensor(1), "aux": aux}
+    with torch.no_grad():
+        steps = unroll(head, ex, k)
+    want = [int(head.draft_ids[logits[n - 2].argmax()]) for logits, _ in steps]
+    assert drafts == want
+    # a verify pass that accepts two tokens: the cache's speculative rows are rebuilt from
+    # the real states of the accepted positions
+    state.tokens += drafts[:2] + [7]
+    prop.take_hidden(n - 1, {1: aux[n - 1:n + 2, :32], 3: aux[n - 1:n + 2, 32:64], 4: aux[n - 1:n + 2, 64:]})
+    again = prop.propose(state, 2).token_ids[0].tolist()
+    ex = {"tokens": torch.tensor(state.tokens + again), "start": torch.tensor(1), "aux": aux}
+    with torch.no_grad():
+        steps = unroll(head, ex, 2)
+    assert again == [int(head.draft_ids[logits[n + 1].argmax()]) for logits, _ in steps]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
+                                    SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
+                         ids=["greedy", "gumbel"])
+def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params):
+    target = tiny_model(0, int8="nk", n_layers=8)
+    args = target.args
+    head = _random_head(args, n=60, seed=4)
+    plain, _ = run(target, None, None, PROMPTS["twenty"], params)
+    gen, _ = run(target, Eagle3Proposer(head, aux_layers(8)), 3, PROMPTS["twenty"], params)
+    assert gen.token_ids == plain.token_ids
+    assert gen.stats.num_draft_tokens > 0
+
+
+def test_eagle3_needs_the_native_runtime_and_a_head(tmp_path_factory, tmp_path):
+    from helpers import MockLM
+    head = _random_head(_args())
+    with pytest.raises(ValueError, match="native runtime"):
+        Engine(MockLM(96, lambda ctx: torch.zeros(96)), Eagle3Proposer(head, [1, 3, 4]), 2)
+    with pytest.raises(ValueError, match="three target layers"):
+        Eagle3Proposer(head, [])
+    from tiny_dirs import tiny_dirs_in
+    target = specdecode.load(tiny_dirs_in(tmp_path_factory)["target"])
+    with pytest.raises(ValueError, match="needs its head: eagle3:head=DIR"):
+        specdecode.generate(target, "x", method="eagle3", max_new_tokens=2)
+    with pytest.raises(ValueError, match="this target has 2"):
+        specdecode.generate(target, "x", method=f"eagle3:head={tmp_path}", max_new_tokens=2)
+
+
+def test_training_lowers_the_loss_and_raises_held_out_acceptance(tmp_path):
+    """The training-time test on sequences of a fixed pattern (a draft can learn it): the
+    loss falls and the held-out greedy acceptance length rises."""
+    from specdecode.train.features import TOPK, Sequence
+    args = _args()
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(96, 32, generator=g)
+    cycle = torch.tensor([5, 17, 29, 41, 53, 65, 77, 89])
+
+    def seq(offset, t=40):
+        tokens = cycle[(torch.arange(t) + offset) % 8]
+        nxt = cycle[(torch.arange(t) + offset + 1) % 8]
+        ids = torch.stack([nxt] + [(nxt + r) % 96 for r in range(1, TOPK)], 1)
+        logp = torch.log_softmax(torch.tensor([4.0] + [0.0] * (TOPK - 1)), 0).expand(t, TOPK)
+        return Sequence(tokens, 4, torch.zeros(t, 32), torch.randn(t, 96, generator=g) * 0.1, ids, logp)
+
+    train_seqs, held = [seq(i) for i in range(8)], [seq(3, 30)]
+    head = Eagle3Head(args, draft_vocabulary(torch.bincount(cycle, minlength=96).float(), 16), embed)
+    task = eagle3_task(head, train_seqs, held, {"target": "toy"}, steps=2, eval_steps=3)
+    before = chain_acceptance(head, [{"tokens": held[0].tokens, "start": torch.tensor(4), "aux": held[0].aux}], 3)
+    result = train(task, tmp_path / "e3", epochs=6, batch_size=2, lr=1e-2, progress=False)
+    losses = [h["loss"] for h in result["history"]]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert result["history"][-1]["acceptance_length"] > before["acceptance_length"] + 1.0
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["architectures"] == [EAGLE3_ARCH] and config["training"]["target"] == "toy"
