@@ -14,6 +14,7 @@ import specdecode
 from helpers import PROMPTS, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
+from specdecode.export import check_head_tensors, head_tensor_table
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, draft_vocabulary
 from specdecode.models.native import ModelArgs
 from specdecode.proposers import Eagle3Proposer
@@ -63,6 +64,10 @@ def test_the_default_targets_head_has_the_layout_vllm_and_sglang_load(tmp_path):
                       "tie_word_embeddings": False, "vocab_size": 151936, "draft_vocab_size": 512,
                       "torch_dtype": "bfloat16", "trained_on": "test"}
     assert "eagle_aux_hidden_state_layer_ids" not in config  # the engines' defaults apply
+    # the table `specdecode export` checks a head against is the same one
+    assert {n: (s, str(d).removeprefix("torch.")) for n, (s, d) in head_tensor_table("eagle3", config).items()} \
+        == golden_tensors(1024, 512)
+    check_head_tensors("eagle3", config, tensors)
     assert aux_layers(28) == [1, 13, 24]
 
 

@@ -136,3 +136,131 @@ def test_the_exported_directory_can_be_moved_and_launched(tmp_path, dirs):
     theta = source.get("rope_theta", (source.get("rope_parameters") or {}).get("rope_theta"))
     assert written["rope_theta"] == theta and written["dtype"] == "bfloat16"
     assert (moved / "draft" / "model.safetensors").stat().st_mode & 0o044 == 0o044
+
+
+# --- draft heads: export eagle3|medusa HEAD --format vllm|sglang OUT ----------------------
+
+def _heads(root: Path, target: Path) -> dict[str, Path]:
+    """Random heads for the tiny target: an EAGLE-3 head (saved fp32, as a user's run may)
+    and Medusa heads with their own and with the target's projection."""
+    from specdecode.heads import Eagle3Head, MedusaHeads
+    from specdecode.models.native import ModelArgs
+
+    config = json.loads((target / "config.json").read_text())
+    args = ModelArgs.from_hf_config(config)
+    g = torch.Generator().manual_seed(0)
+    e3 = Eagle3Head(args, torch.arange(3, VOCAB, 7), torch.randn(VOCAB, args.dim, generator=g), 40)
+    m1 = MedusaHeads(args.dim, VOCAB, 3)
+    m2 = MedusaHeads(args.dim, VOCAB, 2, lm_head=torch.randn(VOCAB, args.dim, generator=g))
+    with torch.no_grad():
+        for p in [*e3.parameters(), *m1.parameters(), *m2.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=g))
+    training = {"target": "tiny", "data": {"sources": ["stdlib", "sharegpt"]}}
+    return {"eagle3": e3.save(root / "eagle3", dtype=torch.float32, training=training),
+            "medusa": m1.save(root / "medusa", training=training),
+            "medusa_shared": m2.save(root / "medusa_shared")}
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, dirs):
+    return _heads(tmp_path_factory.mktemp("heads"), dirs["target"])
+
+
+HEAD_CASES = [("vllm-eagle3", "eagle3", "eagle3", "vllm", None),
+              ("sglang-eagle3", "eagle3", "eagle3", "sglang", 3),
+              ("vllm-medusa", "medusa", "medusa", "vllm", None),
+              ("vllm-medusa-shared", "medusa", "medusa_shared", "vllm", 1)]
+
+
+@pytest.mark.parametrize("case,kind,head,engine,k", HEAD_CASES, ids=[c[0] for c in HEAD_CASES])
+def test_exported_heads_equal_the_golden_files_and_load_back(tmp_path, dirs, heads, case, kind, head, engine, k):
+    """The settings, launch script and notes are the golden ones; the tensors are the names,
+    shapes and dtypes the engine loads (golden too); the weights are the head's, in bf16."""
+    from safetensors.torch import load_file
+
+    from specdecode.export import export_head, head_tensor_table
+    from specdecode.heads import Eagle3Head, MedusaHeads
+    from specdecode.models.native import ModelArgs
+
+    out = tmp_path / "out"
+    r = export_head(kind, heads[head], engine, out, dirs["target"], k)
+    tensors = load_file(str(out / "draft" / "model.safetensors"))
+    config = json.loads((out / "draft" / "config.json").read_text())
+    table = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(tensors.items())}
+    assert table == {n: (s, str(d).removeprefix("torch.")) for n, (s, d) in head_tensor_table(kind, config).items()}
+    written = {name: _normalized(out / name, out, dirs["target"]) for name in FILES if (out / name).exists()}
+    written["tensors.txt"] = "".join(f"{n} {list(s)} {d}\n" for n, (s, d) in table.items())
+    for name in (*FILES, "tensors.txt"):
+        golden = GOLDEN / case / name
+        if os.environ.get("SPECDECODE_UPDATE_GOLDEN") and name in written:
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(written[name])
+        assert (name in written) == golden.exists(), f"{case}/{name}: written {name in written}"
+        if name in written:
+            assert written[name] == golden.read_text(), f"{case}/{name} differs from the golden file"
+    assert config["torch_dtype"] == "bfloat16" and (r.config is None) == (engine == "sglang")
+    src = json.loads((heads[head] / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "torch_dtype"} == {k: v for k, v in src.items() if k != "torch_dtype"}
+    if kind == "eagle3":
+        args = ModelArgs.from_hf_config(json.loads((dirs["target"] / "config.json").read_text()))
+        embed = torch.zeros(VOCAB, args.dim)
+        a, b = Eagle3Head.load(out / "draft", args, embed), Eagle3Head.load(heads[head], args, embed)
+    else:
+        a, b = MedusaHeads.load(out / "draft"), MedusaHeads.load(heads[head])
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for n in sa:  # the export is the head rounded to bf16, nothing else
+        want = sb[n].to(torch.bfloat16).float() if sb[n].is_floating_point() else sb[n]
+        assert torch.equal(sa[n], want), n
+
+
+def test_head_export_refuses_what_the_engines_would_not_load(tmp_path, dirs, heads, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.export import export_head
+
+    with pytest.raises(ValueError, match="SGLang has no Medusa"):
+        export_head("medusa", heads["medusa"], "sglang", tmp_path / "a", dirs["target"])
+    with pytest.raises(ValueError, match="MedusaModel"):
+        export_head("medusa", heads["eagle3"], "vllm", tmp_path / "b", dirs["target"])
+    with pytest.raises(ValueError, match="another target.*vocab_size"):
+        export_head("eagle3", heads["eagle3"], "vllm", tmp_path / "c", dirs["wide"])
+    with pytest.raises(ValueError, match="allowed: 1..3"):
+        export_head("medusa", heads["medusa"], "vllm", tmp_path / "d", dirs["target"], k=4)
+    with pytest.raises(ValueError, match="not a head directory"):
+        export_head("eagle3", dirs["target"] / "nothing", "vllm", tmp_path / "e", dirs["target"])
+
+    def tampered(name, change):
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text((heads["eagle3"] / "config.json").read_text())
+        t = load_file(str(heads["eagle3"] / "model.safetensors"))
+        change(t)
+        save_file(t, str(bad / "model.safetensors"))
+        return bad
+
+    cases = {"missing midlayer.mlp.up_proj.weight": lambda t: t.pop("midlayer.mlp.up_proj.weight"),
+             "d2t: .* int32": lambda t: t.update(d2t=t["d2t"].int()),
+             r"fc.weight: \(32, 64\)": lambda t: t.update({"fc.weight": t["fc.weight"][:, :64].contiguous()}),
+             "not strictly increasing": lambda t: t.update(d2t=t["d2t"].flip(0)),
+             "t2d does not mark": lambda t: t.update(t2d=~t["t2d"]),
+             "unexpected extra": lambda t: t.update(extra=torch.zeros(2))}
+    for i, (message, change) in enumerate(cases.items()):
+        with pytest.raises(ValueError, match=message):
+            export_head("eagle3", tampered(f"bad{i}", change), "vllm", tmp_path / f"o{i}", dirs["target"])
+    assert not any((tmp_path / f"o{i}").exists() for i in range(len(cases)))  # nothing half-written
+    # through the CLI: one error line, exit code 2
+    for argv, message in ((["export", "medusa", str(heads["medusa"]), "--format", "sglang", str(tmp_path / "f")],
+                           "SGLang has no Medusa"),
+                          (["export", "eagle3", str(heads["eagle3"])], "HEAD OUT"),
+                          (["export", "vllm", str(tmp_path / "g"), "--format", "sglang"], "--format is for heads"),
+                          (["export", "eagle3", str(heads["eagle3"]), str(tmp_path / "h"), "--method", "draft"],
+                           "are for draft model exports")):
+        code = cli.main(argv + ["--target", str(dirs["target"])])
+        assert code == 2 and message in capsys.readouterr().err, argv
+    code = cli.main(["export", "eagle3", str(heads["eagle3"]), str(tmp_path / "i"), "--format", "sglang",
+                     "--target", str(dirs["target"]), "--k", "2"])
+    assert code == 0 and "EAGLE3" in capsys.readouterr().out
+    assert "--speculative-num-steps 2" in (tmp_path / "i" / "launch.sh").read_text()
+    with pytest.raises(ValueError, match="export_head"):
+        export("vllm", tmp_path / "j", dirs["target"], None, Method.EAGLE3, progress=False)

@@ -1,5 +1,7 @@
-"""``specdecode export vllm|sglang DIR``: what a user who outgrows one machine loads in vLLM or
-SGLang to run the same speculation at scale.
+"""``specdecode export vllm|sglang DIR`` and ``specdecode export eagle3|medusa HEAD --format
+vllm|sglang OUT``: what a user who outgrows one machine loads in vLLM or SGLang to run the
+same speculation at scale (a draft model or lookup method; a trained draft head, see
+:func:`export_head`).
 
 DIR gets: ``draft/`` (the draft model as a Hugging Face directory: bf16 safetensors, config,
 tokenizer and chat template), with ``target/`` too on request; ``speculative_config.json``
@@ -29,6 +31,8 @@ from tqdm import tqdm
 from .methods import METHODS, Method
 
 ENGINES = ("vllm", "sglang")
+HEAD_KINDS = ("eagle3", "medusa")  # exported by export_head, from a trained head's directory
+HEAD_ARCH = {"eagle3": "LlamaForCausalLMEagle3", "medusa": "MedusaModel"}
 ROW_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 # what a model directory holds besides its weights and config (tokenizer, chat template, ...)
 SKIP = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -147,6 +151,9 @@ def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir:
         method = Method.DRAFT
     if method is Method.AR:
         raise ValueError("method ar speculates nothing: there is nothing to export")
+    if method.value in HEAD_KINDS:
+        raise ValueError(f"{method.value} drafts with a trained head: export it with export_head "
+                         f"(specdecode export {method.value} HEAD --format {engine} OUT)")
     if method in SELF_SPECULATIVE:
         raise ValueError(f"vLLM and SGLang have no equivalent of {method.value} (the target "
                          "drafting with its own layers or weights): nothing reproduces it there")
@@ -217,7 +224,7 @@ def export(engine: str, out: str | Path, target: Path, draft: Path | None, metho
     served = "$HERE/target" if with_target else str(target)
     (out / "launch.sh").write_text(_launch_script(result, served))
     (out / "launch.sh").chmod(0o755)
-    (out / "NOTES.md").write_text(_notes(result, method, target_name or str(target), with_target))
+    (out / "NOTES.md").write_text(_notes(result, method.value, target_name or str(target), with_target))
     return result
 
 
@@ -244,24 +251,164 @@ def _launch_script(r: ExportResult, served: str) -> str:
     return "\n".join(head + [cmd, ""])
 
 
-def _notes(r: ExportResult, method: Method, target_name: str, with_target: bool) -> str:
-    lines = [f"# {r.engine} export of specdecode's `{method.value}` method", "",
+def _notes(r: ExportResult, method: str, target_name: str, with_target: bool,
+           head: str | None = None) -> str:
+    """NOTES.md of an export of specdecode's ``method``; ``head`` describes an exported draft head."""
+    draft = (f"- draft: `draft/`: {head}" if head else
+             "- draft: `draft/` (bf16 safetensors, config, tokenizer)" if (r.out / "draft").exists()
+             else "- draft: none (a lookup method)")
+    lines = [f"# {r.engine} export of specdecode's `{method}` method", "",
              f"- target: {target_name}" + (" (also written here as `target/`, bf16)" if with_target else
                                           " (not copied: `launch.sh` serves this machine's copy unless "
                                           "TARGET names another, e.g. the target's hub id)"),
-             "- draft: `draft/` (bf16 safetensors, config, tokenizer)" if (r.out / "draft").exists()
-             else "- draft: none (a lookup method)",
-             f"- {r.engine} method: " + (f"`{r.method}`" if r.method else "none (no equivalent)")]
+             draft, f"- {r.engine} method: " + (f"`{r.method}`" if r.method else "none (no equivalent)")]
     if r.config is not None:
         lines += ["- `speculative_config.json`: vLLM's `--speculative-config`"]
     if r.flags:
         lines += ["- SGLang flags: `" + " ".join(r.flags).replace(str(r.out), "DIR") + "`"]
     lines += ["- `launch.sh`: starts the server (`TARGET=... ./launch.sh --port 8000`); DIR may be "
-              "moved: it finds `draft/` beside itself", "",
-              "The draft is specdecode's copy of it (a model fetched as GGUF is the dequantized "
-              "GGUF), so it drafts as it does here. The engine verifies with its own target and "
-              "kernels: its output is its target's, not token for token specdecode's q4 one. "
-              "`config.json` carries `rope_theta` at the top level too, for transformers 4.", ""]
+              "moved: it finds `draft/` beside itself", ""]
+    if head:
+        lines += ["The head reads the target's own hidden states and embedding (not stored here: "
+                  "the engine takes them from the target it serves, which must be the target the "
+                  "head was trained on). The engine verifies with its own kernels: its output is "
+                  "its target's, not token for token specdecode's q4 one.", ""]
+    else:
+        lines += ["The draft is specdecode's copy of it (a model fetched as GGUF is the dequantized "
+                  "GGUF), so it drafts as it does here. The engine verifies with its own target and "
+                  "kernels: its output is its target's, not token for token specdecode's q4 one. "
+                  "`config.json` carries `rope_theta` at the top level too, for transformers 4.", ""]
     if r.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in r.notes] + [""]
     return "\n".join(lines)
+
+
+# --- draft heads: ``specdecode export eagle3|medusa HEAD --format vllm|sglang OUT`` ---------
+
+
+def head_tensor_table(kind: str, config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors (name -> (shape, dtype)) that vLLM (and, for ``eagle3``, SGLang) load for
+    a head of this config.json: HEADS.md's table, weights in bf16, EAGLE-3's d2t int64 and
+    t2d bool. Raises ValueError for an unknown kind or a config without the sizes it needs."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"head kind {kind!r} is unknown; allowed: {', '.join(HEAD_KINDS)}")
+    bf16 = torch.bfloat16
+    try:
+        d, v = int(config["hidden_size"]), int(config["vocab_size"])
+        if kind == "medusa":
+            heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
+            table = {f"blocks.{i}.layers.{j}.{p}": ((d, d) if p == "weight" else (d,), bf16)
+                     for i in range(heads) for j in range(layers) for p in ("weight", "bias")}
+            lm = range(1) if config.get("original_lm_head") else range(heads)
+            table.update({f"lm_heads.{i}.weight": ((v, d), bf16) for i in lm})
+            return table
+        i, n = int(config["intermediate_size"]), int(config["draft_vocab_size"])
+        hd = int(config.get("head_dim") or d // int(config["num_attention_heads"]))
+        q, kv = int(config["num_attention_heads"]) * hd, int(config["num_key_value_heads"]) * hd
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"the {kind} head's config.json lacks or has a bad {e}") from None
+    m = "midlayer."
+    return {"fc.weight": ((d, 3 * d), bf16), m + "input_layernorm.weight": ((d,), bf16),
+            m + "hidden_norm.weight": ((d,), bf16), m + "self_attn.q_proj.weight": ((q, 2 * d), bf16),
+            m + "self_attn.k_proj.weight": ((kv, 2 * d), bf16), m + "self_attn.v_proj.weight": ((kv, 2 * d), bf16),
+            m + "self_attn.o_proj.weight": ((d, q), bf16), m + "post_attention_layernorm.weight": ((d,), bf16),
+            m + "mlp.gate_proj.weight": ((i, d), bf16), m + "mlp.up_proj.weight": ((i, d), bf16),
+            m + "mlp.down_proj.weight": ((d, i), bf16), "norm.weight": ((d,), bf16),
+            "lm_head.weight": ((n, d), bf16), "d2t": ((n,), torch.int64), "t2d": ((v,), torch.bool)}
+
+
+def check_head_tensors(kind: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless ``tensors`` are exactly :func:`head_tensor_table`'s names,
+    shapes and dtypes and, for ``eagle3``, d2t maps the draft vocabulary to ascending target
+    ids below vocab_size and t2d marks exactly those ids (what the engines index with)."""
+    want = head_tensor_table(kind, config)
+    problems = [f"missing {k}" for k in sorted(set(want) - set(tensors))]
+    problems += [f"unexpected {k}" for k in sorted(set(tensors) - set(want))]
+    problems += [f"{k}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}, expected "
+                 f"{want[k][0]} {str(want[k][1]).removeprefix('torch.')}"
+                 for k, t in sorted(tensors.items()) if k in want and (tuple(t.shape), t.dtype) != want[k]]
+    if not problems and kind == "eagle3":
+        ids = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+        if bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0 or int(ids.max()) >= len(tensors["t2d"]):
+            problems.append("d2t + arange(N) is not strictly increasing target ids below vocab_size")
+        elif int(tensors["t2d"].sum()) != len(ids) or not bool(tensors["t2d"][ids].all()):
+            problems.append("t2d does not mark exactly the draft vocabulary's target ids")
+    if problems:
+        raise ValueError(f"the {kind} head does not have the tensors vLLM/SGLang load: "
+                         + "; ".join(problems[:6]) + (f" (+{len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+def head_settings(kind: str, engine: str, k: int, head_dir: Path) -> tuple[str, dict | None, list[str], list[str]]:
+    """(the engine's method, vLLM's speculative config or None, SGLang's flags, notes) that
+    serve a ``kind`` head as a chain of ``k`` draft tokens, as specdecode's proposers draft.
+    Raises ValueError where the engine has no such head (Medusa in SGLang)."""
+    if engine == "vllm":
+        name = "eagle3" if kind == "eagle3" else "medusa"
+        notes = ["vLLM's Medusa proposer verifies a top-1 chain, as specdecode's `medusa` does "
+                 "without `tree=`."] if kind == "medusa" else []
+        return name, {"method": name, "model": str(head_dir), "num_speculative_tokens": k}, [], notes
+    if kind == "medusa":
+        raise ValueError("SGLang has no Medusa heads: export with --format vllm, or train an "
+                         "EAGLE-3 head (specdecode train eagle3), which both engines serve")
+    return "EAGLE3", None, ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                            str(head_dir), "--speculative-num-steps", str(k), "--speculative-eagle-topk",
+                            "1", "--speculative-num-draft-tokens", str(k + 1)], \
+        ["a chain of K draft tokens (topk 1), as specdecode drafts; on a GPU a tree pays more "
+         "(e.g. --speculative-eagle-topk 4 --speculative-num-draft-tokens 16)."]
+
+
+def export_head(kind: str, head: str | Path, engine: str, out: str | Path, target: Path,
+                k: int | None = None, target_name: str = "") -> ExportResult:
+    """Write OUT for serving the trained ``kind`` head (``eagle3`` or ``medusa``) in
+    ``engine`` ("vllm" or "sglang"): ``draft/`` (config.json and model.safetensors in bf16,
+    checked against :func:`head_tensor_table`), the speculative config or flags for a chain
+    of ``k`` tokens (default: the method's K, for Medusa its number of heads), launch.sh and
+    NOTES.md. ``target`` is the target's model directory: its hidden and vocabulary sizes
+    must be the head's. Raises ValueError naming what is wrong (another head kind, tensors
+    the engines would not load, a head of another target, k out of range, OUT not empty,
+    Medusa for SGLang)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is unknown; allowed: {', '.join(ENGINES)}")
+    head, out = Path(head).expanduser(), Path(out).expanduser().resolve()
+    try:
+        config = json.loads((head / "config.json").read_text())
+        with safe_open(head / "model.safetensors", "pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+    except (OSError, json.JSONDecodeError, RuntimeError) as e:
+        raise ValueError(f"{head} is not a head directory (config.json + model.safetensors): {e}") from None
+    arch = config.get("architectures") if isinstance(config, dict) else None
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"head kind {kind!r} is unknown; allowed: {', '.join(HEAD_KINDS)}")
+    if arch != [HEAD_ARCH[kind]]:
+        raise ValueError(f"{head}/config.json is for {arch!r}, not [{HEAD_ARCH[kind]!r}] (a {kind} head)")
+    tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
+    check_head_tensors(kind, config, tensors)
+    tc = _config(target)
+    tc = tc.get("text_config", tc)
+    bad = [f"{key} {config.get(key)} vs the target's {tc.get(key)}" for key in ("hidden_size", "vocab_size")
+           if config.get(key) != tc.get(key)]
+    if bad:
+        raise ValueError(f"the head in {head} was made for another target ({'; '.join(bad)}): "
+                         "give the target it was trained on (--target)")
+    most = int(config["num_heads"]) if kind == "medusa" else 16
+    k = k or (most if kind == "medusa" else METHODS[kind].default_k)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
+        raise ValueError(f"k={k!r} is invalid for a {kind} head; allowed: 1..{most}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty: give a new directory")
+    name, spec, flags, notes = head_settings(kind, engine, k, out / "draft")
+    (out / "draft").mkdir(parents=True)
+    save_file(tensors, str(out / "draft" / "model.safetensors"), metadata={"format": "pt"})
+    (out / "draft" / "model.safetensors").chmod(0o644)
+    (out / "draft" / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=2) + "\n")
+    result = ExportResult(out, engine, name, spec, flags, "same", notes)
+    if spec is not None:
+        (out / "speculative_config.json").write_text(json.dumps(spec, indent=2) + "\n")
+    (out / "launch.sh").write_text(_launch_script(result, str(target)))
+    (out / "launch.sh").chmod(0o755)
+    trained = config.get("training", {}).get("data", {}).get("sources") if isinstance(config.get("training"), dict) else None
+    (out / "NOTES.md").write_text(_notes(result, kind, target_name or str(target), False,
+                                         f"the {kind} head ({HEAD_ARCH[kind]}, bf16; checked against "
+                                         "the tensor names, shapes and dtypes the engines load)"
+                                         + (f", trained on {', '.join(trained)}" if trained else "")))
+    return result

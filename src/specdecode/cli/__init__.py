@@ -35,7 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first option ("export eagle3 HEAD --format vllm
+    # OUT"); a command that names its list in `intermixed` takes the positionals after it too
+    into = vars(args).get("intermixed")
+    if extra and (into is None or any(a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        vars(args)[into].extend(extra)
     try:
         return args.func(args)
     except KeyboardInterrupt:

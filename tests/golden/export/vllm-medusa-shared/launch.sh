@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Serves the target with medusa speculation in vllm (written by specdecode export; NOTES.md says what maps to what). Set TARGET to serve another copy of the target (e.g. its hub id); extra arguments go to the server.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+TARGET="${TARGET:-TARGET_DIR}"
+exec vllm serve "$TARGET" --speculative-config "$(sed "s#DIR/draft#$HERE/draft#" "$HERE/speculative_config.json")" "$@"
