@@ -96,6 +96,13 @@ def test_generate_json_compare(capsys, dirs):
     assert obj["stats"]["num_draft_tokens"] <= 3 * obj["stats"]["num_drafts"]
 
 
+def test_compare_with_method_ar_says_there_is_nothing_to_compare(capsys, dirs):
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--method", "ar", "--prompt",
+                         PROMPT, "--json", "--max-new-tokens", 8, "--compare")
+    assert code == 0 and "nothing to compare" in err and err.count("[ar]") == 1, err
+    assert "ar" not in json.loads(out.strip().splitlines()[-1])
+
+
 def test_method_ar_loads_no_draft(capsys, dirs, monkeypatch):
     ref = run_json(capsys, dirs)
     # the default draft is not even loaded with --method ar

@@ -175,7 +175,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out["threads"] = threads
     out["weights"] = {"target": target.lm.weight_format,
                       "draft": draft.lm.weight_format if draft else None}
-    if args.compare:
+    if args.compare and method is Method.AR:
+        print("--compare: method ar is plain decoding itself; nothing to compare", file=info)
+    elif args.compare:
         ar = None
         for chunk in stream(target, prompt, method=Method.AR, **common):
             ar = chunk.result or ar
