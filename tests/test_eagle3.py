@@ -154,14 +154,40 @@ def test_the_proposers_cache_reproduces_the_training_time_test():
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
                                     SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
                          ids=["greedy", "gumbel"])
-def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params):
+@pytest.mark.parametrize("int8_head", [False, True], ids=["fp32-head", "int8-head"])
+def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_head):
     target = tiny_model(0, int8="nk", n_layers=8)
     args = target.args
     head = _random_head(args, n=60, seed=4)
+    if int8_head:  # what methods.py does for a quantized CPU target
+        head.quantize_("nk")
     plain, _ = run(target, None, None, PROMPTS["twenty"], params)
     gen, _ = run(target, Eagle3Proposer(head, aux_layers(8)), 3, PROMPTS["twenty"], params)
     assert gen.token_ids == plain.token_ids
     assert gen.stats.num_draft_tokens > 0
+
+
+def test_the_int8_head_drafts_what_the_fp32_head_drafts():
+    """quantize_ swaps every linear for int8 and keeps the head's choices: the step's top-1
+    draft token agrees with the fp32 head's on nearly every row (a broken quantization, a
+    wrong layout or scale, agrees on a few percent)."""
+    from specdecode.models.quant import Int8Linear
+
+    args = _args(dim=64, head_dim=16, intermediate_size=128)
+    head = _random_head(args, n=90, seed=5)
+    g = torch.Generator().manual_seed(6)
+    ids, hidden, pos = torch.randint(0, 96, (200,), generator=g), torch.randn(200, 64, generator=g), torch.zeros(200, dtype=torch.long)
+    with torch.no_grad():
+        def top1():
+            q, k, v, r = head.project(ids, head.fc(torch.cat([hidden] * 3, -1)), pos)
+            attn = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)  # each row sees itself only
+            return head.finish(attn, r)[1].argmax(-1)
+        before = top1()
+        head.quantize_("nk")
+        after = top1()
+    assert all(isinstance(m, Int8Linear) for m in (head.fc, head.lm_head, head.midlayer.self_attn.q_proj,
+                                                   head.midlayer.mlp.down_proj))
+    assert (before == after).float().mean() >= 0.9
 
 
 def test_eagle3_needs_the_native_runtime_and_a_head(tmp_path_factory, tmp_path):

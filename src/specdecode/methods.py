@@ -9,15 +9,19 @@ the API's ``method=``, the bench's method list and options, and the validation o
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from .config import MAX_K, KSchedule, check_k
 from .heads import Eagle3Head, MedusaHeads, aux_layers
 from .layer_skip import SkipProfile, check_skip, default_profile
 from .models.loading import LoadedModel, check_compatible, checkpoint_tensor, load
+from .models.quant import best_layout
 from .profile import verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
                         Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
@@ -111,6 +115,7 @@ def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
         raise ValueError(f"the Medusa heads in {spec.head_dir} are for hidden size {heads.dim} and "
                          f"{heads.vocab_size} tokens; this target has {lm.args.dim} and "
                          f"{lm.vocab_size}: give heads made for this target")
+    heads.to(_device(lm))
     w = spec.draft_tree_width
     return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None)
 
@@ -127,7 +132,16 @@ def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
         raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
                          "(at least 7 needed)")
     head = Eagle3Head.load(spec.head_dir, lm.args, checkpoint_tensor(target, "model.embed_tokens.weight"))
+    device = _device(lm)
+    head.to(device)
+    if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
+        head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
     return Eagle3Proposer(head, layers)
+
+
+def _device(lm) -> torch.device:
+    """The device a native model's weights are on (its heads must be there too)."""
+    return next(itertools.chain(lm.parameters(), lm.buffers())).device
 
 
 def _suffix(spec: "SpeculativeConfig", target: LoadedModel) -> SuffixProposer:

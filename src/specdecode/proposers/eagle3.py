@@ -44,8 +44,7 @@ class Eagle3Proposer(Proposer):
     def reset(self, state: RequestState, max_total_len: int) -> None:
         a = self.head.args
         shape = (a.n_kv_heads, max_total_len + 1, a.head_dim)
-        w = self.head.fc.weight
-        self._k = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self._k = torch.zeros(shape, device=self.head.d2t.device)
         self._v = torch.zeros_like(self._k)
         self._pending, self._cached, self._last = None, 0, None
 
@@ -87,7 +86,7 @@ class Eagle3Proposer(Proposer):
                 ps, feats = self._pending
                 self._pending = None
                 ids = torch.tensor(tokens[ps + 1:ps + 1 + len(feats)])
-                pre, logits = self._step(ids, head.fc(feats.to(head.fc.weight.dtype)), ps)
+                pre, logits = self._step(ids, head.fc(feats.float()), ps)
                 self._cached = ps + len(feats)
                 self._last = (pre, logits)
             pre, logits = self._last
