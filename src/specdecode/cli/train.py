@@ -95,8 +95,8 @@ def add_parser(sub) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     sources = parse_sources(args.data)
     medusa = args.kind == "medusa"
-    batch = args.batch_size or (64 if medusa else 4)
-    lr = args.lr or (1e-3 if medusa else 3e-4)
+    batch = args.batch_size if args.batch_size is not None else (64 if medusa else 4)
+    lr = args.lr if args.lr is not None else (1e-3 if medusa else 3e-4)
     for name, v, low, high in (("--max-prompts", args.max_prompts, 2, 10**6),
                                ("--max-new-tokens", args.max_new_tokens, 2, 4096),
                                ("--epochs", args.epochs, 1, 1000), ("--heads", args.heads, 1, 8),
@@ -128,7 +128,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "sequences": {"train": len(train_seqs), "held_out": len(held)},
                          "answer_tokens": sum(s["answer_tokens"] for s in manifest["shards"]),
                          "max_new_tokens": args.max_new_tokens},
-                "recording_seconds": round(recorded, 1)}
+                "recording_seconds": manifest.get("recording_seconds", round(recorded, 1))}
         task = (_medusa(target, args, train_seqs, held, info) if medusa
                 else _eagle3(target, args, train_seqs, held, info))
         t1 = time.perf_counter()
@@ -141,7 +141,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     what = f"{args.heads} Medusa heads on {result['examples']} positions" if medusa else \
         f"an EAGLE-3 head on {result['examples']} sequences"
     print(f"trained {what} in "
-          f"{time.perf_counter() - t1:.0f} s (answers recorded in {recorded:.0f} s); held-out "
+          f"{time.perf_counter() - t1:.0f} s (answers recorded in {info['recording_seconds']:.0f} s); held-out "
           f"acceptance length {last.get('acceptance_length', float('nan')):.2f} tokens per verify pass")
     print(f"wrote {out}; use it: specdecode generate --target {args.target} --method {args.kind}:head={out}")
     return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,7 @@ def record(target: LoadedModel, prompts: list[Prompt], out: str | Path, *, max_n
                for i in range(0, len(g), batch)]
     bar = tqdm(total=len(todo), desc=f"self-distillation ({target.name} answers)", unit="prompt",
                disable=not progress, initial=0)
+    t0 = time.perf_counter()
     try:
         for held, group in batches:
             texts = [p.text for p in group]
@@ -142,6 +144,10 @@ def record(target: LoadedModel, prompts: list[Prompt], out: str | Path, *, max_n
                                        "tokens": int(tensors["tokens"].numel()),
                                        "answer_tokens": sum(len(s) - st for s, st in zip(seqs, starts))})
             manifest["done"].extend(p.key for p in group)
+            # the recording's own time, over every call that added to it (resumed or reused runs)
+            manifest["recording_seconds"] = round(manifest.get("recording_seconds", 0.0)
+                                                  + time.perf_counter() - t0, 1)
+            t0 = time.perf_counter()
             _write_json(_manifest_path(out), manifest)
             bar.update(len(group))
     finally:
