@@ -13,7 +13,7 @@ from ..heads import Eagle3Head, MedusaHeads, aux_layers, draft_vocabulary
 from ..models import registry
 from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, checkpoint_tensor, load
 from ..train.data import parse_sources, training_prompts
-from ..train.features import load_sequences, record
+from ..train.features import load_sequences, read_manifest, record
 from ..train.eagle3 import eagle3_task
 from ..train.loop import Task, train
 from ..train.medusa import medusa_task
@@ -119,7 +119,14 @@ def cmd_train(args: argparse.Namespace) -> int:
           "Spec-Bench or HumanEval)", file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        manifest = record(target, prompts, features, max_new_tokens=args.max_new_tokens)
+        # under `accelerate launch` one process records the answers and the others read them
+        from accelerate import PartialState  # imported here: every CLI command loads this module
+
+        state = PartialState()
+        if state.is_main_process:
+            record(target, prompts, features, max_new_tokens=args.max_new_tokens)
+        state.wait_for_everyone()
+        manifest = read_manifest(features)
         recorded = time.perf_counter() - t0
         train_seqs, held = load_sequences(features, False), load_sequences(features, True)
         lm = target.lm
