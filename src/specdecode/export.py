@@ -28,11 +28,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .heads import EAGLE3_ARCH, MEDUSA_ARCH, read_head_dir
 from .methods import METHODS, Method
 
 ENGINES = ("vllm", "sglang")
 HEAD_KINDS = ("eagle3", "medusa")  # exported by export_head, from a trained head's directory
-HEAD_ARCH = {"eagle3": "LlamaForCausalLMEagle3", "medusa": "MedusaModel"}
+HEAD_ARCH = {"eagle3": EAGLE3_ARCH, "medusa": MEDUSA_ARCH}
 ROW_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 # what a model directory holds besides its weights and config (tokenizer, chat template, ...)
 SKIP = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -370,17 +371,9 @@ def export_head(kind: str, head: str | Path, engine: str, out: str | Path, targe
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is unknown; allowed: {', '.join(ENGINES)}")
     head, out = Path(head).expanduser(), Path(out).expanduser().resolve()
-    try:
-        config = json.loads((head / "config.json").read_text())
-        with safe_open(head / "model.safetensors", "pt") as f:
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except (OSError, json.JSONDecodeError, RuntimeError) as e:
-        raise ValueError(f"{head} is not a head directory (config.json + model.safetensors): {e}") from None
-    arch = config.get("architectures") if isinstance(config, dict) else None
     if kind not in HEAD_KINDS:
         raise ValueError(f"head kind {kind!r} is unknown; allowed: {', '.join(HEAD_KINDS)}")
-    if arch != [HEAD_ARCH[kind]]:
-        raise ValueError(f"{head}/config.json is for {arch!r}, not [{HEAD_ARCH[kind]!r}] (a {kind} head)")
+    config, tensors = read_head_dir(head, HEAD_ARCH[kind], {"eagle3": "an EAGLE-3 head", "medusa": "a Medusa heads"}[kind])
     tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
     check_head_tensors(kind, config, tensors)
     tc = _config(target)

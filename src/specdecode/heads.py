@@ -27,6 +27,25 @@ from .models.native import ModelArgs, apply_rope, rope_inv_freq
 from .models.quant import quantize_linears
 
 
+MEDUSA_ARCH = "MedusaModel"
+
+
+def read_head_dir(path: str | Path, arch: str, what: str = "a head") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a head directory (``config.json`` + ``model.safetensors``) whose
+    architecture is ``arch``. Raises ValueError for a missing or unreadable file, or a config
+    of another architecture; ``what`` names the expected head in the message."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        tensors = load_file(str(path / "model.safetensors"))
+    except (OSError, json.JSONDecodeError, RuntimeError) as e:
+        raise ValueError(f"{path} is not {what} directory (config.json + model.safetensors): {e}") from None
+    if not isinstance(config, dict) or config.get("architectures") != [arch]:
+        got = config.get("architectures") if isinstance(config, dict) else config
+        raise ValueError(f"{path}/config.json is for {got!r}, not [{arch!r}] ({what})")
+    return config, tensors
+
+
 class ResidualBlock(nn.Module):
     """``num_layers`` times x <- x + silu(W x + b), W [dim, dim] (Medusa's ResBlock)."""
 
@@ -107,7 +126,7 @@ class MedusaHeads(nn.Module):
             tensors.update({f"lm_heads.{i}.weight": h.weight.detach().to(dtype).contiguous()
                             for i, h in enumerate(self.lm_heads)})
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": self.dim,
+        config = {"architectures": [MEDUSA_ARCH], "model_type": "medusa", "hidden_size": self.dim,
                   "vocab_size": self.vocab_size, "truncated_vocab_size": self.vocab_size,
                   "num_heads": self.num_heads, "num_hidden_layers": self.num_layers,
                   "medusa_fc_bias": True, "original_lm_head": self.original_lm_head,
@@ -122,14 +141,7 @@ class MedusaHeads(nn.Module):
         a missing or unreadable file, another architecture, or tensors of the wrong names or
         shapes."""
         path = Path(path)
-        try:
-            config = json.loads((path / "config.json").read_text())
-            tensors = load_file(str(path / "model.safetensors"))
-        except (OSError, json.JSONDecodeError, RuntimeError) as e:
-            raise ValueError(f"{path} is not a Medusa heads directory: {e}") from None
-        if not isinstance(config, dict) or config.get("architectures") != ["MedusaModel"]:
-            got = config.get("architectures") if isinstance(config, dict) else config
-            raise ValueError(f"{path}/config.json is for {got!r}, not ['MedusaModel']")
+        config, tensors = read_head_dir(path, MEDUSA_ARCH, "a Medusa heads")
         try:
             dim, vocab = int(config["hidden_size"]), int(config["vocab_size"])
             heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
@@ -322,14 +334,7 @@ class Eagle3Head(nn.Module):
         unreadable file, another architecture, a head made for another target (hidden size,
         vocabulary, attention shape) or tensors of the wrong names or shapes."""
         path = Path(path)
-        try:
-            config = json.loads((path / "config.json").read_text())
-            tensors = load_file(str(path / "model.safetensors"))
-        except (OSError, json.JSONDecodeError, RuntimeError) as e:
-            raise ValueError(f"{path} is not an EAGLE-3 head directory: {e}") from None
-        if not isinstance(config, dict) or config.get("architectures") != [EAGLE3_ARCH]:
-            got = config.get("architectures") if isinstance(config, dict) else config
-            raise ValueError(f"{path}/config.json is for {got!r}, not [{EAGLE3_ARCH!r}]")
+        config, tensors = read_head_dir(path, EAGLE3_ARCH, "an EAGLE-3 head")
         want = {"hidden_size": args.dim, "vocab_size": args.vocab_size, "num_attention_heads": args.n_heads,
                 "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim}
         bad = {k: (config.get(k), v) for k, v in want.items() if config.get(k) != v}
