@@ -335,6 +335,7 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     (["--heads", "9"], "--heads must be 1..8"),
     (["--batch-size", "0"], "--batch-size must be 1..65536"),
     (["--steps", "0"], "--steps must be 1..8"),
+    (["--intermediate-size", "0"], "--intermediate-size must be 1..1000000"),
 ])
 def test_bad_training_arguments_exit_2_with_the_allowed_values(tmp_path, capsys, bad, message):
     assert main(["train", "medusa", "--out", str(tmp_path / "h"), *bad]) == 2

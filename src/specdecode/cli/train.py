@@ -101,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                ("--max-new-tokens", args.max_new_tokens, 2, 4096),
                                ("--epochs", args.epochs, 1, 1000), ("--heads", args.heads, 1, 8),
                                ("--steps", args.steps, 1, 8), ("--draft-vocab", args.draft_vocab, 1, 10**7),
-                               ("--intermediate-size", args.intermediate_size or 1, 1, 10**6),
+                               ("--intermediate-size", 1 if args.intermediate_size is None else args.intermediate_size, 1, 10**6),
                                ("--batch-size", batch, 1, 65536)):
         if not low <= v <= high:
             raise ValueError(f"{name} must be {low}..{high}, got {v}")
