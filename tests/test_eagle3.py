@@ -100,9 +100,9 @@ def test_save_and_load_round_trip_and_errors(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "architectures": ["MedusaModel"]}))
     (tmp_path / "m" / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=r"is for \['MedusaModel'\], not \['LlamaForCausalLMEagle3'\]"):
+    with pytest.raises(ValueError, match=r"does not hold an EAGLE-3 head \(LlamaForCausalLMEagle3\): it holds Medusa heads: use medusa:head="):
         Eagle3Head.load(tmp_path / "m", args, head.embed)
-    with pytest.raises(ValueError, match="not an EAGLE-3 head directory"):
+    with pytest.raises(ValueError, match="is not a directory of an EAGLE-3 head"):
         Eagle3Head.load(tmp_path / "nothing", args, head.embed)
     with pytest.raises(ValueError, match="sorted unique target ids"):
         Eagle3Head(args, torch.tensor([3, 2]), head.embed)

@@ -227,7 +227,7 @@ def test_head_export_refuses_what_the_engines_would_not_load(tmp_path, dirs, hea
         export_head("eagle3", heads["eagle3"], "vllm", tmp_path / "c", dirs["wide"])
     with pytest.raises(ValueError, match="allowed: 1..3"):
         export_head("medusa", heads["medusa"], "vllm", tmp_path / "d", dirs["target"], k=4)
-    with pytest.raises(ValueError, match="is not an EAGLE-3 head directory"):
+    with pytest.raises(ValueError, match="is not a directory of an EAGLE-3 head.*specdecode train eagle3"):
         export_head("eagle3", dirs["target"] / "nothing", "vllm", tmp_path / "e", dirs["target"])
 
     def tampered(name, change):

@@ -373,7 +373,7 @@ def export_head(kind: str, head: str | Path, engine: str, out: str | Path, targe
     head, out = Path(head).expanduser(), Path(out).expanduser().resolve()
     if kind not in HEAD_KINDS:
         raise ValueError(f"head kind {kind!r} is unknown; allowed: {', '.join(HEAD_KINDS)}")
-    config, tensors = read_head_dir(head, HEAD_ARCH[kind], {"eagle3": "an EAGLE-3 head", "medusa": "a Medusa heads"}[kind])
+    config, tensors = read_head_dir(head, kind)
     tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
     check_head_tensors(kind, config, tensors)
     tc = _config(target)

@@ -30,19 +30,25 @@ from .models.quant import quantize_linears
 MEDUSA_ARCH = "MedusaModel"
 
 
-def read_head_dir(path: str | Path, arch: str, what: str = "a head") -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, tensors) of a head directory (``config.json`` + ``model.safetensors``) whose
-    architecture is ``arch``. Raises ValueError for a missing or unreadable file, or a config
-    of another architecture; ``what`` names the expected head in the message."""
+def read_head_dir(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of the directory of a ``kind`` head ("medusa" or "eagle3"):
+    ``config.json`` + ``model.safetensors``. Raises ValueError for a missing or unreadable
+    file, or a head of the other kind (naming the method and export that take it)."""
     path = Path(path)
+    archs, names = {"medusa": MEDUSA_ARCH, "eagle3": EAGLE3_ARCH}, {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
     try:
         config = json.loads((path / "config.json").read_text())
         tensors = load_file(str(path / "model.safetensors"))
     except (OSError, json.JSONDecodeError, RuntimeError) as e:
-        raise ValueError(f"{path} is not {what} directory (config.json + model.safetensors): {e}") from None
-    if not isinstance(config, dict) or config.get("architectures") != [arch]:
-        got = config.get("architectures") if isinstance(config, dict) else config
-        raise ValueError(f"{path}/config.json is for {got!r}, not [{arch!r}] ({what})")
+        reason = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"{path} is not a directory of {names[kind]} (config.json and model.safetensors; "
+                         f"`specdecode train {kind} --out DIR` makes one): {reason}") from None
+    got = config.get("architectures") if isinstance(config, dict) else None
+    if got != [archs[kind]]:
+        other = next((k for k, a in archs.items() if got == [a]), None)
+        hint = (f"it holds {names[other]}: use {other}:head={path} (specdecode export {other} ...)"
+                if other else f"its config.json names architectures {got!r}")
+        raise ValueError(f"{path} does not hold {names[kind]} ({archs[kind]}): {hint}")
     return config, tensors
 
 
@@ -141,7 +147,7 @@ class MedusaHeads(nn.Module):
         a missing or unreadable file, another architecture, or tensors of the wrong names or
         shapes."""
         path = Path(path)
-        config, tensors = read_head_dir(path, MEDUSA_ARCH, "a Medusa heads")
+        config, tensors = read_head_dir(path, "medusa")
         try:
             dim, vocab = int(config["hidden_size"]), int(config["vocab_size"])
             heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
@@ -334,7 +340,7 @@ class Eagle3Head(nn.Module):
         unreadable file, another architecture, a head made for another target (hidden size,
         vocabulary, attention shape) or tensors of the wrong names or shapes."""
         path = Path(path)
-        config, tensors = read_head_dir(path, EAGLE3_ARCH, "an EAGLE-3 head")
+        config, tensors = read_head_dir(path, "eagle3")
         want = {"hidden_size": args.dim, "vocab_size": args.vocab_size, "num_attention_heads": args.n_heads,
                 "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim}
         bad = {k: (config.get(k), v) for k, v in want.items() if config.get(k) != v}
