@@ -315,7 +315,7 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
             "--heads", "2"]
     assert main(args) == 0
     printed = capsys.readouterr()
-    assert "6 prompts (stdlib: 6" in printed.err and "held-out acceptance length" in printed.out
+    assert "6 prompts (stdlib: 6" in printed.err and "no prompt was held out (6 prompts" in printed.out  # not a nan
     config = json.loads((out / "config.json").read_text())
     assert config["num_heads"] == 2 and config["training"]["data"]["sources"] == ["stdlib"]
     assert config["training"]["data"]["prompts"]["stdlib"]["kept"] == 6
@@ -326,6 +326,14 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     plain = specdecode.generate(model, prompt, method="ar", max_new_tokens=20)
     spec = specdecode.generate(model, prompt, method=f"medusa:head={out}", max_new_tokens=20)
     assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+
+
+def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "notes.txt").write_text("mine")
+    assert main(["train", "eagle3", "--out", str(tmp_path / "h")]) == 2
+    assert "holds files of something else (notes.txt)" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "h").iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -92,6 +92,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=lambda args: run_command(cmd_train, args))
 
 
+# what a training run writes into --out (a directory holding only these is resumed)
+OWN_FILES = ("checkpoint", "features", "config.json", "model.safetensors")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     sources = parse_sources(args.data)
     medusa = args.kind == "medusa"
@@ -109,6 +113,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--lr must be between 0 and 1, got {lr}")
     apply_threads(args)
     out = Path(args.out)
+    # an --out of an earlier run resumes it; anything else in it is the user's, never mixed in
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OWN_FILES) if out.is_dir() else []
+    if foreign:
+        raise ValueError(f"--out {out} holds files of something else ({', '.join(foreign[:3])}): "
+                         "give a new directory, or the --out of an earlier training run to resume it")
     features = Path(args.features) if args.features else out / "features"
     target = load(args.target, dtype=args.dtype, backend="native")
     prompts, summary = training_prompts(sources, args.max_prompts)
@@ -147,9 +156,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     last = result["history"][-1]
     what = f"{args.heads} Medusa heads on {result['examples']} positions" if medusa else \
         f"an EAGLE-3 head on {result['examples']} sequences"
+    tau = last.get("acceptance_length")
     print(f"trained {what} in "
-          f"{time.perf_counter() - t1:.0f} s (answers recorded in {info['recording_seconds']:.0f} s); held-out "
-          f"acceptance length {last.get('acceptance_length', float('nan')):.2f} tokens per verify pass")
+          f"{time.perf_counter() - t1:.0f} s (answers recorded in {info['recording_seconds']:.0f} s); "
+          + (f"held-out acceptance length {tau:.2f} tokens per verify pass" if held and tau == tau else
+             f"no prompt was held out ({len(prompts)} prompts, about 5 % are held out): give "
+             "--max-prompts 40 or more to measure the held-out acceptance"))
     print(f"wrote {out}; use it: specdecode generate --target {args.target} --method {args.kind}:head={out}")
     return 0
 

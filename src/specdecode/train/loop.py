@@ -141,7 +141,9 @@ def train(task: Task, out: str | Path, *, epochs: int = 1, batch_size: int = 32,
         acc.load_state(str(ckpt))
         state.update({k: saved[k] for k in ("epoch", "step", "history")})
         if progress and acc.is_main_process:
-            print(f"resuming from {ckpt}: epoch {state['epoch'] + 1}, step {state['step']}")
+            print(f"{out} is already trained for {epochs} epochs: nothing to do (another --out, or "
+                  "more --epochs in a new --out, trains again)" if state["epoch"] >= epochs else
+                  f"resuming from {ckpt}: epoch {state['epoch'] + 1}, step {state['step']}")
 
     def save_checkpoint():
         acc.wait_for_everyone()
