@@ -273,11 +273,11 @@ def _notes(r: ExportResult, method: str, target_name: str, with_target: bool,
         lines += ["The head reads the target's own hidden states and embedding (not stored here: "
                   "the engine takes them from the target it serves, which must be the target the "
                   "head was trained on). The engine verifies with its own kernels: its output is "
-                  "its target's, not token for token specdecode's q4 one.", ""]
+                  "its target's, not token for token specdecode's (whose default target runs quantized).", ""]
     else:
         lines += ["The draft is specdecode's copy of it (a model fetched as GGUF is the dequantized "
                   "GGUF), so it drafts as it does here. The engine verifies with its own target and "
-                  "kernels: its output is its target's, not token for token specdecode's q4 one. "
+                  "kernels: its output is its target's, not token for token specdecode's (whose default target runs quantized). "
                   "`config.json` carries `rope_theta` at the top level too, for transformers 4.", ""]
     if r.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in r.notes] + [""]

@@ -327,7 +327,9 @@ class Eagle3Head(nn.Module):
         return {"architectures": [EAGLE3_ARCH], "model_type": "llama", "hidden_size": a.dim,
                 "intermediate_size": self.midlayer.mlp.gate_proj.out_features, "num_hidden_layers": 1,
                 "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
-                "head_dim": a.head_dim, "hidden_act": "silu", "rms_norm_eps": a.norm_eps,
+                "head_dim": a.head_dim, "hidden_act": "silu",
+                # a GGUF's float32 eps (9.999999747e-06) written as the float it stands for
+                "rms_norm_eps": float(f"{a.norm_eps:.7g}"),
                 "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
                 "attention_bias": False, "tie_word_embeddings": False, "vocab_size": a.vocab_size,
                 "draft_vocab_size": len(self.d2t), "torch_dtype": str(dtype).removeprefix("torch."),
