@@ -28,12 +28,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .heads import EAGLE3_ARCH, MEDUSA_ARCH, read_head_dir
+from .heads import HEAD_ARCHS, read_head_dir
 from .methods import METHODS, Method
 
 ENGINES = ("vllm", "sglang")
 HEAD_KINDS = ("eagle3", "medusa")  # exported by export_head, from a trained head's directory
-HEAD_ARCH = {"eagle3": EAGLE3_ARCH, "medusa": MEDUSA_ARCH}
 ROW_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
 # what a model directory holds besides its weights and config (tokenizer, chat template, ...)
 SKIP = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -401,7 +400,7 @@ def export_head(kind: str, head: str | Path, engine: str, out: str | Path, targe
     (out / "launch.sh").chmod(0o755)
     trained = config.get("training", {}).get("data", {}).get("sources") if isinstance(config.get("training"), dict) else None
     (out / "NOTES.md").write_text(_notes(result, kind, target_name or str(target), False,
-                                         f"the {kind} head ({HEAD_ARCH[kind]}, bf16; checked against "
+                                         f"the {kind} head ({HEAD_ARCHS[kind]}, bf16; checked against "
                                          "the tensor names, shapes and dtypes the engines load)"
                                          + (f", trained on {', '.join(trained)}" if trained else "")))
     return result

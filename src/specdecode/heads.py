@@ -28,6 +28,10 @@ from .models.quant import quantize_linears
 
 
 MEDUSA_ARCH = "MedusaModel"
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+# each head kind's architecture in config.json, and how messages name such a head
+HEAD_ARCHS = {"medusa": MEDUSA_ARCH, "eagle3": EAGLE3_ARCH}
+HEAD_NAMES = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
 
 
 def read_head_dir(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -35,7 +39,7 @@ def read_head_dir(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.Te
     ``config.json`` + ``model.safetensors``. Raises ValueError for a missing or unreadable
     file, or a head of the other kind (naming the method and export that take it)."""
     path = Path(path)
-    archs, names = {"medusa": MEDUSA_ARCH, "eagle3": EAGLE3_ARCH}, {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
+    archs, names = HEAD_ARCHS, HEAD_NAMES
     try:
         config = json.loads((path / "config.json").read_text())
         tensors = load_file(str(path / "model.safetensors"))
@@ -175,9 +179,6 @@ def check_heads_target(target) -> None:
         raise ValueError(f"draft heads read the target's hidden states, which the native runtime "
                          f"gives; this target is {type(target).__name__} (load it with "
                          "backend='native')")
-
-
-EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
 
 def aux_layers(n_layers: int) -> list[int]:

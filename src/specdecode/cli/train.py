@@ -182,9 +182,8 @@ def _eagle3(target, args, train_seqs, held, info) -> Task:
     if not aux_layers(lm.args.n_layers):
         raise ValueError(f"EAGLE-3 fuses three target layers; {target.name} has {lm.args.n_layers} "
                          "(at least 7 needed)")
-    counts = torch.zeros(lm.vocab_size)
-    for s in train_seqs:
-        counts.index_add_(0, s.tokens[s.start:], torch.ones(len(s.tokens) - s.start))
+    answers = [s.tokens[s.start:].long() for s in train_seqs]
+    counts = torch.bincount(torch.cat(answers), minlength=lm.vocab_size) if answers else torch.zeros(lm.vocab_size)
     ids = draft_vocabulary(counts, min(args.draft_vocab, lm.vocab_size))
     head = Eagle3Head(lm.args, ids, checkpoint_tensor(target, "model.embed_tokens.weight")[:lm.vocab_size],
                       args.intermediate_size)

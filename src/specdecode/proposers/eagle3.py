@@ -37,7 +37,9 @@ class Eagle3Proposer(Proposer):
                              "at least 7 layers is needed)")
         self.head = head.eval()
         self.hidden_keys = tuple(aux_layers)
+        self._draft_ids = head.draft_ids  # draft id -> target id
         self._k = self._v = None
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending: tuple[int, torch.Tensor] | None = None
         self._cached = 0
 
@@ -79,8 +81,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, state: RequestState, k: int) -> DraftOutput:
         if k <= 0 or (self._pending is None and self._cached == 0):
             return DraftOutput.empty()
-        head, tokens = self.head, state.tokens
-        ids_map = head.draft_ids
+        head, tokens, ids_map = self.head, state.tokens, self._draft_ids
         with torch.no_grad():
             if self._pending is not None:
                 ps, feats = self._pending
