@@ -137,7 +137,8 @@ def test_the_proposers_cache_reproduces_the_training_time_test():
     assert len(drafts) == k
     ex = {"tokens": torch.tensor(tokens + drafts), "start": torch.tensor(1), "aux": aux}
     with torch.no_grad():
-        steps = unroll(head, ex, k)
+        t, steps = unroll(head, ex, k)
+    assert t.tolist() == list(range(n + k - 1))  # start 1: every chain
     want = [int(head.draft_ids[logits[n - 2].argmax()]) for logits, _ in steps]
     assert drafts == want
     # a verify pass that accepts two tokens: the cache's speculative rows are rebuilt from
@@ -147,8 +148,26 @@ def test_the_proposers_cache_reproduces_the_training_time_test():
     again = prop.propose(state, 2).token_ids[0].tolist()
     ex = {"tokens": torch.tensor(state.tokens + again), "start": torch.tensor(1), "aux": aux}
     with torch.no_grad():
-        steps = unroll(head, ex, 2)
+        _, steps = unroll(head, ex, 2)
     assert again == [int(head.draft_ids[logits[n + 1].argmax()]) for logits, _ in steps]
+
+
+def test_the_training_time_test_skips_only_chains_that_cannot_reach_the_answer():
+    """With the answer starting at ``start``, unroll runs the chains t >= start-2 only, and
+    each equals the same chain of the full unroll (the prompt still gives step 0's keys)."""
+    args = _args()
+    head = _random_head(args, n=96)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 96, (20,), generator=g)
+    aux = torch.randn(20, 3 * args.dim, generator=g)
+    with torch.no_grad():
+        t_all, full = unroll(head, {"tokens": tokens, "start": torch.tensor(0), "aux": aux}, 3)
+        t, part = unroll(head, {"tokens": tokens, "start": torch.tensor(9), "aux": aux}, 3)
+    assert t_all.tolist() == list(range(19)) and t.tolist() == list(range(7, 19))
+    for (a, _), (b, valid) in zip(full, part):
+        torch.testing.assert_close(b, a[7:], rtol=1e-5, atol=1e-5)
+    # step 0 reads x[t+1], every one there; step 2 reads x[t+3], there for t <= 16
+    assert part[0][1].tolist() == [True] * 12 and part[2][1].tolist() == [True] * 10 + [False] * 2
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
@@ -199,7 +218,7 @@ def test_eagle3_needs_the_native_runtime_and_a_head(tmp_path_factory, tmp_path):
         Eagle3Proposer(head, [])
     from tiny_dirs import tiny_dirs_in
     target = specdecode.load(tiny_dirs_in(tmp_path_factory)["target"])
-    with pytest.raises(ValueError, match="needs its head: eagle3:head=DIR"):
+    with pytest.raises(ValueError, match=r"no head for .* yet: .*or give eagle3:head=DIR"):
         specdecode.generate(target, "x", method="eagle3", max_new_tokens=2)
     with pytest.raises(ValueError, match="this target has 2"):
         specdecode.generate(target, "x", method=f"eagle3:head={tmp_path}", max_new_tokens=2)

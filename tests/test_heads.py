@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from helpers import PROMPTS, MockLM, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.heads import MedusaHeads
+from specdecode.heads import MedusaHeads, default_head_dir
 from specdecode.models.native import FINAL
 from specdecode.proposers import MedusaProposer
 
@@ -181,11 +181,12 @@ def test_heads_need_the_native_runtime_and_a_single_request_engine():
     assert FINAL == -1
 
 
-def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory):
+def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypatch):
     """``method="medusa:head=DIR"`` loads the heads, checks them against the target, and
-    keeps plain decoding's output; without head= or with another target's heads it says what
-    to give."""
+    keeps plain decoding's output; without head= it reads the target's default heads, says
+    how to make them when they are missing; with another target's heads it says what to give."""
     import specdecode
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
     from tiny_dirs import tiny_dirs_in
     target = specdecode.load(tiny_dirs_in(tmp_path_factory)["target"])
     lm = target.lm
@@ -198,8 +199,25 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory):
         out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
         assert out.token_ids == plain.token_ids
         assert out.stats.num_draft_tokens > 0
-    with pytest.raises(ValueError, match="needs its heads"):
+    with pytest.raises(ValueError, match=r"no head for .* yet: `specdecode train medusa --target"):
         specdecode.generate(target, prompt, method="medusa", max_new_tokens=4)
+    # without head= the method reads the target's default heads (where `train` writes them)
+    _random_heads(lm, num_heads=2, seed=1).save(default_head_dir(target.name, "medusa"))
+    out = specdecode.generate(target, prompt, method="medusa", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
     other = MedusaHeads(lm.args.dim + 8, lm.vocab_size, 2).save(tmp_path / "other")
     with pytest.raises(ValueError, match="give heads made for this target"):
         specdecode.generate(target, prompt, method=f"medusa:head={other}", max_new_tokens=4)
+
+
+def test_default_head_dir_per_target_and_kind(tmp_path, monkeypatch):
+    """Known names keep their name; directories their base name and a hash of the full path
+    (two checkouts named alike do not share a head); another kind is refused."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    assert default_head_dir("qwen2.5-coder-1.5b-instruct", "eagle3") == \
+        tmp_path / "cache" / "heads" / "qwen2.5-coder-1.5b-instruct-eagle3"
+    a, b = default_head_dir(str(tmp_path / "x" / "m"), "medusa"), default_head_dir(str(tmp_path / "y" / "m"), "medusa")
+    assert a.name.startswith("m-") and a.name.endswith("-medusa") and a != b
+    assert default_head_dir(str(tmp_path / "x" / "m"), "medusa") == a
+    with pytest.raises(ValueError, match="'hydra' is not one of"):
+        default_head_dir("qwen2.5-coder-1.5b-instruct", "hydra")

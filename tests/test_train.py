@@ -14,9 +14,8 @@ from torch import nn
 
 import specdecode
 from specdecode.cli import main
-from specdecode.heads import MedusaHeads
-from specdecode.train import data
-from specdecode.heads import aux_layers
+from specdecode.heads import MedusaHeads, aux_layers, default_head_dir
+from specdecode.train import data, run
 from specdecode.models.loading import checkpoint_tensor
 from specdecode.train.features import TOPK, Sequence, load_sequences, read_manifest, record
 from specdecode.train.loop import Task, train
@@ -274,7 +273,9 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     state = json.loads((tmp_path / "cut" / "checkpoint" / "trainer.json").read_text())
     assert (state["epoch"], state["step"]) == (1, 3)  # 5 steps an epoch: epoch 2, after its 3rd step
     assert json.loads((tmp_path / "cut" / "info.json").read_text())["epochs"] == 1
+    assert run.is_trained(tmp_path / "plain") and not run.is_trained(tmp_path / "cut")
     resumed = train(_toy_task(), tmp_path / "cut", epochs=3, batch_size=8, lr=0.05, progress=False)
+    assert run.is_trained(tmp_path / "cut") and not run.is_trained(tmp_path / "nothing")
     a = torch.load(tmp_path / "plain" / "toy.pt")
     b = torch.load(tmp_path / "cut" / "toy.pt")
     for k in a:
@@ -307,15 +308,22 @@ def test_medusa_training_lowers_the_loss_on_recorded_features(deep_target_dir, t
 
 # ---------------------------------------------------------------- the command
 
-def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory, tmp_path, capsys):
+def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory, tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
     target = tiny_dirs_in(tmp_path_factory)["target"]
-    out = tmp_path / "heads"
-    args = ["train", "medusa", "--target", str(target), "--out", str(out), "--data", "stdlib",
+    out = default_head_dir(str(target), "medusa")  # no --out: the target's default heads
+    assert main(["generate", "--target", str(target), "--method", "medusa", "--prompt", "x"]) == 2
+    assert f"`specdecode train medusa --target {target}` trains its default one into {out}" \
+        in capsys.readouterr().err
+    args = ["train", "medusa", "--target", str(target), "--data", "stdlib",
             "--max-prompts", "6", "--max-new-tokens", "10", "--epochs", "1", "--batch-size", "8",
             "--heads", "2"]
     assert main(args) == 0
     printed = capsys.readouterr()
     assert "6 prompts (stdlib: 6" in printed.err and "no prompt was held out (6 prompts" in printed.out  # not a nan
+    assert f"the default medusa head of {target} goes to {out}" in printed.err
+    assert printed.out.rstrip().endswith("--method medusa")
     config = json.loads((out / "config.json").read_text())
     assert config["num_heads"] == 2 and config["training"]["data"]["sources"] == ["stdlib"]
     assert config["training"]["data"]["prompts"]["stdlib"]["kept"] == 6
@@ -324,8 +332,30 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     model = specdecode.load(target)
     prompt = "def add(a, b):"
     plain = specdecode.generate(model, prompt, method="ar", max_new_tokens=20)
-    spec = specdecode.generate(model, prompt, method=f"medusa:head={out}", max_new_tokens=20)
+    spec = specdecode.generate(model, prompt, method="medusa", max_new_tokens=20)
     assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+
+
+def test_the_bench_trains_a_missing_default_head_once_then_measures_it(tmp_path_factory, tmp_path,
+                                                                      capsys, monkeypatch):
+    """`bench --methods ar,medusa` without head=: the default recipe (here a tiny one) trains
+    the target's default heads before any timing, the rows are lossless, and a second run
+    finds the heads trained and trains nothing."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    monkeypatch.setattr(run, "DEFAULT_RECIPE", run.HeadRecipe(
+        data=("stdlib",), max_prompts=6, max_new_tokens=10, epochs=1, batch_size=8, heads=2))
+    args = ["bench", "--no-memory", "--target", str(target), "--methods", "ar,medusa",
+            "--workloads", "humaneval", "--limit", "1", "--max-new-tokens", "8"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    out = default_head_dir(str(target), "medusa")
+    assert f"has no default medusa head yet: training it now into {out}" in printed.err
+    assert run.is_trained(out) and MedusaHeads.load(out).num_heads == 2
+    last = json.loads(printed.out.strip().splitlines()[-1])
+    assert last["mismatches"] == 0 and set(last["methods"]) == {"ar", "medusa"}
+    assert main(args) == 0
+    assert "training it now" not in capsys.readouterr().err
 
 
 def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
@@ -337,13 +367,13 @@ def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--max-prompts", "1"], "--max-prompts must be 2..1000000"),
+    (["--max-prompts", "1"], "--max-prompts must be an integer 2..1000000"),
     (["--data", "wiki"], "allowed: a comma-separated subset of stdlib, sharegpt"),
     (["--lr", "0"], "--lr must be between 0 and 1"),
-    (["--heads", "9"], "--heads must be 1..8"),
-    (["--batch-size", "0"], "--batch-size must be 1..65536"),
-    (["--steps", "0"], "--steps must be 1..8"),
-    (["--intermediate-size", "0"], "--intermediate-size must be 1..1000000"),
+    (["--heads", "9"], "--heads must be an integer 1..8"),
+    (["--batch-size", "0"], "--batch-size must be an integer 1..65536"),
+    (["--steps", "0"], "--steps must be an integer 1..8"),
+    (["--intermediate-size", "0"], "--intermediate-size must be an integer 1..1000000"),
 ])
 def test_bad_training_arguments_exit_2_with_the_allowed_values(tmp_path, capsys, bad, message):
     assert main(["train", "medusa", "--out", str(tmp_path / "h"), *bad]) == 2

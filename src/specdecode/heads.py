@@ -16,6 +16,7 @@ and ``lm_heads.{i}.weight`` (one ``lm_heads.0.weight`` holding the target's proj
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .models import registry
 from .models.native import ModelArgs, apply_rope, rope_inv_freq
 from .models.quant import quantize_linears
 
@@ -32,6 +34,21 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # each head kind's architecture in config.json, and how messages name such a head
 HEAD_ARCHS = {"medusa": MEDUSA_ARCH, "eagle3": EAGLE3_ARCH}
 HEAD_NAMES = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
+
+
+def default_head_dir(target: str, kind: str) -> Path:
+    """Where the default ``kind`` head ("medusa" or "eagle3") of ``target`` (a registry name
+    or a model directory) lives: <specdecode cache>/heads/NAME-KIND, for a directory its
+    base name and a hash of its absolute path. ``specdecode train KIND`` writes there without
+    ``--out``; the methods read it without ``head=``. Raises ValueError for another kind."""
+    if kind not in HEAD_ARCHS:
+        raise ValueError(f"head kind {kind!r} is not one of {list(HEAD_ARCHS)}")
+    if target in registry.KNOWN_MODELS:
+        name = target
+    else:
+        path = Path(target).expanduser().resolve()
+        name = f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+    return registry.cache_dir() / "heads" / f"{name}-{kind}"
 
 
 def read_head_dir(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .config import MAX_K, KSchedule, check_k
-from .heads import Eagle3Head, MedusaHeads, aux_layers
+from .heads import Eagle3Head, MedusaHeads, aux_layers, default_head_dir
 from .layer_skip import SkipProfile, check_skip, default_profile
 from .models.loading import LoadedModel, check_compatible, checkpoint_tensor, load
 from .models.quant import best_layout
@@ -103,16 +103,13 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
 
 
 def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
-    """The Medusa heads of ``spec.head_dir`` for this target, as a chain or, with
+    """The Medusa heads of ``spec.head_dir`` (default: the target's default heads) for this target, as a chain or, with
     ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
-    if spec.head_dir is None:
-        raise ValueError("method 'medusa' needs its heads: medusa:head=DIR (Python: "
-                         "head_dir=DIR), a directory of Medusa heads in vLLM's format made for "
-                         "this target")
-    heads = MedusaHeads.load(spec.head_dir)
+    path = head_dir_for(spec, target.name)
+    heads = MedusaHeads.load(path)
     lm = _native(target, "medusa")
     if (heads.dim, heads.vocab_size) != (lm.args.dim, lm.vocab_size):
-        raise ValueError(f"the Medusa heads in {spec.head_dir} are for hidden size {heads.dim} and "
+        raise ValueError(f"the Medusa heads in {path} are for hidden size {heads.dim} and "
                          f"{heads.vocab_size} tokens; this target has {lm.args.dim} and "
                          f"{lm.vocab_size}: give heads made for this target")
     heads.to(_device(lm))
@@ -121,22 +118,40 @@ def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
 
 
 def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
-    """The EAGLE-3 head of ``spec.head_dir`` for this target, on the target's embedding."""
-    if spec.head_dir is None:
-        raise ValueError("method 'eagle3' needs its head: eagle3:head=DIR (Python: head_dir=DIR), "
-                         "a LlamaForCausalLMEagle3 directory made for this target (specdecode "
-                         "train eagle3 makes one)")
+    """The EAGLE-3 head of ``spec.head_dir`` (default: the target's default head) for this
+    target, on the target's embedding."""
+    path = head_dir_for(spec, target.name)
     lm = _native(target, "eagle3")
     layers = aux_layers(lm.args.n_layers)
     if not layers:
         raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
                          "(at least 7 needed)")
-    head = Eagle3Head.load(spec.head_dir, lm.args, checkpoint_tensor(target, "model.embed_tokens.weight"))
+    head = Eagle3Head.load(path, lm.args, checkpoint_tensor(target, "model.embed_tokens.weight"))
     device = _device(lm)
     head.to(device)
     if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
         head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
     return Eagle3Proposer(head, layers)
+
+
+def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
+    """The head directory ``spec``'s method reads for the target named ``target`` (a
+    registry name or directory): ``spec.head_dir``, or the target's default head; None for
+    a method without a head. Callable before the target is loaded, so that a missing head is
+    said at once. Raises ValueError, saying how to make or give one, when the default head
+    does not exist."""
+    kind = spec.method.value
+    if kind not in ("medusa", "eagle3"):
+        return None
+    if spec.head_dir is not None:
+        return spec.head_dir
+    path = default_head_dir(target, kind)
+    if not (path / "config.json").exists():
+        raise ValueError(f"method {kind!r} has no head for {target} yet: `specdecode train {kind} "
+                         f"--target {target}` trains its default one into {path} (about two hours "
+                         f"for the 1.5B default target on 2 cores; `specdecode bench` does it when a run "
+                         f"asks for {kind}), or give {kind}:head=DIR (Python: head_dir=DIR)")
+    return str(path)
 
 
 def _device(lm) -> torch.device:
@@ -280,10 +295,11 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                lambda spec, target, draft: _self_draft(spec, _lower_precision_draft(spec, target)),
                options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
-               "Medusa format)", MedusaProposer, lambda spec, target, draft: _medusa(spec, target),
+               "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer, lambda spec, target, draft: _medusa(spec, target),
                options=frozenset({"head", "tree"}), k=3, batched=False),
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
-               "LlamaForCausalLMEagle3 format vLLM and SGLang load)", Eagle3Proposer,
+               "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
+               "specdecode train eagle3)", Eagle3Proposer,
                lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head"}), k=4,
                batched=False),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "

@@ -9,7 +9,7 @@ import time
 
 from ..api import _check_utf8, _sampling_params, stream
 from ..config import ACCEPTANCE_RULES
-from ..methods import METHODS, Method, speculative_config
+from ..methods import METHODS, Method, head_dir_for, speculative_config
 from .common import (EXIT_CODES_HELP, add_model_arguments, method_of, add_threads_argument, apply_threads,
                      k_argument, load_models, max_k_argument, run_command)
 
@@ -144,7 +144,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec_args = dict(num_speculative_tokens=args.k, max_speculative_tokens=args.max_k or 16,
                      draft_p_min=args.draft_p_min, max_matching_ngram_size=args.max_ngram)
     draft_given = any(v is not None for v in (args.draft, args.draft_dtype, args.draft_backend))
-    speculative_config(args.method, draft_given, args.k, args.max_k or 16, args.draft_p_min, args.max_ngram)
+    spec = speculative_config(args.method, draft_given, args.k, args.max_k or 16, args.draft_p_min,
+                              args.max_ngram)
+    head_dir_for(spec, args.target)  # a missing head is said before the target loads
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     t0 = time.perf_counter()

@@ -41,40 +41,42 @@ def _as_example(s: Sequence) -> dict[str, torch.Tensor]:
 
 
 def unroll(head: Eagle3Head, ex: dict[str, torch.Tensor], steps: int):
-    """Run the training-time test on one sequence: returns, per step i, (logits [R, N] over
-    the draft vocabulary for rows t = 0..R-1, R = T-1; valid bool [R]: the row's input
-    token x[t+1+i] and label position t+1+i exist and that position is an answer position,
-    i.e. t+1+i >= start-1)."""
+    """Run the training-time test on one sequence of T tokens (R = T-1 rows, one chain per
+    position t). Only the chains that can reach an answer position are run (t >= first =
+    start-2, clamped to 0..R-1); the prompt's other positions give step 0's keys and values
+    only, as the head's cache holds them at inference. Returns (t [R'] the chains' positions
+    first..R-1, per step i a pair (logits [R', N] over the draft vocabulary; valid bool [R']:
+    the step's input token x[t+1+i] and label position t+1+i exist and that position is an
+    answer position, i.e. t+1+i >= start-1))."""
     tokens, aux = ex["tokens"], ex["aux"].float()
     t_len, start = len(tokens), int(ex["start"])
     rows = t_len - 1
-    t = torch.arange(rows, device=tokens.device)
-    causal = t[None, :] <= t[:, None]  # [R, R]
-    hidden = head.fc(aux[:rows])
-    out, k0 = [], None
-    diag_k, diag_v = [], []
+    first = min(max(0, start - 2), rows - 1)
+    every = torch.arange(rows, device=tokens.device)
+    t = every[first:]
+    causal = every[None, :] <= t[:, None]  # [R', R]
+    q, k0, v0, residual = head.project(tokens[every + 1], head.fc(aux[:rows]), every)
+    q, residual = q[:, first:], residual[first:]
+    out, diag_k, diag_v = [], [], []
     for i in range(steps):
-        src = (t + 1 + i).clamp(max=t_len - 1)
         valid = (t + 1 + i <= t_len - 1) & (t + 1 + i >= start - 1)
-        q, k, v, residual = head.project(tokens[src], hidden, t + i)
         if i == 0:
-            k0, v0 = k, v
-            s = head.scores(q, k0).masked_fill(~causal, float("-inf"))
-            p = torch.softmax(s, dim=-1)
+            p = torch.softmax(head.scores(q, k0).masked_fill(~causal, float("-inf")), dim=-1)
             attn = head.mix(p, v0)
         else:
+            q, k, v, residual = head.project(tokens[(t + 1 + i).clamp(max=t_len - 1)], hidden, t + i)
             diag_k.append(k)
             diag_v.append(v)
             g = q.shape[0] // k.shape[0]
-            s0 = head.scores(q, k0).masked_fill(~causal, float("-inf"))  # [H, R, R]
+            s0 = head.scores(q, k0).masked_fill(~causal, float("-inf"))  # [H, R', R]
             sd = torch.stack([(q * kj.repeat_interleave(g, 0)).sum(-1) for kj in diag_k], -1) \
-                * head.args.head_dim ** -0.5  # [H, R, i]
+                * head.args.head_dim ** -0.5  # [H, R', i]
             p = torch.softmax(torch.cat([s0, sd], -1), dim=-1)
             attn = head.mix(p[..., :rows], v0) + sum(
                 p[..., rows + j, None] * vj.repeat_interleave(g, 0) for j, vj in enumerate(diag_v))
         hidden, logits = head.finish(attn, residual)
         out.append((logits, valid))
-    return out
+    return t, out
 
 
 def _target_to_draft(head: Eagle3Head) -> torch.Tensor:
@@ -89,8 +91,9 @@ def eagle3_loss(head: Eagle3Head, batch: list[dict[str, torch.Tensor]], steps: i
     total, weight = 0.0, 0.0
     for ex in batch:
         rows = len(ex["tokens"]) - 1
-        for i, (logits, valid) in enumerate(unroll(head, ex, steps)):
-            j = (torch.arange(rows, device=logits.device) + 1 + i).clamp(max=rows)
+        t, chains = unroll(head, ex, steps)
+        for i, (logits, valid) in enumerate(chains):
+            j = (t + 1 + i).clamp(max=rows)
             ids = index[ex["topk_ids"][j]]  # [R, TOPK] draft ids, -1 outside the draft vocabulary
             inside = ids >= 0
             p = torch.softmax(ex["topk_logp"][j].float().masked_fill(~inside, float("-inf")), -1)
@@ -117,10 +120,10 @@ def chain_acceptance(head: Eagle3Head, examples: list[dict[str, torch.Tensor]], 
     for ex in examples:
         tokens, start = ex["tokens"], int(ex["start"])
         rows = len(tokens) - 1
-        t = torch.arange(rows)
+        t, chains = unroll(head, ex, steps)
         ok_rows = t >= start - 1  # chains that start at an answer position
         right = []
-        for i, (logits, _) in enumerate(unroll(head, ex, steps)):
+        for i, (logits, _) in enumerate(chains):
             has = t + 2 + i <= len(tokens) - 1
             guess = ids[logits.argmax(-1)]
             r = torch.where(has, guess == tokens[(t + 2 + i).clamp(max=rows)], False)

@@ -1,0 +1,209 @@
+"""One training run of a draft head, from prompts to a head directory: the steps that
+``specdecode train`` and the bench (which trains the default head when it is missing) share.
+
+1. prompts (:func:`specdecode.train.data.training_prompts`);
+2. the target's answers and states (:func:`specdecode.train.features.record`);
+3. the head's task (:func:`specdecode.train.medusa.medusa_task`,
+   :func:`specdecode.train.eagle3.eagle3_task`) trained by :func:`specdecode.train.loop.train`.
+
+The defaults of :class:`HeadRecipe` are the default head's recipe, sized so that the
+default target's EAGLE-3 head, answers included, trains in about two hours on a 2-core CPU
+(BENCHMARKS.md section 11).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
+from ..models.loading import LoadedModel, checkpoint_tensor
+from .data import SOURCES, training_prompts
+from .eagle3 import eagle3_task
+from .features import load_sequences, read_manifest, record
+from .loop import STATE_FILE, Task, train
+from .medusa import medusa_task
+
+KINDS = tuple(HEAD_ARCHS)  # medusa, eagle3
+# what a training run writes into its output directory (a directory holding only these is resumed)
+OWN_FILES = ("checkpoint", "features", "config.json", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class HeadRecipe:
+    """The settings of a head's training run (the ``specdecode train`` options of the same
+    names). data: prompt sources (:data:`specdecode.train.data.SOURCES`). max_prompts:
+    prompts the target answers. max_new_tokens: the answers' length cap (tokens). epochs:
+    passes over the data. heads: Medusa heads (the longest chain). steps: EAGLE-3's
+    training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
+    intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
+    examples per step (None: 64 positions for Medusa, 4 sequences for EAGLE-3). lr: AdamW's
+    learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3). seed: the data order's seed."""
+
+    data: tuple[str, ...] = SOURCES
+    max_prompts: int = 600
+    max_new_tokens: int = 192
+    epochs: int = 3
+    heads: int = 3
+    steps: int = 3
+    draft_vocab: int = 8192
+    intermediate_size: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+
+    def batch_for(self, kind: str) -> int:
+        return self.batch_size if self.batch_size is not None else (64 if kind == "medusa" else 4)
+
+    def lr_for(self, kind: str) -> float:
+        return self.lr if self.lr is not None else (1e-3 if kind == "medusa" else 3e-4)
+
+    def check(self) -> None:
+        """Raises ValueError naming the first setting out of range (as its command-line option)."""
+        bad = [s for s in self.data if s not in SOURCES]
+        if bad or not self.data:
+            raise ValueError(f"--data {','.join(self.data)!r}: allowed sources are {', '.join(SOURCES)}")
+        for name, v, low, high in (("max-prompts", self.max_prompts, 2, 10**6),
+                                   ("max-new-tokens", self.max_new_tokens, 2, 4096),
+                                   ("epochs", self.epochs, 1, 1000), ("heads", self.heads, 1, 8),
+                                   ("steps", self.steps, 1, 8), ("draft-vocab", self.draft_vocab, 1, 10**7),
+                                   ("intermediate-size", 1 if self.intermediate_size is None
+                                    else self.intermediate_size, 1, 10**6),
+                                   ("batch-size", self.batch_for("eagle3"), 1, 65536)):
+            if not (isinstance(v, int) and low <= v <= high):
+                raise ValueError(f"--{name} must be an integer {low}..{high}, got {v!r}")
+        lr = self.lr_for("eagle3")
+        if not 0 < lr < 1:
+            raise ValueError(f"--lr must be between 0 and 1, got {lr}")
+
+
+# the default head's recipe (what the bench trains when a default head is missing)
+DEFAULT_RECIPE = HeadRecipe()
+
+
+def check_out(out: str | Path) -> None:
+    """Raises ValueError when the directory ``out`` holds files a training run did not write
+    (an earlier run's directory is resumed; anything else is the user's, never mixed in)."""
+    out = Path(out)
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OWN_FILES) if out.is_dir() else []
+    if foreign:
+        raise ValueError(f"--out {out} holds files of something else ({', '.join(foreign[:3])}): "
+                         "give a new directory, or the --out of an earlier training run to resume it")
+
+
+def is_trained(out: str | Path) -> bool:
+    """Whether ``out`` holds a head whose run finished all its epochs (an interrupted run
+    leaves a usable head of the epochs done, and a checkpoint to resume)."""
+    state = Path(out) / "checkpoint" / STATE_FILE
+    try:
+        s = json.loads(state.read_text())
+        return s["epoch"] >= s["epochs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def ensure_default_head(kind: str, target: LoadedModel, log=None) -> Path:
+    """The directory of ``target``'s default ``kind`` head
+    (:func:`specdecode.heads.default_head_dir`), trained first with :data:`DEFAULT_RECIPE`
+    when it is missing or its run unfinished (which resumes). Raises as :func:`train_head`."""
+    out = default_head_dir(target.name, kind)
+    if is_trained(out):
+        return out
+    print(f"{target.name} has no default {kind} head yet: training it now into {out} "
+          f"(once; what `specdecode train {kind} --target {target.name}` does; about two hours for "
+          "the 1.5B default target on 2 cores; Ctrl-C stops it and the same command resumes)",
+          file=log or sys.stderr)
+    train_head(kind, target, out, DEFAULT_RECIPE, log=log)
+    return out
+
+
+def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadRecipe | None = None,
+               features: str | Path | None = None, log=None) -> dict:
+    """Train a ``kind`` head ("medusa" or "eagle3") for ``target`` (native runtime) into the
+    directory ``out``, resuming a run there; the target's answers and states go to
+    ``features`` (default out/features; share it between runs of the same target and answer
+    length). Prints its steps to ``log`` (default stderr) with progress bars. Returns the
+    summary: ``history`` (per epoch: loss, held-out ``acceptance_length``), ``examples``,
+    ``prompts``, ``held_out`` (sequences), ``recording_seconds``, ``training_seconds``.
+
+    Raises ValueError for a bad kind or recipe, an ``out`` holding other files, or a target
+    that cannot carry the head; KeyboardInterrupt on Ctrl-C after saving what was done (the
+    same call resumes).
+    """
+    log = log or sys.stderr
+    if kind not in KINDS:
+        raise ValueError(f"head kind {kind!r} is not one of {list(KINDS)}")
+    recipe = recipe or DEFAULT_RECIPE
+    recipe.check()
+    out = Path(out)
+    check_out(out)
+    lm = target.lm
+    if kind == "eagle3" and not aux_layers(getattr(getattr(lm, "args", None), "n_layers", 0)):
+        raise ValueError(f"EAGLE-3 fuses three target layers; {target.name} has "
+                         f"{getattr(getattr(lm, 'args', None), 'n_layers', '?')} (at least 7 needed)")
+    features = Path(features) if features else out / "features"
+    prompts, summary = training_prompts(recipe.data, recipe.max_prompts)
+    counts = {s: v for s, v in summary.items() if isinstance(v, dict)}
+    kept = ", ".join(f"{s}: {v['kept']}" for s, v in counts.items())
+    dropped = sum(v["dropped_overlap"] for v in counts.values())
+    print(f"{len(prompts)} prompts ({kept}; {dropped} dropped for an 8-word overlap with "
+          "Spec-Bench or HumanEval)", file=log)
+    t0 = time.perf_counter()
+    # under `accelerate launch` one process records the answers and the others read them
+    from accelerate import PartialState  # here: importing accelerate costs every CLI command
+
+    state = PartialState()
+    if state.is_main_process:
+        record(target, prompts, features, max_new_tokens=recipe.max_new_tokens)
+    state.wait_for_everyone()
+    manifest = read_manifest(features)
+    train_seqs, held = load_sequences(features, False), load_sequences(features, True)
+    info = {"target": target.name, "target_weights": lm.weight_format,
+            "data": {"sources": list(recipe.data), "prompts": summary,
+                     "sequences": {"train": len(train_seqs), "held_out": len(held)},
+                     "answer_tokens": sum(s["answer_tokens"] for s in manifest["shards"]),
+                     "max_new_tokens": recipe.max_new_tokens},
+            "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
+            "recording_seconds": manifest.get("recording_seconds", round(time.perf_counter() - t0, 1))}
+    task = (_medusa(target, recipe, train_seqs, held, info) if kind == "medusa"
+            else _eagle3(target, recipe, train_seqs, held, info))
+    t1 = time.perf_counter()
+    result = train(task, out, epochs=recipe.epochs, batch_size=recipe.batch_for(kind),
+                   lr=recipe.lr_for(kind), seed=recipe.seed)
+    return {**result, "prompts": len(prompts), "held_out": len(held),
+            "recording_seconds": info["recording_seconds"],
+            "training_seconds": round(time.perf_counter() - t1, 1)}
+
+
+def _medusa(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
+    lm = target.lm
+    heads = MedusaHeads(lm.args.dim, lm.vocab_size, recipe.heads, 1,
+                        lm_head=checkpoint_tensor(target, "lm_head.weight")[:lm.vocab_size])
+    return medusa_task(heads, train_seqs, held, info)
+
+
+def _eagle3(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
+    """An EAGLE-3 head over the answers' most frequent tokens, its output layer and final
+    norm started from the target's (the EAGLE-3 recipe's warm start), and its layer from
+    the identity on the last captured state (fc selects it; o_proj and down_proj start at
+    zero, as LoRA's B does), so that its first guesses are the target's own early exit."""
+    lm = target.lm
+    answers = [s.tokens[s.start:].long() for s in train_seqs]
+    counts = torch.bincount(torch.cat(answers), minlength=lm.vocab_size) if answers else torch.zeros(lm.vocab_size)
+    ids = draft_vocabulary(counts, min(recipe.draft_vocab, lm.vocab_size))
+    head = Eagle3Head(lm.args, ids, checkpoint_tensor(target, "model.embed_tokens.weight")[:lm.vocab_size],
+                      recipe.intermediate_size)
+    with torch.no_grad():  # at the start the head's state is the last captured layer's
+        head.lm_head.weight.copy_(checkpoint_tensor(target, "lm_head.weight")[ids])
+        head.norm.weight.copy_(checkpoint_tensor(target, "model.norm.weight"))
+        d = lm.args.dim
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * d:].copy_(torch.eye(d))
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+    return eagle3_task(head, train_seqs, held, {**info, "draft_vocab_size": len(ids)}, steps=recipe.steps)
