@@ -46,7 +46,7 @@ class HeadRecipe:
     learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3). seed: the data order's seed."""
 
     data: tuple[str, ...] = SOURCES
-    max_prompts: int = 600
+    max_prompts: int = 400
     max_new_tokens: int = 192
     epochs: int = 3
     heads: int = 3
