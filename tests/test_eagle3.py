@@ -186,6 +186,30 @@ def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_hea
     assert gen.stats.num_draft_tokens > 0
 
 
+def test_a_head_on_the_targets_own_embedding_module_reads_it_in_place():
+    """Serving reads the quantized target's int8 embedding table itself: the head's steps equal
+    those of a head given that table dequantized, the module is no part of the head (not
+    saved, not a parameter), and the output stays plain decoding's."""
+    target = tiny_model(0, int8="nk", n_layers=8)
+    args = target.args
+    table = target.model.embed_tokens
+    assert type(table).__name__ == "Int8Embedding"
+    copy = _random_head(args, n=60, seed=4, embed=table(torch.arange(args.vocab_size)))
+    head = _random_head(args, n=60, seed=4, embed=table)
+    assert head.embed is None and not any(t is table.qweight for t in head.state_dict().values())
+    ids, hidden, pos = torch.tensor([3, 17, 59]), torch.randn(3, args.dim), torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        for a, b in zip(head.project(ids, hidden, pos), copy.project(ids, hidden, pos)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert set(head.state_dict()) == set(copy.state_dict())
+    params = SamplingParams(max_new_tokens=40)
+    plain, _ = run(target, None, None, PROMPTS["twenty"], params)
+    gen, _ = run(target, Eagle3Proposer(head, aux_layers(8)), 3, PROMPTS["twenty"], params)
+    assert gen.token_ids == plain.token_ids and gen.stats.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="embedding module gives"):
+        Eagle3Head(_args(), torch.tensor([1, 2]), torch.nn.Embedding(50, _args().dim))
+
+
 def test_the_int8_head_drafts_what_the_fp32_head_drafts():
     """quantize_ swaps every linear for int8 and keeps the head's choices: the step's top-1
     draft token agrees with the fp32 head's on nearly every row (a broken quantization, a

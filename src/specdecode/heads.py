@@ -17,6 +17,7 @@ and ``lm_heads.{i}.weight`` (one ``lm_heads.0.weight`` holding the target's proj
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -233,13 +234,16 @@ class Eagle3Head(nn.Module):
     The draft vocabulary holds ``draft_ids`` (target ids, ascending): draft id i is target
     id ``i + d2t[i]``; ``t2d`` [V] marks the target ids it holds.
 
-    Built from the target's ModelArgs (heads, head size, RoPE, norm eps) and its embedding
-    [V, dim] (fp32 buffer, not saved); ``intermediate_size`` defaults to the target's.
-    Raises ValueError for draft ids that are not sorted unique ids below V, or an embedding
-    of another shape.
+    Built from the target's ModelArgs (heads, head size, RoPE, norm eps) and its embedding:
+    a table [V, dim] (kept as an fp32 buffer, not saved: for training), or the target's own
+    embedding module (ids [...] -> [..., dim]; an ``nn.Embedding`` or the int8 table of a
+    quantized target), read in place, so that serving a head costs no second copy of the
+    vocabulary (0.9 GB in fp32 for the default target). ``intermediate_size`` defaults to
+    the target's. Raises ValueError for draft ids that are not sorted unique ids below V, or
+    an embedding of another shape.
     """
 
-    def __init__(self, args: ModelArgs, draft_ids: torch.Tensor, embed: torch.Tensor,
+    def __init__(self, args: ModelArgs, draft_ids: torch.Tensor, embed: torch.Tensor | nn.Module,
                  intermediate_size: int | None = None):
         super().__init__()
         ids = torch.as_tensor(draft_ids, dtype=torch.int64)
@@ -247,7 +251,16 @@ class Eagle3Head(nn.Module):
         if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) \
                 or int(ids.min()) < 0 or int(ids.max()) >= v:
             raise ValueError(f"draft_ids must be sorted unique target ids in 0..{v - 1}")
-        if tuple(embed.shape) != (v, d):
+        if isinstance(embed, nn.Module):
+            dev = next(itertools.chain(embed.parameters(), embed.buffers())).device
+            try:
+                shape = tuple(embed(torch.tensor([v - 1], device=dev)).shape)
+            except (IndexError, RuntimeError):
+                shape = "fewer rows"
+            if shape != (1, d):
+                raise ValueError(f"the target embedding module gives {shape} for id {v - 1}, "
+                                 f"expected [1, {d}] (a table of {v} rows of {d})")
+        elif tuple(embed.shape) != (v, d):
             raise ValueError(f"the target embedding has shape {tuple(embed.shape)}, expected [{v}, {d}]")
         self.args = args
         inter = intermediate_size or args.intermediate_size
@@ -273,8 +286,22 @@ class Eagle3Head(nn.Module):
         t2d = torch.zeros(v, dtype=torch.bool)
         t2d[ids] = True
         self.register_buffer("t2d", t2d)
-        self.register_buffer("embed", embed.detach().float(), persistent=False)
+        if isinstance(embed, nn.Module):
+            # the target's module, outside the head's modules: never saved, moved or trained
+            self.__dict__["_target_embedding"] = embed
+            self.embed = None
+        else:
+            self.__dict__["_target_embedding"] = None
+            self.register_buffer("embed", embed.detach().float(), persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def embed_device(self) -> torch.device:
+        """Where the embedding the head reads lives (the target's, for a module)."""
+        own = self._target_embedding
+        if own is None:
+            return self.embed.device
+        return next(itertools.chain(own.parameters(), own.buffers())).device
 
     def quantize_(self, layout: str) -> "Eagle3Head":
         """Replace every linear (fc, the layer's projections, lm_head) by its int8
@@ -300,7 +327,9 @@ class Eagle3Head(nn.Module):
         """The attention inputs of a step: ids [T], hidden [T, dim], positions [T] ->
         q [H, T, hd], k and v [KV, T, hd] (RoPE applied), and the residual [T, dim]."""
         a, m = self.args, self.midlayer
-        x = torch.cat([m.input_layernorm(self.embed[ids]), m.hidden_norm(hidden)], dim=-1)
+        own = self._target_embedding
+        e = self.embed[ids] if own is None else own(ids.to(self.embed_device)).float().to(hidden.device)
+        x = torch.cat([m.input_layernorm(e), m.hidden_norm(hidden)], dim=-1)
         cos, sin = self.rope(positions)
         t = len(ids)
         q = m.self_attn.q_proj(x).view(t, a.n_heads, a.head_dim).transpose(0, 1)
@@ -354,9 +383,9 @@ class Eagle3Head(nn.Module):
                 **extra}
 
     @classmethod
-    def load(cls, path: str | Path, args: ModelArgs, embed: torch.Tensor) -> "Eagle3Head":
+    def load(cls, path: str | Path, args: ModelArgs, embed: torch.Tensor | nn.Module) -> "Eagle3Head":
         """A head from a ``LlamaForCausalLMEagle3`` directory, for the target of ``args`` and
-        ``embed`` (fp32 weights). Raises ValueError naming what is wrong: a missing or
+        ``embed`` (its table or module, as for the constructor). Raises ValueError naming what is wrong: a missing or
         unreadable file, another architecture, a head made for another target (hidden size,
         vocabulary, attention shape) or tensors of the wrong names or shapes."""
         path = Path(path)

@@ -20,7 +20,7 @@ import torch
 from .config import MAX_K, KSchedule, check_k
 from .heads import Eagle3Head, MedusaHeads, aux_layers, default_head_dir
 from .layer_skip import SkipProfile, check_skip, default_profile
-from .models.loading import LoadedModel, check_compatible, checkpoint_tensor, load
+from .models.loading import LoadedModel, check_compatible, load
 from .models.quant import best_layout
 from .profile import verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
@@ -126,7 +126,7 @@ def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
     if not layers:
         raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
                          "(at least 7 needed)")
-    head = Eagle3Head.load(path, lm.args, checkpoint_tensor(target, "model.embed_tokens.weight"))
+    head = Eagle3Head.load(path, lm.args, lm.model.embed_tokens)  # the target's own table, not a copy
     device = _device(lm)
     head.to(device)
     if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
