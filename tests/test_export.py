@@ -118,7 +118,7 @@ def test_the_exported_directory_can_be_moved_and_launched(tmp_path, dirs):
     import subprocess
 
     export("vllm", tmp_path / "a", dirs["target"], dirs["draft"], Method.DRAFT, progress=False)
-    moved = tmp_path / "elsewhere" / "b"
+    moved = tmp_path / "else#where & 'co'" / "b"  # characters sed and shells read
     shutil.move(str(tmp_path / "a"), moved)
     fake = tmp_path / "bin" / "vllm"
     fake.parent.mkdir()

@@ -236,11 +236,13 @@ def _launch_script(r: ExportResult, served: str) -> str:
             "set -euo pipefail", 'HERE="$(cd "$(dirname "$0")" && pwd)"',
             f'TARGET="${{TARGET:-{served}}}"']
     if r.engine == "vllm":
-        # the draft's path as it is now, wherever DIR was moved to
+        # the draft's path as it is now, wherever DIR was moved to (set by python, which vLLM
+        # has: a path may hold any character sed or a shell would read)
         spec = ""
         if r.config and "model" in r.config:
-            spec = (' --speculative-config "$(sed "s#' + str(r.out / "draft") + '#$HERE/draft#" '
-                    '"$HERE/speculative_config.json")"')
+            spec = (""" --speculative-config "$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1]));"""
+                    """ c["model"] = sys.argv[2]; print(json.dumps(c))' "$HERE/speculative_config.json" """
+                    '"$HERE/draft")"')
         elif r.config:
             spec = ' --speculative-config "$(cat "$HERE/speculative_config.json")"'
         cmd = f'exec vllm serve "$TARGET"{spec} "$@"'

@@ -3,4 +3,4 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 TARGET="${TARGET:-TARGET_DIR}"
-exec vllm serve "$TARGET" --speculative-config "$(sed "s#DIR/draft#$HERE/draft#" "$HERE/speculative_config.json")" "$@"
+exec vllm serve "$TARGET" --speculative-config "$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["model"] = sys.argv[2]; print(json.dumps(c))' "$HERE/speculative_config.json" "$HERE/draft")" "$@"
