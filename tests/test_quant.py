@@ -274,7 +274,7 @@ def test_int8_tree_pass_rows_equal_one_token_passes_bit_for_bit():
     """A draft tree verified in one pass (two rows of their own cached lengths): every node's
     row has the bits of the one-token passes along its root-to-node path, and after
     compaction to an accepted path the next step has plain decoding's bits, where the
-    attention kernel runs trees (native.tree_kernel: the AVX2 kernel). Elsewhere the target
+    attention kernel runs trees (native.tree_kernel: both CPU kernels). Elsewhere the target
     says it has no exact trees (and the engine refuses them)."""
     from specdecode.tree import DraftTree
     model = tiny_model(5, int8="nk", dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)

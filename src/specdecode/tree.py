@@ -162,7 +162,7 @@ def check_tree_target(target) -> None:
     if not getattr(target, "exact_trees", False):
         raise ValueError(
             "draft trees need a target whose tree passes give the bits of its one-token passes: "
-            "the native runtime on a CPU with the AVX2 attention kernel (fp32 activations); this target "
+            "the native runtime on a CPU with its attention kernel (AVX512 or AVX2, fp32 activations); this target "
             f"({type(target).__name__}, {getattr(target, 'weight_format', '?')}) cannot, so its "
             "output would not be exactly its own decoding. Use a draft tree width of 1 (no tree)")
 

@@ -528,17 +528,17 @@ inline __m512 exp_ps(__m512 x) {
 
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
 
-// out[h][0..16 NV) = sum_j p[h][j] * v[j] / sum[h] for hc <= 24 / NV heads (p stride n,
-// out stride D): each pass over the values serves several heads, in registers.
-template <int NV>
-void weigh_values(const float* p, int64_t n, int hc, const float* v, int64_t sl,
+// out[h][0..16 NV) = sum_j p[h][j] * v[slot(j)] / sum[h] for hc <= 24 / NV heads (p stride
+// n, out stride D): each pass over the values serves several heads, in registers.
+template <int NV, typename Slot>
+void weigh_values(const float* p, int64_t n, int hc, const float* v, int64_t sl, Slot slot,
                   const float* sum, float* out, int64_t D) {
     constexpr int HG = 24 / NV;
     __m512 acc[HG][NV];
     for (int h = 0; h < HG; h++)
         for (int c = 0; c < NV; c++) acc[h][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        const float* vj = v + j * sl;
+        const float* vj = v + slot(j) * sl;
         __m512 vv[NV];
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);
         for (int h = 0; h < HG; h++) {
@@ -554,10 +554,20 @@ void weigh_values(const float* p, int64_t n, int hc, const float* v, int64_t sl,
     }
 }
 
-using WeighFn = void (*)(const float*, int64_t, int, const float*, int64_t, const float*, float*, int64_t);
-constexpr WeighFn WEIGH[9] = {nullptr, weigh_values<1>, weigh_values<2>, weigh_values<3>,
-                              weigh_values<4>, weigh_values<5>, weigh_values<6>,
-                              weigh_values<7>, weigh_values<8>};
+template <typename Slot>
+void weigh(int nv, const float* p, int64_t n, int hc, const float* v, int64_t sl, Slot slot,
+           const float* sum, float* out, int64_t D) {
+    switch (nv) {
+        case 1: weigh_values<1>(p, n, hc, v, sl, slot, sum, out, D); break;
+        case 2: weigh_values<2>(p, n, hc, v, sl, slot, sum, out, D); break;
+        case 3: weigh_values<3>(p, n, hc, v, sl, slot, sum, out, D); break;
+        case 4: weigh_values<4>(p, n, hc, v, sl, slot, sum, out, D); break;
+        case 5: weigh_values<5>(p, n, hc, v, sl, slot, sum, out, D); break;
+        case 6: weigh_values<6>(p, n, hc, v, sl, slot, sum, out, D); break;
+        case 7: weigh_values<7>(p, n, hc, v, sl, slot, sum, out, D); break;
+        default: weigh_values<8>(p, n, hc, v, sl, slot, sum, out, D); break;
+    }
+}
 constexpr int HEADS_PER_PASS[9] = {0, 24, 12, 8, 6, 4, 4, 3, 3};
 
 // Lane k of the result = the sum of the 16 lanes of a[k]: a transpose-and-add tree that
@@ -581,10 +591,15 @@ inline __m512 sum16(const __m512* a) {
     return _mm512_permutexvar_ps(perm, f);
 }
 
-// g query heads (q, stride qh) of one row against n slots of one KV head: scores of 16 keys
-// at a time (keys past n get 0 and are never read), then per head softmax and the values.
+// g query heads (q, stride qh) of one row against the n keys at slots slot(0..n-1) of one
+// KV head, in that order: scores of 16 keys at a time (keys past n get 0 and are never
+// read), then per head softmax and the values. The arithmetic depends only on that sequence
+// of keys and values, not on where they sit in the cache: a draft tree's node attending to
+// the committed slots and its ancestors computes the bits of the one-token pass that sees
+// the same keys at consecutive slots.
+template <typename Slot>
 void attend_group(const float* q, int64_t qh, int g, int64_t D, const float* k, const float* v,
-                  int64_t sl, int64_t n, float scale, float* out, float* s) {
+                  int64_t sl, int64_t n, Slot slot, float scale, float* out, float* s) {
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t cnt = n - j0 < 16 ? n - j0 : 16;
@@ -595,7 +610,7 @@ void attend_group(const float* q, int64_t qh, int g, int64_t D, const float* k, 
             for (int64_t d = 0; d < D; d += 16) {
                 const __m512 qd = _mm512_loadu_ps(qi + d);
                 for (int j = 0; j < cnt; j++)
-                    acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (j0 + j) * sl + d), acc[j]);
+                    acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + slot(j0 + j) * sl + d), acc[j]);
             }
             _mm512_mask_storeu_ps(s + i * n + j0, tail_mask(cnt), _mm512_mul_ps(sum16(acc), sv));
         }
@@ -620,7 +635,7 @@ void attend_group(const float* q, int64_t qh, int g, int64_t D, const float* k, 
         const int nv = (int)((D - d0 < 128 ? D - d0 : 128) / 16);
         for (int h0 = 0; h0 < g; h0 += HEADS_PER_PASS[nv]) {
             const int hc = g - h0 < HEADS_PER_PASS[nv] ? g - h0 : HEADS_PER_PASS[nv];
-            WEIGH[nv](s + h0 * n, n, hc, v + d0, sl, sums + h0, out + h0 * D + d0, D);
+            weigh(nv, s + h0 * n, n, hc, v + d0, sl, slot, sums + h0, out + h0 * D + d0, D);
         }
     }
 }
@@ -631,12 +646,13 @@ thread_local std::vector<float> scores;
 
 extern "C" {
 
-// out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
-// caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
-// (1 <= lens <= L); H % Hkv == 0, D % 16 == 0; scores scaled by `scale`.
-void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
-               int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
-               const int64_t* lens, float scale, float* out) {
+// sd_attend with query (b, t) seeing the slots slots[(b*T+t)*S + 0..lens[b*T+t]-1], in that
+// order (a draft tree: the committed slots, then the node's ancestors and itself); slots
+// null: slots 0..lens[b*T+t]-1.
+void sd_attend_slots(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
+                     int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv,
+                     int64_t L, const int64_t* lens, const int64_t* slots, int64_t S,
+                     float scale, float* out) {
     const int g = (int)(H / Hkv);
     const int64_t items = B * T * Hkv;
 #pragma omp parallel for schedule(static)
@@ -645,9 +661,26 @@ void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64
         const int64_t n = lens[b * T + t];
         if ((int64_t)scores.size() < g * n) scores.resize(g * n);
         const int64_t cache = (b * Hkv + kv) * L * D;
-        attend_group(q + b * qb + t * qt + kv * g * qh, qh, g, D, k + cache, v + cache, D, n,
-                     scale, out + ((b * T + t) * H + kv * g) * D, scores.data());
+        const float* qi = q + b * qb + t * qt + kv * g * qh;
+        float* o = out + ((b * T + t) * H + kv * g) * D;
+        if (slots == nullptr) {
+            attend_group(qi, qh, g, D, k + cache, v + cache, D, n, [](int64_t j) { return j; },
+                         scale, o, scores.data());
+        } else {
+            const int64_t* sl = slots + (b * T + t) * S;
+            attend_group(qi, qh, g, D, k + cache, v + cache, D, n, [sl](int64_t j) { return sl[j]; },
+                         scale, o, scores.data());
+        }
     }
+}
+
+// out [B, T, H, D] = attention of q (element strides qb, qt, qh; D contiguous) over the
+// caches k, v [B, Hkv, L, D] (contiguous), query (b, t) seeing slots 0..lens[b*T+t]-1
+// (1 <= lens <= L); H % Hkv == 0, D % 16 == 0; scores scaled by `scale`.
+void sd_attend(const float* q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qb,
+               int64_t qt, int64_t qh, const float* k, const float* v, int64_t Hkv, int64_t L,
+               const int64_t* lens, float scale, float* out) {
+    sd_attend_slots(q, B, T, H, D, qb, qt, qh, k, v, Hkv, L, lens, nullptr, 0, scale, out);
 }
 
 }  // extern "C"

@@ -344,9 +344,10 @@ def attention_kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int
 
 def tree_kernel(lib) -> bool:
     """Whether this attention kernel (:func:`attention_kernel`) also runs tree passes
-    (``sd_attend_slots``, in ``cpu_kernels_avx2.cpp`` only), so that a tree node's row has
-    the bits of the one-token pass of its path. Elsewhere a tree pass takes PyTorch's masked
-    path, whose bits may differ from the decode kernel's."""
+    (``sd_attend_slots``, in both CPU kernel files), so that a tree node's row has the bits of
+    the one-token pass of its path. Elsewhere (no CPU kernel: another device, dtype or head
+    size) a tree pass takes PyTorch's masked path, whose bits may differ from the decode
+    kernel's."""
     return lib is not None and hasattr(lib, "sd_attend_slots")
 
 

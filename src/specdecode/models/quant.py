@@ -96,6 +96,8 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_q4k_linear_x.restype = None
     lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
     lib.sd_attend.restype = None
+    lib.sd_attend_slots.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, P, I, ctypes.c_float, P]
+    lib.sd_attend_slots.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
     lib.sd_int8_linear_bf16.argtypes = [P, I, I, P, P, P, I, P]
