@@ -174,16 +174,48 @@ def test_the_training_time_test_skips_only_chains_that_cannot_reach_the_answer()
                                     SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
                          ids=["greedy", "gumbel"])
 @pytest.mark.parametrize("int8_head", [False, True], ids=["fp32-head", "int8-head"])
-def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_head):
+@pytest.mark.parametrize("tree", [1, 3], ids=["chain", "tree3"])
+def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_head, tree):
     target = tiny_model(0, int8="nk", n_layers=8)
     args = target.args
     head = _random_head(args, n=60, seed=4)
     if int8_head:  # what methods.py does for a quantized CPU target
         head.quantize_("nk")
+    proposer = Eagle3Proposer(head, aux_layers(8), tree_width=tree)
+    if tree > 1 and not target.exact_trees:  # no CPU attention kernel here: trees refused
+        with pytest.raises(ValueError, match="draft trees need a target"):
+            Engine(target, proposer, 3)
+        return
     plain, _ = run(target, None, None, PROMPTS["twenty"], params)
-    gen, _ = run(target, Eagle3Proposer(head, aux_layers(8)), 3, PROMPTS["twenty"], params)
+    gen, _ = run(target, proposer, 3, PROMPTS["twenty"], params)
     assert gen.token_ids == plain.token_ids
     assert gen.stats.num_draft_tokens > 0
+    if tree > 1:  # three candidates a depth: the pass verified three times the chain's tokens
+        assert gen.stats.num_draft_tokens >= 3 * gen.stats.num_verify_passes
+
+
+def test_an_eagle3_tree_is_the_chain_with_its_siblings():
+    """tree_width 3: each depth holds the chain's token (the head's top-1, the parent of the
+    next depth) and the next two candidates as leaves; the chain is the tree_width-1 chain."""
+    args = _args()
+    head = _random_head(args, n=96)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 96, (10,), generator=g).tolist()
+    aux = torch.randn(10, 3 * args.dim, generator=g)
+    drafts = []
+    for w in (1, 3):
+        prop = Eagle3Proposer(head, [1, 3, 4], tree_width=w)
+        state = RequestState(list(tokens), 0, SamplingParams(), (), None, 96)
+        prop.reset(state, 64)
+        prop.take_hidden(0, {1: aux[:9, :32], 3: aux[:9, 32:64], 4: aux[:9, 64:]})
+        drafts.append(prop.propose(state, 3))
+    chain, tree = drafts[0].token_ids[0].tolist(), drafts[1].tree
+    assert drafts[1].token_ids[0].tolist() == tree.token_ids.tolist()
+    assert tree.parents.tolist() == [-1, -1, -1, 0, 0, 0, 3, 3, 3]
+    assert tree.token_ids[[0, 3, 6]].tolist() == chain
+    assert len(set(tree.token_ids[:3].tolist())) == 3
+    with pytest.raises(ValueError, match="tree_width=9 is invalid"):
+        Eagle3Proposer(head, [1, 3, 4], tree_width=9)
 
 
 def test_a_head_on_the_targets_own_embedding_module_reads_it_in_place():

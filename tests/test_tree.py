@@ -214,7 +214,7 @@ def test_power_top_k_children_verified_with_soft_probs_is_detected():
 # ----------------------------------------------------------------------------------------
 
 def _tree_target():
-    return tiny_model(0, int8="nk")  # the layout of the AVX2 kernel, which runs tree passes
+    return tiny_model(0, int8="nk")  # (either CPU attention kernel runs its tree passes)
 
 
 def _draft():

@@ -119,7 +119,7 @@ def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
 
 def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
     """The EAGLE-3 head of ``spec.head_dir`` (default: the target's default head) for this
-    target, on the target's embedding."""
+    target, on the target's embedding; with ``tree=W`` the chain and its siblings as a tree."""
     path = head_dir_for(spec, target.name)
     lm = _native(target, "eagle3")
     layers = aux_layers(lm.args.n_layers)
@@ -131,7 +131,7 @@ def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
     head.to(device)
     if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
         head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
-    return Eagle3Proposer(head, layers)
+    return Eagle3Proposer(head, layers, spec.draft_tree_width)
 
 
 def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
@@ -300,7 +300,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
-               lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head"}), k=4,
+               lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head", "tree"}), k=4,
                batched=False),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
@@ -473,7 +473,7 @@ METHOD_OPTIONS = {
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
-    early-exit, dtype= for self-draft, tree= for draft and medusa, head= for medusa and eagle3); keys
+    early-exit, dtype= for self-draft, tree= for draft, medusa and eagle3, head= for medusa and eagle3); keys
     the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}

@@ -1,16 +1,18 @@
 """EAGLE-3: a one-layer draft head on three of the target's own hidden states proposes a
-chain (Li et al., arXiv:2503.01840)."""
+chain, or the chain with its siblings as a draft tree (Li et al., arXiv:2503.01840)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..heads import Eagle3Head
+from ..tree import DraftTree
 from .base import DraftOutput, Proposer, RequestState
 
 
 class Eagle3Proposer(Proposer):
-    """Proposes the greedy chain of an :class:`~specdecode.heads.Eagle3Head`.
+    """Proposes the greedy chain of an :class:`~specdecode.heads.Eagle3Head` (or, with
+    ``tree_width``, a tree around it).
 
     The head keeps its own KV cache, one slot per position. After the prefill and after
     every verify pass the engine hands over the target's residual streams after the
@@ -24,17 +26,27 @@ class Eagle3Proposer(Proposer):
     A one-token prompt's first round drafts nothing (no state yet).
 
     aux_layers: the target layers the head was trained on
-    (:func:`~specdecode.heads.aux_layers`). Raises ValueError for a layer list that
-    is not three layers.
+    (:func:`~specdecode.heads.aux_layers`). tree_width: w > 1 proposes a draft tree: the
+    chain, and at each of its depths the head's next w - 1 most likely tokens as leaves
+    beside it (from the logits the chain's steps computed anyway: no extra head step; the
+    verify pass has 1 + w * (drafted tokens) rows), so that where the target rejects the
+    chain's token for one of those it keeps it and the bonus token after it; the shape of
+    ``draft:tree=W``. It needs a target with exact tree passes
+    (:func:`~specdecode.tree.check_tree_target`). 1 (default): the chain.
+    Raises ValueError for a layer list that is not three layers, or a tree_width outside 1..8.
     """
 
     name = "eagle3"
     default_k = 4
 
-    def __init__(self, head: Eagle3Head, aux_layers: list[int]):
+    def __init__(self, head: Eagle3Head, aux_layers: list[int], tree_width: int = 1):
         if len(aux_layers) != 3:
             raise ValueError(f"EAGLE-3 fuses three target layers, got {aux_layers!r} (a target of "
                              "at least 7 layers is needed)")
+        if isinstance(tree_width, bool) or not isinstance(tree_width, int) or not 1 <= tree_width <= 8:
+            raise ValueError(f"eagle3 tree_width={tree_width!r} is invalid; allowed: an integer in "
+                             "1..8 (1: no tree)")
+        self.tree_width = tree_width
         self.head = head.eval()
         self.hidden_keys = tuple(aux_layers)
         self._draft_ids = head.draft_ids  # draft id -> target id
@@ -42,6 +54,10 @@ class Eagle3Proposer(Proposer):
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending: tuple[int, torch.Tensor] | None = None
         self._cached = 0
+
+    @property
+    def makes_trees(self) -> bool:
+        return self.tree_width > 1
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         a = self.head.args
@@ -92,11 +108,19 @@ class Eagle3Proposer(Proposer):
                 self._last = (pre, logits)
             pre, logits = self._last
             pos = self._cached - 1  # the last real row's position (it predicted tokens[-1])
-            out = []
+            out, alts = [], []  # alts: per depth, the tree's other candidates there
             for i in range(k):
-                tok = int(ids_map[int(logits.argmax())])
-                out.append(tok)
+                top = ids_map[logits.topk(min(self.tree_width, len(logits))).indices].tolist()
+                out.append(top[0])
+                alts.append(top[1:])
                 if i + 1 == k or pos + 2 + i >= self._k.shape[1]:
                     break
-                pre, logits = self._step(torch.tensor([tok]), pre, pos + 1 + i)
-        return DraftOutput(torch.tensor([out]), None, self.name)
+                pre, logits = self._step(torch.tensor([top[0]]), pre, pos + 1 + i)
+        if not self.makes_trees:
+            return DraftOutput(torch.tensor([out]), None, self.name)
+        tokens, parents, parent = [], [], -1
+        for tok, others in zip(out, alts):  # the chain's node first, then its siblings (leaves)
+            here = [tok] + others
+            tokens, parents, parent = tokens + here, parents + [parent] * len(here), len(tokens)
+        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+        return DraftOutput(tree.token_ids[None], None, self.name, tree=tree)
