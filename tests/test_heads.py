@@ -166,18 +166,49 @@ def test_medusa_output_equals_plain_decoding_on_the_int8_target(params, tree):
     assert gen.stats.num_draft_tokens > 0
 
 
-def test_heads_need_the_native_runtime_and_a_single_request_engine():
+def test_heads_run_in_the_batched_engine_each_row_equal_to_its_request_alone():
+    """Medusa and EAGLE-3 rows beside plain and lookup rows, greedy and seeded, prompts of
+    several lengths (a one-token one: no state for its first round): each row's output is its
+    request's alone; the heads drafted. A tree proposer is refused in a batch, and heads need
+    the native runtime."""
+    from specdecode.batch import BatchEngine
+    from specdecode.heads import Eagle3Head, aux_layers
+    from specdecode.proposers import Eagle3Proposer, PromptLookupProposer
+    from specdecode.schedule import FixedK
+
+    target = tiny_model(0, int8="nk", n_layers=8)
+    args = target.args
+    medusa = _random_heads(target, num_heads=3, seed=2)
+    g = torch.Generator().manual_seed(4)
+    eagle = Eagle3Head(args, torch.randperm(args.vocab_size, generator=g)[:60].sort().values,
+                       torch.randn(args.vocab_size, args.dim, generator=g))
+    with torch.no_grad():
+        for name, p in eagle.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "norm" not in name else 0.1) + ("norm" in name))
+    greedy, seeded = SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, temperature=0.9, seed=3)
+    twenty = PROMPTS["twenty"]
+    reqs = [(twenty, greedy, lambda: MedusaProposer(medusa), 3),
+            (twenty[:5], seeded, lambda: Eagle3Proposer(eagle, aux_layers(8)), 3),
+            (twenty * 3, greedy, lambda: Eagle3Proposer(eagle, aux_layers(8)), 2),
+            ([7], greedy, lambda: MedusaProposer(medusa), 2),
+            (twenty[3:], greedy, lambda: None, None),
+            (twenty * 2, seeded, lambda: PromptLookupProposer(), 4)]
+    want = [Engine(target.fork(), make(), k).generate(p, params).run() for p, params, make, k in reqs]
+    batch = BatchEngine(target.fork(), 4, 160, debug=True)
+    try:
+        gens = [batch.add(p, params, proposer=make(), schedule=None if k is None else FixedK(k))
+                for p, params, make, k in reqs]
+        batch.run()
+        for g_, w in zip(gens, want):
+            assert g_.token_ids == w.token_ids
+        assert all(g_.stats.num_draft_tokens > 0 for g_ in gens[:4])
+        with pytest.raises(ValueError, match="single-request engine"):
+            batch.add(twenty, greedy, proposer=MedusaProposer(medusa, MedusaProposer.siblings_tree(3, 2)))
+    finally:
+        batch.close()
     heads = MedusaHeads(8, 8, 2)
     with pytest.raises(ValueError, match="native runtime"):
         Engine(MockLM(8, lambda ctx: torch.zeros(8)), MedusaProposer(heads), 2)
-    from specdecode.batch import BatchEngine
-    batch = BatchEngine(tiny_model(0), 2, 64)
-    try:
-        with pytest.raises(ValueError, match="single-request engine"):
-            batch.add(PROMPTS["twenty"], SamplingParams(max_new_tokens=4),
-                      proposer=MedusaProposer(MedusaHeads(tiny_model(0).args.dim, 96, 2)))
-    finally:
-        batch.close()
     assert FINAL == -1
 
 

@@ -14,6 +14,9 @@ stalls the rows already generating by one chunk's pass at most; it takes part in
 pass of the step its prefill ends. With the native runtime's row-independent kernels (q4, int8, int4 on the CPU
 kernel: linears, attention) a row's logits are bit for bit those of its request run alone,
 so each output equals its solo run, greedy or seeded, whatever else is in the batch.
+Draft heads (Medusa, EAGLE-3) get their row's hidden states of the prefill chunks and of
+the accepted rows of each verify pass, as a request alone hands them over; draft trees run
+in the single-request engine only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from .config import SamplingParams
 from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
+from .heads import check_heads_target
 from .models.native import SDPA_MIN_TOKENS, SelfDraft
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
@@ -256,6 +260,11 @@ class DraftRowView:
         self.rows._set_length(self.row, length)
 
 
+def _hidden_keys(run: RequestRun) -> tuple[int, ...]:
+    """The target hidden states a row's proposer reads (a draft head's), () for the others."""
+    return tuple(run.proposer.hidden_keys) if run.proposer is not None else ()
+
+
 class BatchEngine:
     """Runs many requests on one native target, ``max_batch`` rows at a time.
 
@@ -323,11 +332,13 @@ class BatchEngine:
         of the target's T(1) with a draft model, 0 for lookups). fixed_k: the request chose
         its K itself: its schedule's K is used every round, not the policy's. Raises ValueError as
         :meth:`Engine.generate`, when prompt + max_new_tokens exceeds max_len, and for a
-        proposer of draft trees or heads (single-request engine only)."""
+        proposer of draft trees (single-request engine only)."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
-        if proposer is not None and (proposer.makes_trees or proposer.hidden_keys):
-            raise ValueError(f"{'draft trees' if proposer.makes_trees else 'draft heads'} run in "
-                             "the single-request engine (Engine) only, not in a batch")
+        if proposer is not None and proposer.makes_trees:
+            raise ValueError("draft trees run in the single-request engine (Engine) only, not in a "
+                             "batch: use a tree width of 1 (the chain)")
+        if proposer is not None and proposer.hidden_keys:
+            check_heads_target(self.target)
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
         if limit > self.max_len:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens "
@@ -404,8 +415,13 @@ class BatchEngine:
             if n > budget and budget < chunk:
                 break
             if n > 0:
-                self.target.forward_row(b, torch.tensor([row.prompt[row.prefilled:row.prefilled + n]]),
-                                        num_logits=0)
+                ids = torch.tensor([row.prompt[row.prefilled:row.prefilled + n]])
+                keys = _hidden_keys(row.run)
+                if keys:  # a draft head reads the prompt's states (as the engine's prefill gives them)
+                    out = self.target.forward_span(b, b + 1, ids, None, 0, output_hidden=keys)
+                    row.run.proposer.take_hidden(row.prefilled, {k: h[0] for k, h in out.hidden.items()})
+                else:
+                    self.target.forward_row(b, ids, num_logits=0)
                 row.prefilled += n
                 budget -= n
             if row.prefilled == len(row.prompt) - 1:
@@ -450,11 +466,15 @@ class BatchEngine:
             x[b - first, 1:1 + k] = drafts[b][0]
             lengths[b - first] = k + 1
         t_forward = time.perf_counter()
-        logits = target.forward_span(first, stop, x, lengths).logits
+        keys = tuple(sorted({k for _, run in active for k in _hidden_keys(run)}))
+        scored = target.forward_span(first, stop, x, lengths, output_hidden=keys)
+        logits = scored.logits
         t_scored = time.perf_counter()
         out = []
         for b, run in active:
-            emitted = run.finish(logits[b - first:b - first + 1, :lengths[b - first]])
+            span = slice(b - first, b - first + 1), slice(0, lengths[b - first])
+            hidden = {k: scored.hidden[k][span] for k in _hidden_keys(run)}
+            emitted = run.finish(logits[span], hidden or None)
             gen = self.rows[b].gen
             self._blocks[gen].append(emitted)
             out.append((gen, emitted))

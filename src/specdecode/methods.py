@@ -56,8 +56,6 @@ class MethodSpec:
     build: (config, target, draft or None) -> the request's proposer (None for plain decoding).
     needs_draft_model: a draft model must be given (and is checked against the target).
     options: the :data:`OPTIONS` it honours; giving another is an error.
-    batched: whether it runs in the batched engine (the server and lists of prompts); draft
-        heads and trees run in the single-request engine only.
     """
 
     name: str
@@ -67,7 +65,6 @@ class MethodSpec:
     needs_draft_model: bool = False
     options: frozenset[str] = frozenset()
     k: int | None = None  # its default K where it is not its proposer class's
-    batched: bool = True  # runs in the batched engine (the server, lists of prompts)
 
     @property
     def default_k(self) -> int | None:
@@ -103,16 +100,9 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
 
 
 def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
-    """The Medusa heads of ``spec.head_dir`` (default: the target's default heads) for this target, as a chain or, with
-    ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
-    path = head_dir_for(spec, target.name)
-    heads = MedusaHeads.load(path)
-    lm = _native(target, "medusa")
-    if (heads.dim, heads.vocab_size) != (lm.args.dim, lm.vocab_size):
-        raise ValueError(f"the Medusa heads in {path} are for hidden size {heads.dim} and "
-                         f"{heads.vocab_size} tokens; this target has {lm.args.dim} and "
-                         f"{lm.vocab_size}: give heads made for this target")
-    heads.to(_device(lm))
+    """The Medusa heads of ``spec.head_dir`` (default: the target's default heads) for this target,
+    as a chain or, with ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
+    heads = _loaded_head(spec, target, "medusa")
     w = spec.draft_tree_width
     return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None)
 
@@ -120,18 +110,41 @@ def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
 def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
     """The EAGLE-3 head of ``spec.head_dir`` (default: the target's default head) for this
     target, on the target's embedding; with ``tree=W`` the chain and its siblings as a tree."""
-    path = head_dir_for(spec, target.name)
-    lm = _native(target, "eagle3")
-    layers = aux_layers(lm.args.n_layers)
-    if not layers:
-        raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
-                         "(at least 7 needed)")
-    head = Eagle3Head.load(path, lm.args, lm.model.embed_tokens)  # the target's own table, not a copy
+    head = _loaded_head(spec, target, "eagle3")
+    return Eagle3Proposer(head, aux_layers(target.lm.args.n_layers), spec.draft_tree_width)
+
+
+def _loaded_head(spec: "SpeculativeConfig", target: LoadedModel, kind: str):
+    """The ``kind`` head ``spec`` names, loaded once per loaded target and kept on it
+    (``LoadedModel.heads``; a head rewritten on disk is read again): checked against the
+    target, on its device, with int8 linears where the target is quantized on a CPU."""
+    path = Path(head_dir_for(spec, target.name))
+    lm = _native(target, kind)
+    try:
+        stamp = (path / "model.safetensors").stat().st_mtime_ns
+    except OSError:
+        stamp = None  # the loader says what is missing
+    key = (kind, str(path.resolve()), stamp)
+    if key in target.heads:
+        return target.heads[key]
     device = _device(lm)
-    head.to(device)
-    if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
-        head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
-    return Eagle3Proposer(head, layers, spec.draft_tree_width)
+    if kind == "medusa":
+        head = MedusaHeads.load(path)
+        if (head.dim, head.vocab_size) != (lm.args.dim, lm.vocab_size):
+            raise ValueError(f"the Medusa heads in {path} are for hidden size {head.dim} and "
+                             f"{head.vocab_size} tokens; this target has {lm.args.dim} and "
+                             f"{lm.vocab_size}: give heads made for this target")
+        head.to(device)
+    else:
+        if not aux_layers(lm.args.n_layers):
+            raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
+                             "(at least 7 needed)")
+        head = Eagle3Head.load(path, lm.args, lm.model.embed_tokens)  # the target's own table, not a copy
+        head.to(device)
+        if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
+            head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
+    target.heads[key] = head.eval()
+    return head
 
 
 def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
@@ -295,13 +308,13 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
                lambda spec, target, draft: _self_draft(spec, _lower_precision_draft(spec, target)),
                options=frozenset({"self_draft_dtype", "draft_p_min"}), k=4),
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
-               "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer, lambda spec, target, draft: _medusa(spec, target),
-               options=frozenset({"head", "tree"}), k=3, batched=False),
+               "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer,
+               lambda spec, target, draft: _medusa(spec, target),
+               options=frozenset({"head", "tree"}), k=3),
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
-               lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head", "tree"}), k=4,
-               batched=False),
+               lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head", "tree"}), k=4),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
                options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
@@ -316,10 +329,6 @@ class _MethodBase(str, Enum):
     @property
     def needs_draft_model(self) -> bool:
         return self.spec.needs_draft_model
-
-    @property
-    def batched(self) -> bool:
-        return self.spec.batched
 
     @classmethod
     def parse(cls, value) -> "Method":

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..methods import Method, SpeculativeConfig, prepare
+from ..methods import Method, SpeculativeConfig, head_dir_for, prepare
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
@@ -85,9 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "layers= apply to `specdecode generate` and the bench (layer-skip and self "
                          "use the target's default profile here)")
     method = Method(args.method)
-    if not method.batched:
-        raise ValueError(f"--method {method.value} runs in the single-request engine only (`specdecode "
-                         "generate`, the Python API), not in the server's batches")
+    head_dir_for(SpeculativeConfig(method), args.target)  # a missing head is said before anything loads
     threads = apply_threads(args)
     name = model_name(args)
     def load():

@@ -39,7 +39,8 @@ class LoadedModel:
     (:func:`specdecode.profile.verify_profile`); ``session_proposers``: proposers whose state
     carries over between this model's requests (``suffix_cache="session"``), by method name;
     ``self_drafts``: its weights at lower precisions drafting for it (``--method
-    self-draft``), by dtype.
+    self-draft``), by dtype; ``heads``: draft heads loaded for it (shared by its requests),
+    by kind, directory and file time.
     Compared by identity (two loads of the same files are two models, with two KV caches).
     """
 
@@ -51,6 +52,7 @@ class LoadedModel:
     forward_seconds: list[float] | None = field(default=None, repr=False)
     session_proposers: dict[str, object] = field(default_factory=dict, repr=False)
     self_drafts: dict[str, object] = field(default_factory=dict, repr=False)
+    heads: dict[tuple, object] = field(default_factory=dict, repr=False)
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:

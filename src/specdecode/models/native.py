@@ -667,10 +667,11 @@ class Transformer(nn.Module):
         return self.forward_span(row, row + 1, input_ids, None, num_logits).logits
 
     def forward_span(self, start: int, stop: int, input_ids: torch.Tensor,
-                     lengths: list[int] | None = None, num_logits: int | None = None) -> ForwardOutput:
+                     lengths: list[int] | None = None, num_logits: int | None = None,
+                     output_hidden=()) -> ForwardOutput:
         """:meth:`forward_rows` over cache rows ``start .. stop-1`` only (input_ids [stop-start,
-        T], lengths per row of the span), the other rows untouched and not computed: a batch
-        whose active rows are few does not pay for the idle ones' padding. Rows are
+        T], lengths per row of the span; output_hidden as there), the other rows untouched and
+        not computed: a batch whose active rows are few does not pay for the idle ones' padding. Rows are
         independent in the native kernels, so each row's bits are those of the whole-batch
         pass. Raises ValueError for a span outside 0..B, after a pass over a subset of layers
         that is not rolled back, or as :meth:`forward_rows`."""
@@ -683,7 +684,7 @@ class Transformer(nn.Module):
         caches, row_lengths = self.caches, self.row_lengths
         self.caches, self.row_lengths = [c.rows(start, stop) for c in caches], row_lengths[start:stop]
         try:
-            out = self.forward_rows(input_ids, lengths, num_logits)
+            out = self.forward_rows(input_ids, lengths, num_logits, output_hidden=output_hidden)
             new = self.row_lengths
         finally:
             self.caches, self.row_lengths, self._layer_lengths = caches, row_lengths, None

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
-from ..methods import Method, speculative_config
+from ..methods import Method, SpeculativeConfig, head_dir_for, speculative_config
 from . import protocol
 from .protocol import OpenAIError, bad
 from .worker import Ticket, Worker
@@ -36,14 +36,24 @@ from .worker import Ticket, Worker
 PAGE = Path(__file__).with_name("page.html")
 
 
+def _has_head(method: Method, target: str) -> bool:
+    """Whether ``method`` has the head it reads (a draft head's default one for the target;
+    True for the methods without a head)."""
+    try:
+        head_dir_for(SpeculativeConfig(method), target)
+    except ValueError:
+        return False
+    return True
+
+
 class _Context:
     """What :func:`protocol.check_request` needs from the loaded models."""
 
     def __init__(self, worker: Worker, model_name: str, default_method: str):
         tgt = worker.target
         self.model_name, self.default_method = model_name, default_method
-        self.methods = [m.value for m in Method if m.batched
-                        and (not m.needs_draft_model or worker.draft is not None)]
+        self.methods = [m.value for m in Method if (not m.needs_draft_model or worker.draft is not None)
+                        and _has_head(m, tgt.name)]
         self.max_context, self.vocab_size = worker.context, tgt.lm.vocab_size
         self._target = tgt
 
