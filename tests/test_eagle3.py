@@ -14,6 +14,7 @@ import specdecode
 from helpers import PROMPTS, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
+from specdecode.methods import speculative_config
 from specdecode.export import check_head_tensors, head_tensor_table
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, draft_vocabulary
 from specdecode.models.native import ModelArgs
@@ -174,15 +175,16 @@ def test_the_training_time_test_skips_only_chains_that_cannot_reach_the_answer()
                                     SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
                          ids=["greedy", "gumbel"])
 @pytest.mark.parametrize("int8_head", [False, True], ids=["fp32-head", "int8-head"])
-@pytest.mark.parametrize("tree", [1, 3], ids=["chain", "tree3"])
+@pytest.mark.parametrize("tree", [1, 3, "nodes7"], ids=["chain", "tree3", "dynamic7"])
 def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_head, tree):
     target = tiny_model(0, int8="nk", n_layers=8)
     args = target.args
     head = _random_head(args, n=60, seed=4)
     if int8_head:  # what methods.py does for a quantized CPU target
         head.quantize_("nk")
-    proposer = Eagle3Proposer(head, aux_layers(8), tree_width=tree)
-    if tree > 1 and not target.exact_trees:  # no CPU attention kernel here: trees refused
+    proposer = Eagle3Proposer(head, aux_layers(8), tree_width=tree) if isinstance(tree, int) else \
+        Eagle3Proposer(head, aux_layers(8), tree_width=2, tree_nodes=7)
+    if proposer.makes_trees and not target.exact_trees:  # no CPU attention kernel here: trees refused
         with pytest.raises(ValueError, match="draft trees need a target"):
             Engine(target, proposer, 3)
         return
@@ -190,8 +192,58 @@ def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_hea
     gen, _ = run(target, proposer, 3, PROMPTS["twenty"], params)
     assert gen.token_ids == plain.token_ids
     assert gen.stats.num_draft_tokens > 0
-    if tree > 1:  # three candidates a depth: the pass verified three times the chain's tokens
+    if tree == 3:  # three candidates a depth: the pass verified three times the chain's tokens
         assert gen.stats.num_draft_tokens >= 3 * gen.stats.num_verify_passes
+
+
+def test_the_dynamic_tree_keeps_the_most_likely_paths_of_the_heads_own_steps():
+    """EAGLE-2's tree from a random head: N nodes, parents first, depth <= K; every node is
+    among the W most likely tokens of the head's step along its parent's path (the
+    training-time test's step, teacher-forced on that path: the head's tree attention is its
+    chain's). The method takes it as eagle3:nodes=N (tree=W the expansion width); others
+    refuse it."""
+    args = _args()
+    head = _random_head(args, n=96, seed=2)
+    g = torch.Generator().manual_seed(9)
+    n = 10
+    tokens = torch.randint(0, 96, (n,), generator=g).tolist()
+    aux = torch.randn(n + 4, 3 * args.dim, generator=g)
+    prop = Eagle3Proposer(head, [1, 3, 4], tree_width=2, tree_nodes=6)
+    assert prop.makes_trees
+    state = RequestState(list(tokens), 0, SamplingParams(), (), None, 96)
+    prop.reset(state, 64)
+    prop.take_hidden(0, {1: aux[:n - 1, :32], 3: aux[:n - 1, 32:64], 4: aux[:n - 1, 64:]})
+    tree = prop.propose(state, 3).tree
+    parents, toks = tree.parents.tolist(), tree.token_ids.tolist()
+    assert len(toks) == 6 and all(p < i for i, p in enumerate(parents))
+    depth = [0] * 6
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    assert max(depth) <= 3 and depth == sorted(depth)
+
+    def path(i):
+        out = []
+        while i >= 0:
+            out.append(toks[i])
+            i = parents[i]
+        return out[::-1]
+
+    for i, p in enumerate(parents):
+        before = path(p) if p >= 0 else []
+        ex = {"tokens": torch.tensor(tokens + before + [0]), "start": torch.tensor(1), "aux": aux}
+        with torch.no_grad():
+            _, steps = unroll(head, ex, len(before) + 1)
+        logits = steps[len(before)][0][n - 2]  # the chain from the last real row, this depth
+        top2 = head.draft_ids[logits.topk(2).indices].tolist()
+        assert toks[i] in top2, (i, before)
+    with pytest.raises(ValueError, match="tree_nodes=0 is invalid"):
+        Eagle3Proposer(head, [1, 3, 4], tree_nodes=0)
+    spec = speculative_config("eagle3:nodes=6:tree=3", False)
+    assert (spec.tree_nodes, spec.draft_tree_width) == (6, 3)
+    with pytest.raises(ValueError, match="nodes"):
+        speculative_config("draft:nodes=6", True)
+    with pytest.raises(ValueError, match="tree_nodes = 65 is invalid"):
+        speculative_config("eagle3:nodes=65", False)
 
 
 def test_an_eagle3_tree_is_the_chain_with_its_siblings():

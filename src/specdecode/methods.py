@@ -27,6 +27,7 @@ from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridPropos
                         Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
 from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
+from .tree import MAX_NODES
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
@@ -41,6 +42,7 @@ OPTIONS = {
     "exit_layer": "an exit layer (exit_layer=; layer=) applies",
     "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
     "tree": "a draft tree width (draft_tree_width=; tree=) applies",
+    "tree_nodes": "a dynamic draft tree's size (tree_nodes=; nodes=) applies",
     "head": "a draft head's directory (head_dir=; head=) applies",
 }
 
@@ -109,9 +111,11 @@ def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
 
 def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
     """The EAGLE-3 head of ``spec.head_dir`` (default: the target's default head) for this
-    target, on the target's embedding; with ``tree=W`` the chain and its siblings as a tree."""
+    target, on the target's embedding; with ``tree=W`` the chain and its siblings as a tree,
+    with ``nodes=N`` EAGLE-2's dynamic tree of N nodes (expanding ``tree`` nodes a depth, at
+    least 2)."""
     head = _loaded_head(spec, target, "eagle3")
-    return Eagle3Proposer(head, aux_layers(target.lm.args.n_layers), spec.draft_tree_width)
+    return Eagle3Proposer(head, aux_layers(target.lm.args.n_layers), spec.draft_tree_width, spec.tree_nodes)
 
 
 def _loaded_head(spec: "SpeculativeConfig", target: LoadedModel, kind: str):
@@ -314,7 +318,8 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
-               lambda spec, target, draft: _eagle3(spec, target), options=frozenset({"head", "tree"}), k=4),
+               lambda spec, target, draft: _eagle3(spec, target),
+               options=frozenset({"head", "tree", "tree_nodes"}), k=4),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
                options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
@@ -363,7 +368,8 @@ class SpeculativeConfig:
     layer-skip draft skips, or a ``tune-skip`` profile file; neither: the target's cached
     default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
     None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
-    next w - 1 candidates at each depth as a draft tree; 1: no tree), ``head_dir``
+    next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
+    (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes; None: none), ``head_dir``
     (``head``: the directory of the ``medusa`` or ``eagle3`` method's head). Raises ValueError naming a bad
     value, or an option the method does not honour (never silently ignored).
     """
@@ -381,6 +387,7 @@ class SpeculativeConfig:
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
     draft_tree_width: int = 1
+    tree_nodes: int | None = None
     head_dir: str | None = None
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
@@ -428,6 +435,10 @@ class SpeculativeConfig:
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 8:
             raise ValueError(f"draft_tree_width = {w!r} is invalid; allowed: an integer in 1..8 "
                              "(1: no tree)")
+        n = self.tree_nodes
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NODES):
+            raise ValueError(f"tree_nodes = {n!r} is invalid; allowed: an integer in 1..{MAX_NODES}, "
+                             "or None (no dynamic tree)")
         if self.self_draft_dtype not in (None, *SELF_DRAFT_DTYPES):
             raise ValueError(f"self_draft_dtype = {self.self_draft_dtype!r} is invalid; allowed: "
                              f"{', '.join(SELF_DRAFT_DTYPES)}")
@@ -437,7 +448,7 @@ class SpeculativeConfig:
                  "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
                  "skip": self.skip_layers is not None or self.skip_profile is not None,
                  "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
-                 "tree": w != 1, "head": self.head_dir is not None}
+                 "tree": w != 1, "tree_nodes": n is not None, "head": self.head_dir is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -468,25 +479,27 @@ def _positive(key: str, value: str) -> int:
 
 
 # the options a method name may carry ("layer-skip:layers=3+5-8"): key -> (its registry
-# option, its SpeculativeConfig fields from the text)
+# option, what its value is (for help texts), its SpeculativeConfig fields from the text)
 METHOD_OPTIONS = {
-    "layers": ("skip", lambda v: {"skip_layers": _layer_list(v)}),
-    "profile": ("skip", lambda v: {"skip_profile": v}),
-    "layer": ("exit_layer", lambda v: {"exit_layer": _positive("layer", v)}),
-    "dtype": ("self_draft_dtype", lambda v: {"self_draft_dtype": v}),
-    "tree": ("tree", lambda v: {"draft_tree_width": _positive("tree", v)}),
-    "head": ("head", lambda v: {"head_dir": v}),
+    "layers": ("skip", "3+5-8", lambda v: {"skip_layers": _layer_list(v)}),
+    "profile": ("skip", "FILE", lambda v: {"skip_profile": v}),
+    "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
+    "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": v}),
+    "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v)}),
+    "nodes": ("tree_nodes", "N", lambda v: {"tree_nodes": _positive("nodes", v)}),
+    "head": ("head", "DIR", lambda v: {"head_dir": v}),
 }
 
 
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
-    early-exit, dtype= for self-draft, tree= for draft, medusa and eagle3, head= for medusa and eagle3); keys
+    early-exit, dtype= for self-draft, tree= for draft, medusa and eagle3, nodes= for eagle3, head= for
+    medusa and eagle3); keys
     the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}
-    for key, (option, parse) in METHOD_OPTIONS.items():
+    for key, (option, _, parse) in METHOD_OPTIONS.items():
         if option in honoured and key in opts:
             out.update(parse(opts.pop(key)))
     return out
@@ -506,7 +519,7 @@ def split_method(text: str) -> tuple[str, dict]:
         opts[key] = value
     fields = method_options(name, opts)
     if opts:
-        mine = [k for k, (o, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
+        mine = [k for k, (o, _, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
         raise ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; "
                          f"allowed: {', '.join(mine) or 'none'}")
     return name, fields

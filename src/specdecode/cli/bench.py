@@ -13,17 +13,19 @@ from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS,
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..config import SamplingParams
-from ..methods import METHODS
+from ..methods import METHOD_OPTIONS, METHODS
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
 from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command, usable_cores
 
 
 def _help() -> str:
-    ours = "\n".join(f"  {m.name:<14}{m.summary}" + (
-        f" ({', '.join(f'{key}={values}' for key, (o, values, _) in OPTION_PARSERS.items() if o in m.options)})"
-        if m.options else "")
-        for m in METHODS.values())
+    def options(m):
+        given = [f"{key}={values}" for table in (OPTION_PARSERS, METHOD_OPTIONS)
+                 for key, (o, values, _) in table.items() if o in m.options]
+        return f" ({', '.join(given)})" if given else ""
+
+    ours = "\n".join(f"  {m.name:<14}{m.summary}{options(m)}" for m in METHODS.values())
     ours += "".join(f"\n  {row:<14}{base}, with a --draft of another tokenizer than the target's (a "
                     "row that says so; the method itself needs no option for such a pair)"
                     for row, base in CROSS_ROWS.items())

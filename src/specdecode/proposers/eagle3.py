@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import Eagle3Head
-from ..tree import DraftTree
+from ..tree import MAX_NODES, DraftTree
 from .base import DraftOutput, Proposer, RequestState
 
 
@@ -39,14 +39,19 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
     default_k = 4
 
-    def __init__(self, head: Eagle3Head, aux_layers: list[int], tree_width: int = 1):
+    def __init__(self, head: Eagle3Head, aux_layers: list[int], tree_width: int = 1,
+                 tree_nodes: int | None = None):
         if len(aux_layers) != 3:
             raise ValueError(f"EAGLE-3 fuses three target layers, got {aux_layers!r} (a target of "
                              "at least 7 layers is needed)")
         if isinstance(tree_width, bool) or not isinstance(tree_width, int) or not 1 <= tree_width <= 8:
             raise ValueError(f"eagle3 tree_width={tree_width!r} is invalid; allowed: an integer in "
                              "1..8 (1: no tree)")
-        self.tree_width = tree_width
+        if tree_nodes is not None and (isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int)
+                                       or not 1 <= tree_nodes <= MAX_NODES):
+            raise ValueError(f"eagle3 tree_nodes={tree_nodes!r} is invalid; allowed: an integer in "
+                             f"1..{MAX_NODES}, or None (no dynamic tree)")
+        self.tree_width, self.tree_nodes = tree_width, tree_nodes
         self.head = head.eval()
         self.hidden_keys = tuple(aux_layers)
         self._draft_ids = head.draft_ids  # draft id -> target id
@@ -57,7 +62,7 @@ class Eagle3Proposer(Proposer):
 
     @property
     def makes_trees(self) -> bool:
-        return self.tree_width > 1
+        return self.tree_width > 1 or self.tree_nodes is not None
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         a = self.head.args
@@ -108,6 +113,8 @@ class Eagle3Proposer(Proposer):
                 self._last = (pre, logits)
             pre, logits = self._last
             pos = self._cached - 1  # the last real row's position (it predicted tokens[-1])
+            if self.tree_nodes is not None:
+                return self._dynamic_tree(pre, logits, pos, k)
             out, alts = [], []  # alts: per depth, the tree's other candidates there
             for i in range(k):
                 top = ids_map[logits.topk(min(self.tree_width, len(logits))).indices].tolist()
@@ -124,3 +131,70 @@ class Eagle3Proposer(Proposer):
             tokens, parents, parent = tokens + here, parents + [parent] * len(here), len(tokens)
         tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
         return DraftOutput(tree.token_ids[None], None, self.name, tree=tree)
+
+    def _dynamic_tree(self, pre: torch.Tensor, logits: torch.Tensor, pos: int, k: int) -> DraftOutput:
+        """EAGLE-2's dynamic draft tree (Li et al., arXiv:2406.16858): the root's W most likely
+        tokens, then at each depth up to K the W nodes of the depth before with the highest
+        cumulative log-probability of their path are fed to the head together (each attending
+        to the committed rows and its own ancestors, as a chain step would) and each gets its
+        W most likely children; of every node made, the ``tree_nodes`` of highest cumulative
+        log-probability are kept (a node scores no higher than its parent, so they form a
+        tree). W = ``tree_width`` (at least 2)."""
+        head, ids_map = self.head, self._draft_ids
+        w = max(2, self.tree_width)
+        k = min(k, self._k.shape[1] - pos - 1)  # positions the head's cache can hold
+        keys, vals = self._k[:, :pos + 1], self._v[:, :pos + 1]  # the committed rows
+        # every node: (score, depth, parent, draft id); fed: node -> (k, v, pre) once fed
+        logp = torch.log_softmax(logits.float(), -1)
+        top = logp.topk(min(w, len(logp)))
+        nodes = [(float(sc), 1, -1, int(i)) for sc, i in zip(top.values, top.indices)]
+        layer = list(range(len(nodes)))
+        fed: dict[int, tuple] = {-1: (None, None, pre[0])}
+        for depth in range(2, k + 1):
+            chosen = sorted(layer, key=lambda n: -nodes[n][0])[:w]
+            pres = torch.stack([fed[nodes[n][2]][2] for n in chosen])  # each parent's state
+            toks = ids_map[torch.tensor([nodes[n][3] for n in chosen])]
+            q, kk, vv, residual = head.project(toks, pres, torch.full((len(chosen),), pos + depth - 1))
+            for j, n in enumerate(chosen):
+                fed[n] = (kk[:, j], vv[:, j], None)
+            # each chosen node's keys: the committed rows, then its path (ancestors and itself)
+            paths = [self._path(n, nodes) for n in chosen]
+            pk = torch.stack([torch.stack([fed[a][0] for a in path], 1) for path in paths], 1)  # [KV, W, d, hd]
+            pv = torch.stack([torch.stack([fed[a][1] for a in path], 1) for path in paths], 1)
+            g = q.shape[0] // kk.shape[0]
+            s_c = head.scores(q, keys)  # [H, W, C]
+            s_p = torch.einsum("hwd,hwjd->hwj", q, pk.repeat_interleave(g, 0)) * head.args.head_dim ** -0.5
+            p = torch.softmax(torch.cat([s_c, s_p], -1), -1)
+            c = keys.shape[1]
+            attn = head.mix(p[..., :c], vals) + torch.einsum("hwj,hwjd->hwd", p[..., c:], pv.repeat_interleave(g, 0))
+            new_pre, out = head.finish(attn, residual)
+            layer = []
+            for j, n in enumerate(chosen):
+                fed[n] = fed[n][:2] + (new_pre[j],)
+                lp = torch.log_softmax(out[j].float(), -1).topk(min(w, out.shape[-1]))
+                for sc, i in zip(lp.values, lp.indices):
+                    layer.append(len(nodes))
+                    nodes.append((nodes[n][0] + float(sc), depth, n, int(i)))
+        # the best tree_nodes nodes, parents first (a tie keeps the shallower node first)
+        order = sorted(range(len(nodes)), key=lambda n: (-nodes[n][0], nodes[n][1], n))
+        keep: list[int] = []
+        for n in order:
+            if len(keep) == self.tree_nodes:
+                break
+            if nodes[n][2] < 0 or nodes[n][2] in keep:
+                keep.append(n)
+        keep.sort(key=lambda n: (nodes[n][1], -nodes[n][0]))  # by depth; siblings most likely first
+        index = {n: i for i, n in enumerate(keep)}
+        tokens = ids_map[torch.tensor([nodes[n][3] for n in keep])]
+        parents = torch.tensor([index[nodes[n][2]] if nodes[n][2] >= 0 else -1 for n in keep])
+        tree = DraftTree(tokens, parents)
+        return DraftOutput(tree.token_ids[None], None, self.name, tree=tree)
+
+    @staticmethod
+    def _path(n: int, nodes: list[tuple]) -> list[int]:
+        """The fed nodes from depth 1 down to node n."""
+        path = []
+        while n >= 0:
+            path.append(n)
+            n = nodes[n][2]
+        return path[::-1]
