@@ -14,7 +14,7 @@ import specdecode
 from helpers import PROMPTS, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.methods import speculative_config
+from specdecode.methods import speculative_config, tree_size
 from specdecode.export import check_head_tensors, head_tensor_table
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, draft_vocabulary
 from specdecode.models.native import ModelArgs
@@ -244,6 +244,16 @@ def test_the_dynamic_tree_keeps_the_most_likely_paths_of_the_heads_own_steps():
         speculative_config("draft:nodes=6", True)
     with pytest.raises(ValueError, match="tree_nodes = 65 is invalid"):
         speculative_config("eagle3:nodes=65", False)
+    assert speculative_config("eagle3:nodes=auto", False).tree_nodes == "auto"
+
+
+def test_the_automatic_tree_size_is_what_verifies_at_the_chains_cost():
+    # T(1..9): flat to 7 rows, then a step (a kernel's block of rows)
+    times = [1.0, 1.1, 1.2, 1.25, 1.3, 1.32, 1.34, 1.66, 1.7]
+    assert tree_size(times, 4) == 6  # T(7) = 1.34 <= 1.05 T(5)
+    assert tree_size(times, 2) == 3  # T(4) = 1.25 <= 1.05 T(3) = 1.26
+    assert tree_size(times, 8) == 8  # never below K
+    assert tree_size([1.0, 2.0, 3.0], 1) == 1
 
 
 def test_an_eagle3_tree_is_the_chain_with_its_siblings():

@@ -113,9 +113,21 @@ def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
     """The EAGLE-3 head of ``spec.head_dir`` (default: the target's default head) for this
     target, on the target's embedding; with ``tree=W`` the chain and its siblings as a tree,
     with ``nodes=N`` EAGLE-2's dynamic tree of N nodes (expanding ``tree`` nodes a depth, at
-    least 2)."""
+    least 2; ``nodes=auto``: :func:`tree_size` from the target's measured forward times)."""
     head = _loaded_head(spec, target, "eagle3")
-    return Eagle3Proposer(head, aux_layers(target.lm.args.n_layers), spec.draft_tree_width, spec.tree_nodes)
+    nodes = spec.tree_nodes
+    if nodes == "auto":
+        nodes = tree_size(verify_profile(target, MAX_K), spec.num_speculative_tokens)
+    return Eagle3Proposer(head, aux_layers(target.lm.args.n_layers), spec.draft_tree_width, nodes)
+
+
+def tree_size(times: list[float], k: int) -> int:
+    """The most draft-tree nodes whose verify pass costs no more than a chain of K's (within
+    5 %), from the target's measured forward times T(1..n) (``times[i]`` = T(i+1), seconds):
+    on a CPU a pass of a few more rows is nearly free up to a kernel's block of rows, then
+    costs more (BENCHMARKS.md section 11). At least K."""
+    limit = times[min(k, len(times) - 1)] * 1.05
+    return max([k] + [i for i in range(1, min(len(times), MAX_NODES + 1)) if times[i] <= limit])
 
 
 def _loaded_head(spec: "SpeculativeConfig", target: LoadedModel, kind: str):
@@ -369,7 +381,8 @@ class SpeculativeConfig:
     default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
     None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
-    (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes; None: none), ``head_dir``
+    (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes, or "auto": as many as
+    verify at the cost of the chain's pass; None: none), ``head_dir``
     (``head``: the directory of the ``medusa`` or ``eagle3`` method's head). Raises ValueError naming a bad
     value, or an option the method does not honour (never silently ignored).
     """
@@ -387,7 +400,7 @@ class SpeculativeConfig:
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
     draft_tree_width: int = 1
-    tree_nodes: int | None = None
+    tree_nodes: int | str | None = None
     head_dir: str | None = None
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
@@ -436,9 +449,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_tree_width = {w!r} is invalid; allowed: an integer in 1..8 "
                              "(1: no tree)")
         n = self.tree_nodes
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NODES):
+        if n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int)
+                                               or not 1 <= n <= MAX_NODES):
             raise ValueError(f"tree_nodes = {n!r} is invalid; allowed: an integer in 1..{MAX_NODES}, "
-                             "or None (no dynamic tree)")
+                             "'auto', or None (no dynamic tree)")
         if self.self_draft_dtype not in (None, *SELF_DRAFT_DTYPES):
             raise ValueError(f"self_draft_dtype = {self.self_draft_dtype!r} is invalid; allowed: "
                              f"{', '.join(SELF_DRAFT_DTYPES)}")
@@ -486,7 +500,7 @@ METHOD_OPTIONS = {
     "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": v}),
     "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v)}),
-    "nodes": ("tree_nodes", "N", lambda v: {"tree_nodes": _positive("nodes", v)}),
+    "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v)}),
     "head": ("head", "DIR", lambda v: {"head_dir": v}),
 }
 
