@@ -1,5 +1,6 @@
 """EAGLE-3: a one-layer draft head on three of the target's own hidden states proposes a
-chain, or the chain with its siblings as a draft tree (Li et al., arXiv:2503.01840)."""
+chain, the chain with its siblings, or EAGLE-2's dynamic tree (Li et al., arXiv:2503.01840,
+arXiv:2406.16858)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .base import DraftOutput, Proposer, RequestState
 
 class Eagle3Proposer(Proposer):
     """Proposes the greedy chain of an :class:`~specdecode.heads.Eagle3Head` (or, with
-    ``tree_width``, a tree around it).
+    ``tree_width``, a tree around it; with ``tree_nodes``, a dynamic tree).
 
     The head keeps its own KV cache, one slot per position. After the prefill and after
     every verify pass the engine hands over the target's residual streams after the
@@ -32,8 +33,11 @@ class Eagle3Proposer(Proposer):
     verify pass has 1 + w * (drafted tokens) rows), so that where the target rejects the
     chain's token for one of those it keeps it and the bonus token after it; the shape of
     ``draft:tree=W``. It needs a target with exact tree passes
-    (:func:`~specdecode.tree.check_tree_target`). 1 (default): the chain.
-    Raises ValueError for a layer list that is not three layers, or a tree_width outside 1..8.
+    (:func:`~specdecode.tree.check_tree_target`). 1 (default): the chain. tree_nodes: N
+    proposes EAGLE-2's dynamic tree of N nodes instead (:meth:`_dynamic_tree`, expanding
+    max(2, tree_width) paths a depth); None (default): no dynamic tree.
+    Raises ValueError for a layer list that is not three layers, a tree_width outside 1..8 or
+    a tree_nodes outside 1..MAX_NODES.
     """
 
     name = "eagle3"
