@@ -38,7 +38,7 @@ The same command runs on many GPUs under `accelerate launch -m specdecode.cli tr
 
 Without --out the head is the target's default one (<specdecode cache>/heads/TARGET-KIND),
 which --method eagle3 / medusa read without head=, and which `specdecode bench` trains with
-these defaults when a run asks for it (about two hours for the default target on 2 cores).
+these defaults when a run asks for it (about 80 minutes for the default target on 2 cores).
 
 examples:
   specdecode train eagle3                                    # the default target's default head

@@ -7,7 +7,7 @@
    :func:`specdecode.train.eagle3.eagle3_task`) trained by :func:`specdecode.train.loop.train`.
 
 The defaults of :class:`HeadRecipe` are the default head's recipe, sized so that the
-default target's EAGLE-3 head, answers included, trains in about two hours on a 2-core CPU
+default target's EAGLE-3 head, answers included, trains in under two hours on a 2-core CPU
 (BENCHMARKS.md section 11).
 """
 
@@ -115,7 +115,7 @@ def ensure_default_head(kind: str, target: LoadedModel, log=None) -> Path:
     if is_trained(out):
         return out
     print(f"{target.name} has no default {kind} head yet: training it now into {out} "
-          f"(once; what `specdecode train {kind} --target {target.name}` does; about two hours for "
+          f"(once; what `specdecode train {kind} --target {target.name}` does; about 80 minutes for "
           "the 1.5B default target on 2 cores; Ctrl-C stops it and the same command resumes)",
           file=log or sys.stderr)
     train_head(kind, target, out, DEFAULT_RECIPE, log=log)
