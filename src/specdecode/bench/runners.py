@@ -18,7 +18,6 @@ from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule
 from ..models import llamacpp
 from ..models.loading import (LoadedModel, check_compatible, default_eos_token_ids, load,
                               resolve_model_path)
-from ..train.run import KINDS as HEAD_KINDS, ensure_default_head
 
 
 @dataclass
@@ -171,8 +170,6 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     rule = sampled_rule(opts, temperature)
     row, name = name, CROSS_ROWS.get(name, name)
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
-    if name in HEAD_KINDS and spec.head_dir is None:
-        ensure_default_head(name, target)  # before any timing: a missing head is trained once
     draft = None
     if spec.method.needs_draft_model:
         backend = opts.pop("backend", "auto")

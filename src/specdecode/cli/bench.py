@@ -16,6 +16,7 @@ from ..config import SamplingParams
 from ..methods import METHOD_OPTIONS, METHODS
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
+from ..train.run import KINDS as HEAD_KINDS, ensure_default_head
 from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command, usable_cores
 
 
@@ -140,6 +141,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         check_run_settings(args)
     models = BenchModels(args.target, args.draft, args.dtype, args.backend)
+    for _, name, options in methods:  # before any timing: a missing default head is trained once
+        if name in HEAD_KINDS and "head" not in dict(options):
+            ensure_default_head(name, models.target())
     runners = build_runners(models, methods, args.temperature)
     report = run_and_report(models, runners, tasks, args.max_new_tokens, args)
     print(json.dumps(report["overall_json"]))
