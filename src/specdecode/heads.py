@@ -17,7 +17,6 @@ and ``lm_heads.{i}.weight`` (one ``lm_heads.0.weight`` holding the target's proj
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .models import registry
+from .models.base import module_device
 from .models.native import ModelArgs, apply_rope, rope_inv_freq
 from .models.quant import quantize_linears
 
@@ -252,7 +252,7 @@ class Eagle3Head(nn.Module):
                 or int(ids.min()) < 0 or int(ids.max()) >= v:
             raise ValueError(f"draft_ids must be sorted unique target ids in 0..{v - 1}")
         if isinstance(embed, nn.Module):
-            dev = next(itertools.chain(embed.parameters(), embed.buffers())).device
+            dev = module_device(embed)
             try:
                 shape = tuple(embed(torch.tensor([v - 1], device=dev)).shape)
             except (IndexError, RuntimeError):
@@ -301,7 +301,7 @@ class Eagle3Head(nn.Module):
         own = self._target_embedding
         if own is None:
             return self.embed.device
-        return next(itertools.chain(own.parameters(), own.buffers())).device
+        return module_device(own)
 
     def quantize_(self, layout: str) -> "Eagle3Head":
         """Replace every linear (fc, the layer's projections, lm_head) by its int8

@@ -9,7 +9,6 @@ the API's ``method=``, the bench's method list and options, and the validation o
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -18,8 +17,9 @@ from typing import Callable
 import torch
 
 from .config import MAX_K, KSchedule, check_k
-from .heads import Eagle3Head, MedusaHeads, aux_layers, default_head_dir
+from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir
 from .layer_skip import SkipProfile, check_skip, default_profile
+from .models.base import module_device
 from .models.loading import LoadedModel, check_compatible, load
 from .models.quant import best_layout
 from .profile import verify_profile
@@ -143,7 +143,7 @@ def _loaded_head(spec: "SpeculativeConfig", target: LoadedModel, kind: str):
     key = (kind, str(path.resolve()), stamp)
     if key in target.heads:
         return target.heads[key]
-    device = _device(lm)
+    device = module_device(lm)
     if kind == "medusa":
         head = MedusaHeads.load(path)
         if (head.dim, head.vocab_size) != (lm.args.dim, lm.vocab_size):
@@ -170,7 +170,7 @@ def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
     said at once. Raises ValueError, saying how to make or give one, when the default head
     does not exist."""
     kind = spec.method.value
-    if kind not in ("medusa", "eagle3"):
+    if kind not in HEAD_ARCHS:
         return None
     if spec.head_dir is not None:
         return spec.head_dir
@@ -181,11 +181,6 @@ def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
                          f"for the 1.5B default target on 2 cores; `specdecode bench` does it when a run "
                          f"asks for {kind}), or give {kind}:head=DIR (Python: head_dir=DIR)")
     return str(path)
-
-
-def _device(lm) -> torch.device:
-    """The device a native model's weights are on (its heads must be there too)."""
-    return next(itertools.chain(lm.parameters(), lm.buffers())).device
 
 
 def _suffix(spec: "SpeculativeConfig", target: LoadedModel) -> SuffixProposer:

@@ -7,6 +7,7 @@ Backends: our native Llama-family decoder (:class:`specdecode.models.native.Tran
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Protocol, runtime_checkable
@@ -59,3 +60,9 @@ def busy_lock(obj) -> threading.Lock:
         if lock is None:
             lock = _LOCKS[obj] = threading.Lock()
         return lock
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter or buffer (a model's weights, a head, an
+    embedding table: everything that drafts for a target must sit on its device)."""
+    return next(itertools.chain(module.parameters(), module.buffers())).device
