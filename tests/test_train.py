@@ -378,3 +378,109 @@ def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
 def test_bad_training_arguments_exit_2_with_the_allowed_values(tmp_path, capsys, bad, message):
     assert main(["train", "medusa", "--out", str(tmp_path / "h"), *bad]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- distilled draft (DistillSpec)
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def recorded_tiny(tmp_path_factory):
+    """The tiny target's answers to 10 prompts (8 to train on, 2 to measure)."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    target = specdecode.load(dirs["target"])
+    out = tmp_path_factory.mktemp("tiny_features")
+    record(target, _prompts(10), out, max_new_tokens=16, progress=False)
+    seqs = load_sequences(out, False) + load_sequences(out, True)
+    return dirs, seqs[:8], seqs[8:]
+
+
+def test_teacher_forced_acceptance_equals_running_the_drafts_chains(recorded_tiny):
+    """greedy_acceptance from one pass equals drafting each chain token by token with the
+    draft and counting the tokens the target's recorded greedy answer accepts."""
+    from specdecode.train.draft import greedy_acceptance
+    dirs, seqs, _ = recorded_tiny
+    draft = _hf(dirs["draft"])
+    k, leads, firsts = 3, [], []
+    for s in seqs[:3]:
+        tokens = s.tokens.tolist()
+        for r in range(s.start - 1, len(tokens) - 1):  # a chain drafted after tokens[:r+1]
+            ctx, n = tokens[:r + 1], 0
+            with torch.no_grad():
+                for i in range(k):
+                    guess = int(draft(torch.tensor([ctx])).logits[0, -1].argmax())
+                    if r + 1 + i >= len(tokens) or guess != tokens[r + 1 + i]:
+                        break
+                    ctx, n = ctx + [guess], n + 1
+            leads.append(n)
+            firsts.append(n > 0)
+    got = greedy_acceptance(draft, [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in seqs[:3]], k)
+    assert 0 < sum(leads) < k * len(leads)  # some chains accepted in part: the case that matters
+    assert got["acceptance_length"] == pytest.approx(1 + sum(leads) / len(leads))
+    assert got["top1"] == pytest.approx(sum(firsts) / len(firsts))
+
+
+def test_the_distillation_loss_is_the_forward_kl_over_the_targets_top_k(recorded_tiny):
+    from specdecode.train.draft import distill_loss
+    dirs, seqs, _ = recorded_tiny
+    draft = _hf(dirs["draft"])
+    s = seqs[0]
+    ids = s.topk_ids.clone()
+    ids[:, -1] = 10**6  # a token the draft's vocabulary lacks: left out
+    ex = {"tokens": s.tokens, "start": torch.tensor(s.start), "topk_ids": ids, "topk_logp": s.topk_logp}
+    with torch.no_grad():
+        logq = torch.log_softmax(draft(s.tokens[None]).logits[0].float(), -1)
+        rows = range(s.start - 1, len(s.tokens))
+        want = -sum(float((s.topk_logp[r, :-1].exp() * logq[r, ids[r, :-1]]).sum()) for r in rows) / len(rows)
+        assert float(distill_loss(draft, [ex])) == pytest.approx(want, rel=1e-5)
+
+
+def test_distillation_trains_the_top_layers_toward_the_target(recorded_tiny, tmp_path):
+    from specdecode.train.draft import draft_task, greedy_acceptance, trainable_layers
+    dirs, seqs, held = recorded_tiny
+    draft = _hf(dirs["draft"])
+    frozen = {n: p.clone() for n, p in draft.named_parameters()}
+    with pytest.raises(ValueError, match=r"--layers 3 is invalid; allowed: an integer 1..2"):
+        trainable_layers(draft, 3)
+    assert trainable_layers(draft, 1) == sum(p.numel() for p in draft.model.layers[-1].parameters()) \
+        + draft.model.norm.weight.numel()
+    examples = [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in seqs]
+    before = greedy_acceptance(draft, examples)
+    task = draft_task(draft, dirs["draft"], seqs, held, {"target": "tiny"})
+    result = train(task, tmp_path / "d", epochs=4, batch_size=2, lr=3e-3, progress=False)
+    losses = [h["loss"] for h in result["history"]]
+    assert losses[-1] < losses[0], losses
+    assert greedy_acceptance(draft, examples)["top1"] > before["top1"]
+    changed = {n for n, p in draft.named_parameters() if not torch.equal(p, frozen[n])}
+    assert changed and all(n.startswith(("model.layers.1.", "model.norm.")) for n in changed), changed
+    saved = json.loads((tmp_path / "d" / "distillation.json").read_text())
+    assert saved["target"] == "tiny" and len(saved["history"]) == 4
+    assert (tmp_path / "d" / "tokenizer.json").exists()
+
+
+def test_train_draft_end_to_end_the_distilled_draft_keeps_the_output(tmp_path_factory, tmp_path, capsys):
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "distilled"
+    args = ["train", "draft", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+            "--out", str(out), "--data", "stdlib", "--max-prompts", "40", "--max-new-tokens", "10",
+            "--epochs", "1", "--layers", "1"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert "before: acceptance_length" in printed.err
+    assert "held-out acceptance length" in printed.out and "before)" in printed.out
+    assert printed.out.rstrip().endswith(f"--draft {out}")
+    assert main(args) == 0  # done: resumed at its end, nothing trained again
+    assert "already trained" in capsys.readouterr().out
+    target = specdecode.load(dirs["target"])
+    distilled = specdecode.load(out, role="draft")
+    prompt = "def add(a, b):"
+    plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24)
+    spec = specdecode.generate(target, prompt, draft=distilled, max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+    # a draft of another tokenizer is refused before anything is recorded
+    assert main(args[:4] + ["--draft", str(dirs["foreign"]), "--out", str(tmp_path / "f")] + args[8:]) == 2
+    assert "has another tokenizer than target" in capsys.readouterr().err
+    assert not (tmp_path / "f" / "features").exists()

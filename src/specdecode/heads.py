@@ -44,12 +44,16 @@ def default_head_dir(target: str, kind: str) -> Path:
     ``--out``; the methods read it without ``head=``. Raises ValueError for another kind."""
     if kind not in HEAD_ARCHS:
         raise ValueError(f"head kind {kind!r} is not one of {list(HEAD_ARCHS)}")
-    if target in registry.KNOWN_MODELS:
-        name = target
-    else:
-        path = Path(target).expanduser().resolve()
-        name = f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
-    return registry.cache_dir() / "heads" / f"{name}-{kind}"
+    return registry.cache_dir() / "heads" / f"{cache_name(target)}-{kind}"
+
+
+def cache_name(model: str) -> str:
+    """A model's name in the paths of what is made for it: a registry name as it is, a
+    directory's base name and a hash of its absolute path."""
+    if model in registry.KNOWN_MODELS:
+        return model
+    path = Path(model).expanduser().resolve()
+    return f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
 def read_head_dir(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:

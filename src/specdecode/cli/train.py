@@ -1,25 +1,32 @@
-"""``specdecode train medusa|eagle3``: train draft heads for a target on this machine."""
+"""``specdecode train medusa|eagle3|draft``: train draft heads for a target on this machine, or
+distil the draft model toward it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..heads import default_head_dir
 from ..models import registry
-from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load
+from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load, resolve_model_path
 from ..train.data import parse_sources
-from ..train.run import DEFAULT_RECIPE as DEFAULTS, KINDS, HeadRecipe, check_out, train_head
+from ..train.run import (DEFAULT_RECIPE as DEFAULTS, KINDS, HeadRecipe, check_out, default_draft_dir,
+                         draft_out_files, train_draft, train_head)
 from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED, add_threads_argument, apply_threads, run_command
 
 TRAIN_HELP = """\
-Train a draft head that reads the target's own hidden states, by self-distillation:
+Train a draft head that reads the target's own hidden states, by self-distillation, or
+distil the draft model toward the target:
   medusa: Medusa-1 heads, one residual block per head over the last hidden state, sharing
           the target's output projection (vLLM's Medusa format);
   eagle3: an EAGLE-3 head, one decoder layer over three of the target's layers fused, with
           a reduced draft vocabulary (the most frequent answer tokens) and its output layer
           warm-started from the target's, trained with the training-time test over --steps
-          unrolled steps (the LlamaForCausalLMEagle3 format vLLM and SGLang load).
+          unrolled steps (the LlamaForCausalLMEagle3 format vLLM and SGLang load);
+  draft:  the draft model (--draft) with its top --layers decoder layers trained toward the
+          target's distribution (DistillSpec, arXiv:2310.08461: forward KL over the target's
+          top-16 tokens), written as a model directory that --draft loads.
 
 The steps:
 
@@ -29,14 +36,15 @@ The steps:
      held out (chosen by the prompt's hash);
   2. the target writes its greedy answers (batched, on its fastest runtime) and one more pass
      records its hidden states and top-16 next-token log-probabilities (OUT/features/);
-  3. the head learns the target's distribution of the tokens after the next one; after every
-     epoch: the held-out acceptance length (tokens per verify pass of the head's greedy
-     chain, teacher-forced) and the head saved into OUT.
+  3. the head learns the target's distribution of the tokens after the next one (the draft:
+     of the next token); after every epoch: the held-out acceptance length (tokens per
+     verify pass of the greedy chain, teacher-forced) and the head or draft saved into OUT.
 
 Ctrl-C stops safely (recorded answers and the last step are kept); the same command resumes.
 The same command runs on many GPUs under `accelerate launch -m specdecode.cli train ...`.
 
-Without --out the head is the target's default one (<specdecode cache>/heads/TARGET-KIND),
+Without --out a distilled draft goes to <specdecode cache>/drafts/DRAFT-for-TARGET, and a
+head is the target's default one (<specdecode cache>/heads/TARGET-KIND),
 which --method eagle3 / medusa read without head=, and which `specdecode bench` trains with
 these defaults when a run asks for it (about 80 minutes for the default target on 2 cores).
 
@@ -47,16 +55,22 @@ examples:
   specdecode generate --target smollm2-135m-instruct --method medusa:head=heads-smol --prompt "Hi"
   specdecode train eagle3 --target smollm2-135m-instruct --out eagle-smol \\
       --features heads-smol/features                         # the same recorded answers
+  specdecode train draft --out distilled --epochs 1          # the default draft, toward the default target
+  specdecode generate --draft distilled --prompt "def quicksort(xs):"
 """
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a Medusa or EAGLE-3 draft head for a target (self-distillation)",
+    p = sub.add_parser("train", help="train a Medusa or EAGLE-3 draft head for a target (self-distillation), "
+                                     "or distil the draft model toward it",
                        description=TRAIN_HELP, epilog=EXIT_CODES_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=KINDS, help="what to train: medusa or eagle3")
+    p.add_argument("kind", choices=KINDS + ("draft",), help="what to train: medusa, eagle3, or draft")
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help=f"target: a known name or model directory (default {registry.DEFAULT_TARGET})")
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                   help=f"draft: the draft model distilled, a known name or model directory of the "
+                        f"target's tokenizer (default {registry.DEFAULT_DRAFT})")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="the target's weights while it writes the answers; use the dtype you will "
                         "serve with (default auto)")
@@ -86,9 +100,12 @@ def add_parser(sub) -> None:
                         + (str(DEFAULTS.intermediate_size) if DEFAULTS.intermediate_size else "the target's") + ")")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="examples per step: positions for medusa (default 64), sequences for eagle3 "
-                        "(default 4)")
+                        "and draft (default 4)")
     p.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate (default 1e-3 for medusa, 3e-4 for eagle3)")
+                   help="AdamW learning rate (default 1e-3 for medusa, 3e-4 for eagle3, 3e-5 for draft)")
+    p.add_argument("--layers", type=int, default=DEFAULTS.layers, metavar="N",
+                   help=f"draft: decoder layers trained, from the top (default {DEFAULTS.layers}; the "
+                        "others, the embeddings and the output projection stay)")
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="the data order's seed (default 0)")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_train, args))
@@ -99,9 +116,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                         max_new_tokens=args.max_new_tokens, epochs=args.epochs, heads=args.heads,
                         steps=args.steps, draft_vocab=args.draft_vocab,
                         intermediate_size=args.intermediate_size, batch_size=args.batch_size,
-                        lr=args.lr, seed=args.seed)
+                        lr=args.lr, layers=args.layers, seed=args.seed)
     recipe.check()
     apply_threads(args)
+    if args.kind == "draft":
+        return _train_draft(args, recipe)
     out = args.out or default_head_dir(args.target, args.kind)
     check_out(out)
     if args.out is None:
@@ -111,18 +130,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         result = train_head(args.kind, target, out, recipe, features=args.features)
     except KeyboardInterrupt as e:
-        print(f"\ninterrupted{': ' + str(e) if str(e) else ' (the answers recorded so far are kept: run the same command to resume)'}",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted(e)
     last = result["history"][-1]
     what = f"{args.heads} Medusa heads on {result['examples']} positions" if args.kind == "medusa" else \
         f"an EAGLE-3 head on {result['examples']} sequences"
     tau = last.get("acceptance_length")
-    print(f"trained {what} in {result['training_seconds']:.0f} s (answers recorded in "
-          f"{result['recording_seconds']:.0f} s); "
-          + (f"held-out acceptance length {tau:.2f} tokens per verify pass" if result["held_out"] and tau == tau else
-             f"no prompt was held out ({result['prompts']} prompts, about 5 % are held out): give "
-             "--max-prompts 40 or more to measure the held-out acceptance"))
+    _print_result(what, result, tau)
     use = f"{args.kind}" if args.out is None else f"{args.kind}:head={out}"
     print(f"wrote {out}; use it: specdecode generate --target {args.target} --method {use}")
     return 0
+
+
+def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
+    source = resolve_model_path(args.draft)
+    out = Path(args.out) if args.out else default_draft_dir(args.target, args.draft)
+    check_out(out, draft_out_files(source))
+    target = load(args.target, dtype=args.dtype, backend="native")
+    try:
+        result = train_draft(target, args.draft, out, recipe, features=args.features)
+    except KeyboardInterrupt as e:
+        return _interrupted(e)
+    tau = result["history"][-1].get("acceptance_length")
+    before = result["before"].get("acceptance_length")
+    _print_result(f"{args.draft}'s top {args.layers} layers on {result['examples']} sequences", result, tau,
+                  f" ({before:.2f} before)" if before is not None else "")
+    print(f"wrote {out}; use it: specdecode generate --target {args.target} --draft {out}")
+    return 0
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    print(f"\ninterrupted{': ' + str(e) if str(e) else ' (the answers recorded so far are kept: run the same command to resume)'}",
+          file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _print_result(what: str, result: dict, tau, before: str = "") -> None:
+    print(f"trained {what} in {result['training_seconds']:.0f} s (answers recorded in "
+          f"{result['recording_seconds']:.0f} s); "
+          + (f"held-out acceptance length {tau:.2f} tokens per verify pass{before}" if result["held_out"] and tau == tau else
+             f"no prompt was held out ({result['prompts']} prompts, about 5 % are held out): give "
+             "--max-prompts 40 or more to measure the held-out acceptance"))

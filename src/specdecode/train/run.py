@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
-from ..models.loading import LoadedModel, checkpoint_tensor
+from ..heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
+from ..models import registry
+from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from .data import SOURCES, training_prompts
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record
@@ -42,8 +43,10 @@ class HeadRecipe:
     passes over the data. heads: Medusa heads (the longest chain). steps: EAGLE-3's
     training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
     intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
-    examples per step (None: 64 positions for Medusa, 4 sequences for EAGLE-3). lr: AdamW's
-    learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3). seed: the data order's seed."""
+    examples per step (None: 64 positions for Medusa, 4 sequences for EAGLE-3 and a
+    distilled draft). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
+    3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
+    seed: the data order's seed."""
 
     data: tuple[str, ...] = SOURCES
     max_prompts: int = 400
@@ -55,13 +58,14 @@ class HeadRecipe:
     intermediate_size: int | None = None
     batch_size: int | None = None
     lr: float | None = None
+    layers: int = 8
     seed: int = 0
 
     def batch_for(self, kind: str) -> int:
         return self.batch_size if self.batch_size is not None else (64 if kind == "medusa" else 4)
 
     def lr_for(self, kind: str) -> float:
-        return self.lr if self.lr is not None else (1e-3 if kind == "medusa" else 3e-4)
+        return self.lr if self.lr is not None else {"medusa": 1e-3, "eagle3": 3e-4, "draft": 3e-5}[kind]
 
     def check(self) -> None:
         """Raises ValueError naming the first setting out of range (as its command-line option)."""
@@ -74,7 +78,8 @@ class HeadRecipe:
                                    ("steps", self.steps, 1, 8), ("draft-vocab", self.draft_vocab, 1, 10**7),
                                    ("intermediate-size", 1 if self.intermediate_size is None
                                     else self.intermediate_size, 1, 10**6),
-                                   ("batch-size", self.batch_for("eagle3"), 1, 65536)):
+                                   ("batch-size", self.batch_for("eagle3"), 1, 65536),
+                                   ("layers", self.layers, 1, 1000)):
             if not (isinstance(v, int) and low <= v <= high):
                 raise ValueError(f"--{name} must be an integer {low}..{high}, got {v!r}")
         lr = self.lr_for("eagle3")
@@ -86,11 +91,12 @@ class HeadRecipe:
 DEFAULT_RECIPE = HeadRecipe()
 
 
-def check_out(out: str | Path) -> None:
+def check_out(out: str | Path, own: tuple[str, ...] = OWN_FILES) -> None:
     """Raises ValueError when the directory ``out`` holds files a training run did not write
-    (an earlier run's directory is resumed; anything else is the user's, never mixed in)."""
+    (``own``: the names it writes; an earlier run's directory is resumed; anything else is
+    the user's, never mixed in)."""
     out = Path(out)
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in OWN_FILES) if out.is_dir() else []
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
     if foreign:
         raise ValueError(f"--out {out} holds files of something else ({', '.join(foreign[:3])}): "
                          "give a new directory, or the --out of an earlier training run to resume it")
@@ -146,7 +152,17 @@ def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadReci
     if kind == "eagle3" and not aux_layers(getattr(getattr(lm, "args", None), "n_layers", 0)):
         raise ValueError(f"EAGLE-3 fuses three target layers; {target.name} has "
                          f"{getattr(getattr(lm, 'args', None), 'n_layers', '?')} (at least 7 needed)")
-    features = Path(features) if features else out / "features"
+    train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
+    task = (_medusa(target, recipe, train_seqs, held, info) if kind == "medusa"
+            else _eagle3(target, recipe, train_seqs, held, info))
+    return _train(task, out, recipe, kind, info, len(held))
+
+
+def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> tuple[list, list, dict]:
+    """Steps 1 and 2: the prompts, and the target's answers and states recorded into
+    ``features`` (resumed there). Returns (training sequences, held-out sequences, the
+    run's info for the saved config)."""
+    lm = target.lm
     prompts, summary = training_prompts(recipe.data, recipe.max_prompts)
     counts = {s: v for s, v in summary.items() if isinstance(v, dict)}
     kept = ", ".join(f"{s}: {v['kept']}" for s, v in counts.items())
@@ -170,14 +186,75 @@ def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadReci
                      "max_new_tokens": recipe.max_new_tokens},
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
             "recording_seconds": manifest.get("recording_seconds", round(time.perf_counter() - t0, 1))}
-    task = (_medusa(target, recipe, train_seqs, held, info) if kind == "medusa"
-            else _eagle3(target, recipe, train_seqs, held, info))
+    return train_seqs, held, info
+
+
+def _train(task: Task, out: Path, recipe: HeadRecipe, kind: str, info: dict, held: int) -> dict:
+    """Step 3, with the summary :func:`train_head` and :func:`train_draft` return."""
     t1 = time.perf_counter()
     result = train(task, out, epochs=recipe.epochs, batch_size=recipe.batch_for(kind),
                    lr=recipe.lr_for(kind), seed=recipe.seed)
-    return {**result, "prompts": len(prompts), "held_out": len(held),
+    return {**result, "prompts": sum(v["kept"] for v in info["data"]["prompts"].values() if isinstance(v, dict)),
+            "held_out": held,
             "recording_seconds": info["recording_seconds"],
             "training_seconds": round(time.perf_counter() - t1, 1)}
+
+
+def default_draft_dir(target: str, draft: str) -> Path:
+    """Where ``specdecode train draft`` writes without ``--out``: <specdecode cache>/drafts/
+    DRAFT-for-TARGET (a directory's base name and a hash of its path for either)."""
+    return registry.cache_dir() / "drafts" / f"{cache_name(str(draft))}-for-{cache_name(str(target))}"
+
+
+def draft_out_files(source: Path) -> tuple[str, ...]:
+    """The names a distillation run writes into its output directory (for :func:`check_out`),
+    for a draft in the model directory ``source``."""
+    from .draft import WEIGHT_FILES, source_files
+
+    return OWN_FILES + WEIGHT_FILES + tuple(source_files(source))
+
+
+def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe: HeadRecipe | None = None,
+                features: str | Path | None = None, log=None) -> dict:
+    """Distil the draft model ``draft`` (a known name or model directory, loaded in fp32 by
+    transformers) toward ``target`` (native runtime) on the target's answers
+    (:mod:`specdecode.train.draft`), into ``out``: a model directory that ``--draft`` loads,
+    resuming a run there. ``recipe.layers`` top decoder layers are trained. Returns the
+    summary of :func:`train_head`, with ``before``: the held-out measures of the draft as
+    it was.
+
+    Raises ValueError for a bad recipe, an ``out`` holding other files, or a draft whose
+    tokenizer is not the target's (distillation compares the two distributions token by
+    token); KeyboardInterrupt on Ctrl-C after saving what was done (the same call resumes).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..tokenmap import pair_mode
+    from .draft import draft_task, greedy_acceptance, trainable_layers
+
+    log = log or sys.stderr
+    recipe = recipe or DEFAULT_RECIPE
+    recipe.check()
+    out = Path(out)
+    source = resolve_model_path(draft)
+    check_out(out, draft_out_files(source))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if target.tokenizer is not None and pair_mode(target.tokenizer, tokenizer) != "same":
+        raise ValueError(f"draft {draft!r} has another tokenizer than target {target.name!r}: distillation "
+                         "matches the two distributions token by token, so it needs a draft of the "
+                         f"target's own vocabulary (`specdecode check-pair {target.name} {draft}` shows the pair)")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    trained = trainable_layers(model, recipe.layers)
+    train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
+    before = {}
+    if held and not (out / "checkpoint").exists():
+        model.eval()
+        before = greedy_acceptance(model, [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in held])
+        print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()), file=log)
+    info = {**info, "draft": str(draft), "layers_trained": recipe.layers, "parameters_trained": trained,
+            "before": before, "method": "DistillSpec (arXiv:2310.08461), forward KL over the target's top-16"}
+    return {**_train(draft_task(model, source, train_seqs, held, info), out, recipe, "draft", info, len(held)),
+            "before": before}
 
 
 def _medusa(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
