@@ -469,3 +469,18 @@ def test_bench_sampled_run_checks_gumbel_methods_against_plain_sampling(tmp_path
         assert cli.main(base + bad) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words), err
+
+
+def test_a_draft_row_can_run_another_draft_than_the_runs(tmp_path_factory, tmp_path, capsys):
+    """draft:model=DIR runs that draft (here the target itself in the target's dtype, whose
+    every token is accepted) beside the run's --draft, in the same run."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                     "--dtype", "int8", "--methods", f"ar,draft:k=3,draft:k=3:dtype=int8:model={dirs['target']}",
+                     "--workloads", "humaneval",
+                     "--limit", "2", "--max-new-tokens", "12", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    itself = summary[f"draft:k=3:dtype=int8:model={dirs['target']}"]["overall"]
+    assert itself["acceptance_rate"] == 1.0 > summary["draft:k=3"]["overall"]["acceptance_rate"]

@@ -72,6 +72,11 @@ def test_the_default_targets_head_has_the_layout_vllm_and_sglang_load(tmp_path):
     assert aux_layers(28) == [1, 13, 24]
 
 
+# head_dim 16: shapes both CPU attention kernels run (AVX512 needs multiples of 16), so that
+# a tree pass takes the exact tree kernel here rather than the refusal
+KERNEL_SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+
+
 def _args(**kw):
     base = dict(vocab_size=96, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48)
     return ModelArgs(**{**base, **kw})
@@ -177,7 +182,7 @@ def test_the_training_time_test_skips_only_chains_that_cannot_reach_the_answer()
 @pytest.mark.parametrize("int8_head", [False, True], ids=["fp32-head", "int8-head"])
 @pytest.mark.parametrize("tree", [1, 3, "nodes7"], ids=["chain", "tree3", "dynamic7"])
 def test_eagle3_output_equals_plain_decoding_on_the_int8_target(params, int8_head, tree):
-    target = tiny_model(0, int8="nk", n_layers=8)
+    target = tiny_model(0, int8="nk", n_layers=8, **KERNEL_SHAPES)  # trees on the exact kernel
     args = target.args
     head = _random_head(args, n=60, seed=4)
     if int8_head:  # what methods.py does for a quantized CPU target

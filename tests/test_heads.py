@@ -18,6 +18,11 @@ from specdecode.models.native import FINAL
 from specdecode.proposers import MedusaProposer
 
 
+# head_dim 16: shapes both CPU attention kernels run (AVX512 needs multiples of 16), so that
+# a tree pass takes the exact tree kernel here rather than the refusal
+KERNEL_SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+
+
 def _random_heads(model, num_heads=3, seed=0, shared=False):
     g = torch.Generator().manual_seed(seed)
     lm = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
@@ -132,7 +137,7 @@ def test_the_hidden_state_is_the_one_that_predicted_the_last_committed_token():
     """With the target's own projection and identity blocks, head 0's argmax on the hidden
     state handed over is the last committed token (greedy): the engine gives the row that
     predicted it, in chains and in trees."""
-    target = tiny_model(0)  # fp32: the heads' projection is the target's exactly
+    target = tiny_model(0, **KERNEL_SHAPES)  # fp32: the heads' projection is the target's exactly
     for tree in (None, [(0,), (1,), (0, 0)]):
         spy = _Spy(MedusaHeads(target.args.dim, target.args.vocab_size, 2,
                                lm_head=target.lm_head.weight.detach()), tree)
@@ -154,7 +159,7 @@ def test_the_hidden_state_is_the_one_that_predicted_the_last_committed_token():
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)]],
                          ids=["chain", "tree"])
 def test_medusa_output_equals_plain_decoding_on_the_int8_target(params, tree):
-    target = tiny_model(0, int8="nk")
+    target = tiny_model(0, int8="nk", **KERNEL_SHAPES)
     proposer = MedusaProposer(_random_heads(target, seed=4), tree)
     if tree is not None and not target.exact_trees:
         with pytest.raises(ValueError, match="draft trees need a target"):
@@ -168,15 +173,16 @@ def test_medusa_output_equals_plain_decoding_on_the_int8_target(params, tree):
 
 def test_heads_run_in_the_batched_engine_each_row_equal_to_its_request_alone():
     """Medusa and EAGLE-3 rows beside plain and lookup rows, greedy and seeded, prompts of
-    several lengths (a one-token one: no state for its first round): each row's output is its
-    request's alone; the heads drafted. A tree proposer is refused in a batch, and heads need
-    the native runtime."""
+    several lengths (a one-token one: no state for its first round), chains and draft trees
+    (Medusa's static tree, EAGLE-3's siblings and its dynamic tree): each row's output is its
+    request's alone; the heads drafted. Heads need the native runtime."""
     from specdecode.batch import BatchEngine
     from specdecode.heads import Eagle3Head, aux_layers
     from specdecode.proposers import Eagle3Proposer, PromptLookupProposer
     from specdecode.schedule import FixedK
 
-    target = tiny_model(0, int8="nk", n_layers=8)
+    target = tiny_model(0, int8="nk", n_layers=8, **KERNEL_SHAPES)
+    assert target.exact_trees, "this project's machines run the CPU attention kernels"
     args = target.args
     medusa = _random_heads(target, num_heads=3, seed=2)
     g = torch.Generator().manual_seed(4)
@@ -192,7 +198,10 @@ def test_heads_run_in_the_batched_engine_each_row_equal_to_its_request_alone():
             (twenty * 3, greedy, lambda: Eagle3Proposer(eagle, aux_layers(8)), 2),
             ([7], greedy, lambda: MedusaProposer(medusa), 2),
             (twenty[3:], greedy, lambda: None, None),
-            (twenty * 2, seeded, lambda: PromptLookupProposer(), 4)]
+            (twenty * 2, seeded, lambda: PromptLookupProposer(), 4),
+            (twenty[1:], greedy, lambda: MedusaProposer(medusa, MedusaProposer.siblings_tree(3, 2)), 3),
+            (twenty[:9], seeded, lambda: Eagle3Proposer(eagle, aux_layers(8), tree_width=3), 3),
+            (twenty * 2, greedy, lambda: Eagle3Proposer(eagle, aux_layers(8), tree_width=2, tree_nodes=5), 3)]
     want = [Engine(target.fork(), make(), k).generate(p, params).run() for p, params, make, k in reqs]
     batch = BatchEngine(target.fork(), 4, 160, debug=True)
     try:
@@ -201,9 +210,7 @@ def test_heads_run_in_the_batched_engine_each_row_equal_to_its_request_alone():
         batch.run()
         for g_, w in zip(gens, want):
             assert g_.token_ids == w.token_ids
-        assert all(g_.stats.num_draft_tokens > 0 for g_ in gens[:4])
-        with pytest.raises(ValueError, match="single-request engine"):
-            batch.add(twenty, greedy, proposer=MedusaProposer(medusa, MedusaProposer.siblings_tree(3, 2)))
+        assert all(g_.stats.num_draft_tokens > 0 for i, g_ in enumerate(gens) if i != 4)
     finally:
         batch.close()
     heads = MedusaHeads(8, 8, 2)

@@ -213,14 +213,19 @@ def test_power_top_k_children_verified_with_soft_probs_is_detected():
 # Draft trees in the engine: a draft model's chain with its next candidates beside it
 # ----------------------------------------------------------------------------------------
 
+# head_dim 16: the shapes both CPU attention kernels run (AVX512 needs multiples of 16),
+# so that the tree passes below take the exact tree kernel, not the refusal
+SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+
+
 def _tree_target():
-    return tiny_model(0, int8="nk")  # (either CPU attention kernel runs its tree passes)
+    return tiny_model(0, int8="nk", **SHAPES)
 
 
 def _draft():
     """The target's float weights with noise: its argmax agrees with the target's about
     two times in three, and its runner-up is often the target's token where it does not."""
-    d = tiny_model(0)
+    d = tiny_model(0, **SHAPES)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in d.parameters():
@@ -280,15 +285,52 @@ def test_rejection_rule_requests_get_the_chain_and_bad_widths_are_refused():
         Engine(MockLM(8, lambda ctx: torch.zeros(8)), DraftModelProposer(tiny_model(0), tree_width=2), 3)
 
 
-def test_a_batch_refuses_draft_trees():
+def test_draft_trees_in_a_batch_each_row_equal_to_its_request_alone():
+    """Tree rows (greedy, seeded Gumbel, seeded rejection: its draws read the tree's
+    siblings) share verify passes with chain and plain rows, on draft rows of one cache; each
+    output is its request's alone, and the trees did verify siblings. A target whose tree
+    passes are not exact refuses a tree row."""
     from specdecode.batch import BatchEngine
-    batch = BatchEngine(_tree_target(), 2, 64)
+    from specdecode.proposers import PromptLookupProposer
+    from specdecode.schedule import FixedK
+    target, draft = _tree_target(), _draft()
+    assert target.exact_trees, "this project's machines run the CPU attention kernels"
+    twenty = PROMPTS["twenty"]
+    greedy = SamplingParams(max_new_tokens=30)
+    reqs = [(twenty, greedy, 3, 4),
+            (twenty[:6], SamplingParams(max_new_tokens=30, temperature=0.9, seed=5), 2, 3),
+            (twenty * 2, SamplingParams(max_new_tokens=25, temperature=1.0, seed=3,
+                                        acceptance_rule="rejection"), 3, 3),
+            ([9], greedy, 2, 2),
+            (twenty[4:], greedy, 1, 4),  # a chain beside the trees
+            (twenty[2:], greedy, None, None)]
+
+    def proposer(width, model):
+        return None if width is None else DraftModelProposer(model, tree_width=width)
+
+    want = [Engine(target.fork(), proposer(w, draft.fork()), k).generate(p, params).run()
+            for p, params, w, k in reqs]
+    batch = BatchEngine(target.fork(), 4, 160, debug=True)
     try:
-        with pytest.raises(ValueError, match="single-request engine"):
-            batch.add(PROMPTS["twenty"], SamplingParams(max_new_tokens=4),
-                      proposer=DraftModelProposer(_draft(), tree_width=2))
+        gens = [batch.add(p, params, proposer=proposer(w, batch.draft_view(draft)),
+                          schedule=None if k is None else FixedK(k)) for p, params, w, k in reqs]
+        batch.add(twenty, greedy, proposer=PromptLookupProposer(), schedule=FixedK(3)).run()
+        batch.run()
+        for g, w in zip(gens, want):
+            assert g.token_ids == w.token_ids
+        assert all(g.stats.num_draft_tokens > 0 for g in gens[:5])
+        # siblings were verified: more draft tokens a round than a chain of K = 4 has
+        assert gens[0].stats.num_draft_tokens > 4 * gens[0].stats.num_drafts
     finally:
         batch.close()
+    inexact = tiny_model(0)
+    if not inexact.exact_trees:  # fp32 weights and activations: no exact tree kernel
+        batch = BatchEngine(inexact, 2, 64)
+        try:
+            with pytest.raises(ValueError, match="draft trees need a target"):
+                batch.add(twenty, greedy, proposer=DraftModelProposer(_draft(), tree_width=2))
+        finally:
+            batch.close()
 
 
 def test_prune_keeps_parents_and_renumbers():

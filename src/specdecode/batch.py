@@ -15,8 +15,10 @@ pass of the step its prefill ends. With the native runtime's row-independent ker
 kernel: linears, attention) a row's logits are bit for bit those of its request run alone,
 so each output equals its solo run, greedy or seeded, whatever else is in the batch.
 Draft heads (Medusa, EAGLE-3) get their row's hidden states of the prefill chunks and of
-the accepted rows of each verify pass, as a request alone hands them over; draft trees run
-in the single-request engine only.
+the accepted rows of each verify pass, as a request alone hands them over. A row's draft
+tree takes its place in the same pass: its own tree mask and positions (the other rows:
+causal, at their own positions), and afterwards only its accepted path's cache entries are
+kept (:meth:`~specdecode.models.native.Transformer.compact` on its row), as alone.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .models.native import SDPA_MIN_TOKENS, SelfDraft
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
+from .tree import check_tree_target
 
 
 def choose_lengths(alphas: list[float], draft_seconds: list[float], wanted: list[int],
@@ -332,11 +335,11 @@ class BatchEngine:
         of the target's T(1) with a draft model, 0 for lookups). fixed_k: the request chose
         its K itself: its schedule's K is used every round, not the policy's. Raises ValueError as
         :meth:`Engine.generate`, when prompt + max_new_tokens exceeds max_len, and for a
-        proposer of draft trees (single-request engine only)."""
+        proposer of draft trees on a target whose tree passes are not exact
+        (:func:`~specdecode.tree.check_tree_target`)."""
         prompt, eos = check_request(self.target, input_ids, params, eos_token_ids, decode)
         if proposer is not None and proposer.makes_trees:
-            raise ValueError("draft trees run in the single-request engine (Engine) only, not in a "
-                             "batch: use a tree width of 1 (the chain)")
+            check_tree_target(self.target)
         if proposer is not None and proposer.hidden_keys:
             check_heads_target(self.target)
         limit = min(self.target.max_context, len(prompt) + params.max_new_tokens)
@@ -465,16 +468,21 @@ class BatchEngine:
             x[b - first, 0] = run.state.tokens[-1]
             x[b - first, 1:1 + k] = drafts[b][0]
             lengths[b - first] = k + 1
+        mask, pos = self._tree_mask(active, first, stop, width)
         t_forward = time.perf_counter()
         keys = tuple(sorted({k for _, run in active for k in _hidden_keys(run)}))
-        scored = target.forward_span(first, stop, x, lengths, output_hidden=keys)
+        scored = target.forward_span(first, stop, x, lengths, output_hidden=keys, attn_mask=mask,
+                                     position_ids=pos)
         logits = scored.logits
         t_scored = time.perf_counter()
         out = []
         for b, run in active:
             span = slice(b - first, b - first + 1), slice(0, lengths[b - first])
             hidden = {k: scored.hidden[k][span] for k in _hidden_keys(run)}
+            start = len(run.state.tokens) - 1
             emitted = run.finish(logits[span], hidden or None)
+            if run.tree is not None:  # only the accepted path's entries stay, as alone
+                target.compact(b, start, [0] + [i + 1 for i in run.accepted_path])
             gen = self.rows[b].gen
             self._blocks[gen].append(emitted)
             out.append((gen, emitted))
@@ -491,6 +499,22 @@ class BatchEngine:
         self._overhead_s = 0.8 * self._overhead_s + 0.2 * max(0.0, rest)
         self.rates.record(len(active), width > 1, sum(len(e) for _, e in out), now - t_start)
         return out
+
+    def _tree_mask(self, active: list[tuple[int, RequestRun]], first: int, stop: int,
+                   width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pass's attention mask bool [stop-first, width, width] and positions int64
+        [stop-first, width] when a row verifies a draft tree (its tree's; causal at its own
+        positions for the others), else (None, None): the causal pass."""
+        trees = [(b, run) for b, run in active if run.tree is not None]
+        if not trees:
+            return None, None
+        mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(stop - first, 1, 1)
+        pos = torch.tensor(self.target.row_lengths[first:stop])[:, None] + torch.arange(width)
+        for b, run in trees:
+            n = run.tree.num_nodes + 1
+            mask[b - first, :n, :n] = run.tree.attn_mask()
+            pos[b - first, :n] = run.tree.position_ids(len(run.state.tokens) - 1)
+        return mask, pos
 
     @staticmethod
     def _draft(steps: dict) -> dict[int, torch.Tensor]:

@@ -46,12 +46,15 @@ class BenchModels:
         return self._get("target", lambda: load(self.target_name, dtype=self.dtype,
                                                 backend=self.backend))
 
-    def draft(self, dtype: str, backend: str = "auto") -> LoadedModel:
+    def draft(self, dtype: str, backend: str = "auto", name: str | None = None) -> LoadedModel:
+        """The draft ``name`` (default: the run's ``--draft``)."""
+        name = name or self.draft_name
+
         def make():
-            d = load(self.draft_name, dtype=dtype, role="draft", backend=backend)
+            d = load(name, dtype=dtype, role="draft", backend=backend)
             check_compatible(self.target(), d)
             return d
-        return self._get(("draft", dtype, backend), make)
+        return self._get(("draft", name, dtype, backend), make)
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """The target's EOS ids, for the peers: from our loaded target when it is loaded, else
@@ -163,7 +166,8 @@ CROSS_ROWS = {"draft-xtok": "draft", "hybrid-xtok": "hybrid"}
 def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -> Runner:
     """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
     ``dtype=`` and ``backend=`` the draft's, default auto: see
-    :func:`specdecode.models.loading.load`; ``rule=`` the acceptance rule when
+    :func:`specdecode.models.loading.load`; ``model=`` another draft than the run's
+    ``--draft`` (e.g. a distilled one, beside the original in the same run); ``rule=`` the acceptance rule when
     ``temperature`` > 0, see :func:`sampled_rule`). Sampled runs seed each prompt with
     :func:`prompt_seed`."""
     target = models.target()
@@ -173,10 +177,11 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     draft = None
     if spec.method.needs_draft_model:
         backend = opts.pop("backend", "auto")
-        draft = models.draft(opts.pop("dtype", "auto"), backend)
+        draft_name = opts.pop("model", None) or models.draft_name
+        draft = models.draft(opts.pop("dtype", "auto"), backend, draft_name)
         if row in CROSS_ROWS and check_compatible(target, draft) != "cross":
             raise ValueError(f"{row} runs a draft of another tokenizer than the target's; "
-                             f"{models.draft_name} has the target's: use {name}")
+                             f"{draft_name} has the target's: use {name}")
     engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
 
     def run(prompt_ids, max_new_tokens):

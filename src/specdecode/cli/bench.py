@@ -44,8 +44,9 @@ methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=
   (--temperature); each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
   model dtype={"|".join(DTYPE_NAMES)}, the draft's dtype, default auto (int4 on an AVX512-VNNI
   CPU, else int8),
-  and backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
-  draft:backend=llama.cpp)
+  backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
+  draft:backend=llama.cpp, and model=NAME|DIR, another draft than --draft, e.g. a distilled
+  one beside the original: draft,draft:model=distilled)
 {peers}
 
 workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,

@@ -668,9 +668,10 @@ class Transformer(nn.Module):
 
     def forward_span(self, start: int, stop: int, input_ids: torch.Tensor,
                      lengths: list[int] | None = None, num_logits: int | None = None,
-                     output_hidden=()) -> ForwardOutput:
+                     output_hidden=(), attn_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> ForwardOutput:
         """:meth:`forward_rows` over cache rows ``start .. stop-1`` only (input_ids [stop-start,
-        T], lengths per row of the span; output_hidden as there), the other rows untouched and
+        T], lengths, attn_mask and position_ids per row of the span; output_hidden as there), the other rows untouched and
         not computed: a batch whose active rows are few does not pay for the idle ones' padding. Rows are
         independent in the native kernels, so each row's bits are those of the whole-batch
         pass. Raises ValueError for a span outside 0..B, after a pass over a subset of layers
@@ -684,7 +685,7 @@ class Transformer(nn.Module):
         caches, row_lengths = self.caches, self.row_lengths
         self.caches, self.row_lengths = [c.rows(start, stop) for c in caches], row_lengths[start:stop]
         try:
-            out = self.forward_rows(input_ids, lengths, num_logits, output_hidden=output_hidden)
+            out = self.forward_rows(input_ids, lengths, num_logits, attn_mask, position_ids, output_hidden)
             new = self.row_lengths
         finally:
             self.caches, self.row_lengths, self._layer_lengths = caches, row_lengths, None
