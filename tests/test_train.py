@@ -484,3 +484,30 @@ def test_train_draft_end_to_end_the_distilled_draft_keeps_the_output(tmp_path_fa
     assert main(args[:4] + ["--draft", str(dirs["foreign"]), "--out", str(tmp_path / "f")] + args[8:]) == 2
     assert "has another tokenizer than target" in capsys.readouterr().err
     assert not (tmp_path / "f" / "features").exists()
+
+
+def test_two_processes_under_torchrun_share_one_run(tmp_path_factory, tmp_path):
+    """The data-parallel path `accelerate launch` takes on many GPUs, here as two CPU
+    processes (torchrun with ACCELERATE_USE_CPU=true): one process records the answers, each
+    trains on half of every epoch (gradients averaged), and one reports and saves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    out = tmp_path / "heads"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "specdecode.cli",
+                           "train", "medusa", "--target", str(target), "--out", str(out), "--data", "stdlib",
+                           "--max-prompts", "8", "--max-new-tokens", "10", "--epochs", "2",
+                           "--batch-size", "8", "--heads", "2"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    examples = json.loads((out / "checkpoint" / "trainer.json").read_text())["examples"]
+    steps = -(-(-(-examples // 2)) // 8)  # each process: half the examples, 8 a step
+    assert f"0/{steps} [" in done.stderr and steps < -(-examples // 8)
+    assert done.stderr.count("8 prompts (stdlib: 8") == 1  # one process recorded
+    assert sum(s["sequences"] for s in read_manifest(out / "features")["shards"]) == 8
+    assert done.stdout.count("wrote ") == 1 and done.stderr.count("epoch 2: loss") + done.stdout.count("epoch 2: loss") == 1
+    assert MedusaHeads.load(out).num_heads == 2

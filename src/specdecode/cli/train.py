@@ -41,7 +41,9 @@ The steps:
      verify pass of the greedy chain, teacher-forced) and the head or draft saved into OUT.
 
 Ctrl-C stops safely (recorded answers and the last step are kept); the same command resumes.
-The same command runs on many GPUs under `accelerate launch -m specdecode.cli train ...`.
+The same command runs on many GPUs under `accelerate launch -m specdecode.cli train ...`, and as
+several CPU processes under `ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node N
+-m specdecode.cli train ...` (one records the answers, each trains on 1/N of every epoch).
 
 Without --out a distilled draft goes to <specdecode cache>/drafts/DRAFT-for-TARGET, and a
 head is the target's default one (<specdecode cache>/heads/TARGET-KIND),
@@ -131,6 +133,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = train_head(args.kind, target, out, recipe, features=args.features)
     except KeyboardInterrupt as e:
         return _interrupted(e)
+    if not _main_process():  # under `accelerate launch` the first process reports
+        return 0
     last = result["history"][-1]
     what = f"{args.heads} Medusa heads on {result['examples']} positions" if args.kind == "medusa" else \
         f"an EAGLE-3 head on {result['examples']} sequences"
@@ -150,12 +154,20 @@ def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
         result = train_draft(target, args.draft, out, recipe, features=args.features)
     except KeyboardInterrupt as e:
         return _interrupted(e)
+    if not _main_process():
+        return 0
     tau = result["history"][-1].get("acceptance_length")
     before = result["before"].get("acceptance_length")
     _print_result(f"{args.draft}'s top {args.layers} layers on {result['examples']} sequences", result, tau,
                   f" ({before:.2f} before)" if before is not None else "")
     print(f"wrote {out}; use it: specdecode generate --target {args.target} --draft {out}")
     return 0
+
+
+def _main_process() -> bool:
+    from accelerate import PartialState  # (initialised by the run)
+
+    return PartialState().is_main_process
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:

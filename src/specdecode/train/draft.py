@@ -133,14 +133,26 @@ def draft_task(model, source: str | Path, train_seqs: list[Sequence], held_seqs:
     train = [_as_example(s) for s in train_seqs if len(s.tokens) >= 2]
     held = [_as_example(s) for s in held_seqs if len(s.tokens) >= 2]
 
-    def save(module, out: Path, summary: dict) -> None:
-        module.save_pretrained(out)
+    def save(module: Distillation, out: Path, summary: dict) -> None:
+        module.model.save_pretrained(out)
         for name in source_files(source)[:-1]:
             shutil.copy2(source / name, out / name)
         (out / DISTILL_FILE).write_text(json.dumps(summary, indent=1) + "\n")
 
-    return Task(model, train, lambda batch: batch, distill_loss,
-                lambda m: greedy_acceptance(m, held, k), save, info)
+    return Task(Distillation(model), train, lambda batch: batch, lambda m, b: m(b),
+                lambda m: greedy_acceptance(m.model, held, k), save, info)
+
+
+class Distillation(torch.nn.Module):
+    """``forward(batch)`` = :func:`distill_loss` of the draft: the loss computed in a forward
+    call, so that a data-parallel wrapper (``accelerate launch``) sees it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return distill_loss(self.model, batch)
 
 
 def source_files(source: str | Path) -> list[str]:

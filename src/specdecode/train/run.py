@@ -167,14 +167,16 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
     counts = {s: v for s, v in summary.items() if isinstance(v, dict)}
     kept = ", ".join(f"{s}: {v['kept']}" for s, v in counts.items())
     dropped = sum(v["dropped_overlap"] for v in counts.values())
-    print(f"{len(prompts)} prompts ({kept}; {dropped} dropped for an 8-word overlap with "
-          "Spec-Bench or HumanEval)", file=log)
     t0 = time.perf_counter()
-    # under `accelerate launch` one process records the answers and the others read them
+    # under `accelerate launch` (or torchrun with ACCELERATE_USE_CPU=true: several CPU
+    # processes) one process records the answers and the others read them
     from accelerate import PartialState  # here: importing accelerate costs every CLI command
+    from accelerate.utils import parse_flag_from_env
 
-    state = PartialState()
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # (Accelerator() reads it itself)
     if state.is_main_process:
+        print(f"{len(prompts)} prompts ({kept}; {dropped} dropped for an 8-word overlap with "
+              "Spec-Bench or HumanEval)", file=log)
         record(target, prompts, features, max_new_tokens=recipe.max_new_tokens)
     state.wait_for_everyone()
     manifest = read_manifest(features)
