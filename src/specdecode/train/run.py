@@ -24,7 +24,9 @@ import torch
 from ..heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
+from ..tokenmap import pair_mode
 from .data import SOURCES, training_prompts
+from .draft import WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record
 from .loop import STATE_FILE, Task, train
@@ -211,8 +213,6 @@ def default_draft_dir(target: str, draft: str) -> Path:
 def draft_out_files(source: Path) -> tuple[str, ...]:
     """The names a distillation run writes into its output directory (for :func:`check_out`),
     for a draft in the model directory ``source``."""
-    from .draft import WEIGHT_FILES, source_files
-
     return OWN_FILES + WEIGHT_FILES + tuple(source_files(source))
 
 
@@ -230,9 +230,6 @@ def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe:
     token); KeyboardInterrupt on Ctrl-C after saving what was done (the same call resumes).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..tokenmap import pair_mode
-    from .draft import draft_task, greedy_acceptance, trainable_layers
 
     log = log or sys.stderr
     recipe = recipe or DEFAULT_RECIPE
