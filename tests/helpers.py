@@ -18,6 +18,11 @@ from specdecode.models.native import ModelArgs, Transformer
 from specdecode.proposers import DraftOutput, Proposer, RequestState
 
 
+# shapes both CPU attention kernels run (AVX512 needs head_dim a multiple of 16, AVX2 of 8),
+# so that a test's passes take the kernels (trees: the exact tree kernel, not the refusal)
+KERNEL_SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+
+
 def tiny_args(**overrides) -> ModelArgs:
     base = dict(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                 intermediate_size=64, norm_eps=1e-6, rope_theta=10000.0, qkv_bias=True,

@@ -16,20 +16,17 @@ from specdecode.models.native import attention_kernel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer, SuffixProposer
 from specdecode.schedule import FixedK
 
-from helpers import tiny_model
-
-SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)  # the VNNI kernels' shapes
-
+from helpers import KERNEL_SHAPES, tiny_model
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_model(0, int8="kn", **SHAPES)
+    return tiny_model(0, int8="kn", **KERNEL_SHAPES)
 
 
 @pytest.fixture(scope="module")
 def draft():
     """The target's weights plus noise, in int8: it disagrees with the target at times."""
-    noisy = tiny_model(0, **SHAPES)
+    noisy = tiny_model(0, **KERNEL_SHAPES)
     with torch.no_grad():
         g = torch.Generator().manual_seed(5)
         for p in noisy.parameters():
@@ -269,11 +266,11 @@ def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monke
     if weights == "int4":
         if quant.vnni_kernel()[0] is None:  # int4 runs on the VNNI kernel only: refused, saying so
             with pytest.raises(RuntimeError, match="VNNI"):
-                m = tiny_model(0, int8="vnni", int4=True, **SHAPES)
+                m = tiny_model(0, int8="vnni", int4=True, **KERNEL_SHAPES)
                 m.allocate(1, 4)
                 m.forward(torch.tensor([[1, 2]]))
             return
-        target = tiny_model(0, int8="vnni", int4=True, **SHAPES)
+        target = tiny_model(0, int8="vnni", int4=True, **KERNEL_SHAPES)
         bf16_linear = quant._bf16_linear
         monkeypatch.setattr(quant, "_bf16_linear", lambda lin, x, run: (long_passes.append(x.shape[1]),
                                                                           bf16_linear(lin, x, run))[1])

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import specdecode
-from helpers import PROMPTS, run, tiny_model
+from helpers import KERNEL_SHAPES, PROMPTS, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.methods import speculative_config, tree_size
@@ -70,11 +70,6 @@ def test_the_default_targets_head_has_the_layout_vllm_and_sglang_load(tmp_path):
         == golden_tensors(1024, 512)
     check_head_tensors("eagle3", config, tensors)
     assert aux_layers(28) == [1, 13, 24]
-
-
-# head_dim 16: shapes both CPU attention kernels run (AVX512 needs multiples of 16), so that
-# a tree pass takes the exact tree kernel here rather than the refusal
-KERNEL_SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
 
 
 def _args(**kw):

@@ -10,17 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PROMPTS, MockLM, run, tiny_model
+from helpers import KERNEL_SHAPES, MockLM, PROMPTS, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.heads import MedusaHeads, default_head_dir
 from specdecode.models.native import FINAL
 from specdecode.proposers import MedusaProposer
-
-
-# head_dim 16: shapes both CPU attention kernels run (AVX512 needs multiples of 16), so that
-# a tree pass takes the exact tree kernel here rather than the refusal
-KERNEL_SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
 
 
 def _random_heads(model, num_heads=3, seed=0, shared=False):

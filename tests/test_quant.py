@@ -19,7 +19,7 @@ from specdecode.models.native import KVCache, ModelArgs, Prefixes, Transformer, 
     attend_rows, attention_kernel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
-from helpers import PROMPTS, run, tiny_model
+from helpers import KERNEL_SHAPES, PROMPTS, run, tiny_model
 from tiny_dirs import hf_model_dir, q4k_target_dir, random_q4k_blocks, write_tiny_gguf
 
 
@@ -224,7 +224,7 @@ def test_int8_rows_of_their_own_lengths_equal_each_row_alone_bit_for_bit():
     """Rows of different cached lengths in one pass (the batched engine's pass) give each row
     the logits of that row run alone, bit for bit: the int8 kernels and the attention kernel
     keep rows apart (elsewhere the masked PyTorch path is close, not equal)."""
-    model = tiny_model(4, int8="kn", dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+    model = tiny_model(4, int8="kn", **KERNEL_SHAPES)
     exact = attention_kernel(torch.device("cpu"), torch.float32, model.args) is not None
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 30, 4)]
     steps = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(50 + n)) for n in (3, 1, 5)]
@@ -277,7 +277,7 @@ def test_int8_tree_pass_rows_equal_one_token_passes_bit_for_bit():
     attention kernel runs trees (native.tree_kernel: both CPU kernels). Elsewhere the target
     says it has no exact trees (and the engine refuses them)."""
     from specdecode.tree import DraftTree
-    model = tiny_model(5, int8="nk", dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
+    model = tiny_model(5, int8="nk", **KERNEL_SHAPES)
     kernel = attention_kernel(torch.device("cpu"), torch.float32, model.args)
     exact = native.tree_kernel(kernel)
     assert model.exact_trees == exact

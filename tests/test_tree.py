@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from helpers import PROMPTS, MockLM, run, tiny_model
+from helpers import KERNEL_SHAPES, MockLM, PROMPTS, run, tiny_model
 from lossless import assert_lossless, chi2_critical, chi2_stat, probs_of
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
@@ -213,19 +213,14 @@ def test_power_top_k_children_verified_with_soft_probs_is_detected():
 # Draft trees in the engine: a draft model's chain with its next candidates beside it
 # ----------------------------------------------------------------------------------------
 
-# head_dim 16: the shapes both CPU attention kernels run (AVX512 needs multiples of 16),
-# so that the tree passes below take the exact tree kernel, not the refusal
-SHAPES = dict(dim=64, head_dim=16, n_kv_heads=1, intermediate_size=96)
-
-
 def _tree_target():
-    return tiny_model(0, int8="nk", **SHAPES)
+    return tiny_model(0, int8="nk", **KERNEL_SHAPES)
 
 
 def _draft():
-    """The target's float weights with noise: its argmax agrees with the target's about
-    two times in three, and its runner-up is often the target's token where it does not."""
-    d = tiny_model(0, **SHAPES)
+    """The target's float weights with noise: its argmax agrees with the target's at times,
+    and its runner-up is sometimes the target's token where it does not."""
+    d = tiny_model(0, **KERNEL_SHAPES)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in d.parameters():
