@@ -26,7 +26,7 @@ from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..tokenmap import pair_mode
 from .data import SOURCES, training_prompts
-from .draft import WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
+from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record
 from .loop import STATE_FILE, Task, train
@@ -245,8 +245,9 @@ def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     trained = trainable_layers(model, recipe.layers)
     train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
-    before = {}
-    if held and not (out / "checkpoint").exists():
+    saved = out / DISTILL_FILE  # a resumed run keeps the measures of the draft as it was
+    before = json.loads(saved.read_text()).get("before", {}) if saved.exists() else {}
+    if held and not before:  # (the model is the source's here: a checkpoint loads in train())
         model.eval()
         before = greedy_acceptance(model, [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in held])
         print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()), file=log)
