@@ -149,6 +149,8 @@ def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
     source = resolve_model_path(args.draft)
     out = Path(args.out) if args.out else default_draft_dir(args.target, args.draft)
     check_out(out, draft_out_files(source))
+    if args.out is None:
+        print(f"the distilled draft goes to {out}", file=sys.stderr)
     target = load(args.target, dtype=args.dtype, backend="native")
     try:
         result = train_draft(target, args.draft, out, recipe, features=args.features)
