@@ -111,10 +111,8 @@ def greedy_acceptance(model, examples: list[dict[str, torch.Tensor]], k: int = 5
         right = (logits.argmax(-1) == tokens[rows + 1]).int()
         hits.append(right)
         # from each row, the run of right guesses (at most k): the tokens its chain gets accepted
-        run = torch.zeros(len(right) + 1, dtype=torch.int64)
-        for i in range(len(right) - 1, -1, -1):
-            run[i] = (run[i + 1] + 1) * right[i]
-        leads.append(run[:-1].clamp(max=k).float())
+        window = torch.cat([right, right.new_zeros(k - 1)]).unfold(0, k, 1)  # [R, k]: rows i..i+k-1
+        leads.append(window.cumprod(1).sum(1).float())
     if not leads:
         return {}
     return {"acceptance_length": 1 + torch.cat(leads).mean().item(),
@@ -135,7 +133,7 @@ def draft_task(model, source: str | Path, train_seqs: list[Sequence], held_seqs:
 
     def save(module: Distillation, out: Path, summary: dict) -> None:
         module.model.save_pretrained(out)
-        for name in source_files(source)[:-1]:
+        for name in _copied_files(source):
             shutil.copy2(source / name, out / name)
         (out / DISTILL_FILE).write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -155,8 +153,13 @@ class Distillation(torch.nn.Module):
         return distill_loss(self.model, batch)
 
 
+def _copied_files(source: Path) -> list[str]:
+    """The draft directory's files other than its weights (tokenizer, chat template)."""
+    return [f.name for f in Path(source).iterdir() if f.is_file() and f.name not in WEIGHT_FILES
+            and not f.name.endswith(".safetensors")]
+
+
 def source_files(source: str | Path) -> list[str]:
     """The names a distilled draft's directory holds besides the weights: the source
     directory's other files and ``distillation.json``."""
-    return [f.name for f in Path(source).iterdir() if f.is_file() and f.name not in WEIGHT_FILES
-            and not f.name.endswith(".safetensors")] + [DISTILL_FILE]
+    return _copied_files(Path(source)) + [DISTILL_FILE]
