@@ -8,27 +8,47 @@ import torch
 from specdecode.models import fused, quant
 from specdecode.models.native import FINAL
 
-from helpers import tiny_model
+from helpers import KERNEL_SHAPES, tiny_model
 
 
-@pytest.fixture
-def avx2(monkeypatch):
-    """The AVX2 library as the kernel in use, also on CPUs where the VNNI one would be (the
-    fused stack exists only for it); None on CPUs without AVX2."""
-    lib = quant.avx2_library()
-    monkeypatch.setattr(quant, "avx2_kernel", lambda: lib)
-    return lib
+KINDS = ("avx2-nk", "vnni", "q4k", "mixed")
 
 
-def _model(**kw):
-    m = tiny_model(seed=3, int8="nk", n_layers=3, **kw)
+@pytest.fixture(params=KINDS)
+def kind(request, monkeypatch):
+    """The kernel and weights under test: "avx2-nk" (the AVX2 library as the kernel in use,
+    also on CPUs where the VNNI one would be, int8 "nk" linears), or on the AVX512-VNNI
+    kernel "vnni" (int8 linears in that layout), "q4k" (Q4_K linears, dtype int4) or "mixed"
+    (both in one layer, as a q4 target's Q6_K tensors are int8). The kind, or None where this
+    CPU lacks its kernel (then the tests check that the modules run)."""
+    if request.param == "avx2-nk":
+        lib = quant.avx2_library()
+        monkeypatch.setattr(quant, "vnni_kernel", lambda: (None, "a test of the AVX2 kernel"))
+        monkeypatch.setattr(quant, "avx2_kernel", lambda: lib)
+        return request.param if lib is not None else None
+    return request.param if quant.vnni_kernel()[0] is not None else None
+
+
+def _model(kind, **kw):
+    if kind in (None, "avx2-nk"):
+        m = tiny_model(seed=3, int8="nk", n_layers=3, **kw)
+    elif kind == "vnni":
+        m = tiny_model(seed=3, int8="vnni", n_layers=3, **KERNEL_SHAPES, **kw)
+    else:
+        m = tiny_model(seed=3, int8="vnni", int4=True, n_layers=3, **KERNEL_SHAPES, **kw)
+        if kind == "mixed":
+            for layer in m.model.layers[:2]:
+                for holder, name in ((layer.self_attn, "v_proj"), (layer.mlp, "down_proj")):
+                    lin = getattr(holder, name)
+                    setattr(holder, name, quant.Int8Linear.from_float(
+                        lin.weight(), getattr(lin, "bias", None), "vnni"))
     m.allocate(3, 64)
     return m
 
 
-def _pair(**kw):
+def _pair(kind, **kw):
     """The same weights twice: one runs the fused stack, one the modules."""
-    a, b = _model(**kw), _model(**kw)
+    a, b = _model(kind, **kw), _model(kind, **kw)
     b.__dict__["_no_fuse"] = True
     return a, b
 
@@ -53,13 +73,13 @@ def _same_caches(a, b, lengths):
 
 
 @pytest.mark.parametrize("qkv_bias", [True, False])
-def test_fused_stack_gives_the_modules_bits(avx2, qkv_bias):
+def test_fused_stack_gives_the_modules_bits(kind, qkv_bias):
     """Prefill, one-token steps and verify passes, rows of their own lengths and starts, and
     explicit positions: the same logits, final hidden state and cache, bit for bit."""
-    if avx2 is None:
-        assert fused.stack(_model()) is None  # no kernel: the modules run
+    if kind is None:
+        assert fused.stack(_model(kind)) is None  # no kernel: the modules run
         return
-    a, b = _pair(qkv_bias=qkv_bias)
+    a, b = _pair(kind, qkv_bias=qkv_bias)
     g = torch.Generator().manual_seed(0)
     ids = lambda t: torch.randint(0, 96, (3, t), generator=g)  # noqa: E731
     steps = [(ids(9), None), (ids(1), None), (ids(5), None), (ids(4), [4, 1, 0]),
@@ -77,12 +97,12 @@ def test_fused_stack_gives_the_modules_bits(avx2, qkv_bias):
     _same_caches(a, b, a.row_lengths)
 
 
-def test_fused_verify_rows_equal_one_token_passes(avx2):
+def test_fused_verify_rows_equal_one_token_passes(kind):
     """The property speculative decoding rests on, on the fused stack: each row of a 6-token
     pass equals the one-token pass at its position."""
-    if avx2 is None:
+    if kind is None:
         return
-    m = _model()
+    m = _model(kind)
     m.allocate(1, 64)
     prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     new = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -93,12 +113,12 @@ def test_fused_verify_rows_equal_one_token_passes(avx2):
     assert torch.equal(together, alone)
 
 
-def test_fused_layer_subsets_and_hidden_requests(avx2):
-    """A pass over a subset of layers runs them fused with the modules' bits; a pass that
-    asks for a layer's hidden state runs the modules."""
-    if avx2 is None:
+def test_fused_layer_subsets_and_hidden_states(kind):
+    """A pass over a subset of layers, and a pass that asks for layers' hidden states, run
+    fused with the modules' bits (the hidden states included)."""
+    if kind is None:
         return
-    a, b = _pair()
+    a, b = _pair(kind)
     x = torch.randint(0, 96, (3, 4), generator=torch.Generator().manual_seed(4))
     assert torch.equal(_run(a, x, layers=[0, 2]).logits, _run(b, x, layers=[0, 2]).logits)
     a.rollback(0), b.rollback(0)
@@ -106,23 +126,55 @@ def test_fused_layer_subsets_and_hidden_requests(avx2):
     real = fused.run
     fused.run = lambda *args: called.append(1) or real(*args)
     try:
-        out = a.forward_rows(x, output_hidden=(1,))
+        oa = a.forward_rows(x, output_hidden=(0, 2, FINAL))
     finally:
         fused.run = real
-    assert not called and torch.equal(out.logits, _run(b, x, output_hidden=(1,)).logits)
+    ob = _run(b, x, output_hidden=(0, 2, FINAL))
+    assert called and torch.equal(oa.logits, ob.logits)
+    assert sorted(oa.hidden) == sorted(ob.hidden) == [FINAL, 0, 2]
+    for key in ob.hidden:
+        assert torch.equal(oa.hidden[key], ob.hidden[key])
+    assert not torch.equal(oa.hidden[0], oa.hidden[2])
 
 
-def test_fused_stack_follows_new_weights(avx2):
+def test_fused_tree_passes_give_the_modules_bits(kind):
+    """Draft-tree passes (a mask and depth positions per row, rows of their own lengths) run
+    fused with the modules' bits: logits, hidden states and the cache of every node."""
+    if kind is None or not _model(kind).exact_trees:
+        return
+    a, b = _pair(kind)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 96, (3, 6), generator=g)
+    for m in (a, b):
+        _run(m, prompt, [6, 4, 5], num_logits=0)
+    # node 0 the root, 1 and 2 its children, 3 a child of 1
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2])
+    pos = torch.tensor(a.row_lengths)[:, None] + depth
+    x = torch.randint(0, 96, (3, 4), generator=g)
+    oa = _run(a, x, [4, 4, 3], attn_mask=tree, position_ids=pos, output_hidden=(1,))
+    ob = _run(b, x, [4, 4, 3], attn_mask=tree, position_ids=pos, output_hidden=(1,))
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(oa.logits[valid], ob.logits[valid])
+    assert torch.equal(oa.hidden[1][valid], ob.hidden[1][valid])
+    _same_caches(a, b, a.row_lengths)
+
+
+def test_fused_stack_follows_new_weights(kind):
     """Weights assigned after a pass (a buffer replaced, a module swapped) are what the next
     pass uses: the stack is rebuilt, never run on stale pointers."""
-    if avx2 is None:
+    if kind is None:
         return
-    m = _model()
+    m = _model(kind)
     first = fused.stack(m)
     assert fused.stack(m) is first
     lin = m.model.layers[1].mlp.down_proj
     lin.qweight = lin.qweight.clone()
     second = fused.stack(m)
     assert second is not first and second.current(m.model.layers)
-    m.model.layers[0].self_attn.q_proj = quant.Int8Linear.from_float(torch.randn(32, 32), None, "kn")
+    dim = m.args.dim
+    m.model.layers[0].self_attn.q_proj = quant.Int8Linear.from_float(torch.randn(dim, dim), None, "kn")
     assert fused.stack(m) is None  # a layout the kernel does not run: the modules
+    float_model = tiny_model(**KERNEL_SHAPES)
+    float_model.allocate(1, 8)
+    assert fused.stack(float_model) is None  # nn.Linear: the modules

@@ -1,7 +1,7 @@
 // The CPU kernels for x86 CPUs with AVX2 but without AVX512-VNNI (cpu_kernels.cpp has the
 // AVX512 ones), where torch._int_mm runs a reference loop (~50x slower than an fp32 matmul of
 // the same shape) and PyTorch's attention over rows of different lengths is not
-// row-independent. Three functions, with the contracts of their AVX512 namesakes:
+// row-independent. The functions have the contracts of their AVX512 namesakes:
 //
 // sd_int8_mm_nk: the int8 x int8 -> int32 product of the W8A8 linears, y[m, n] = sum_k
 //   x[m, k] * w[n, k] (w in the "nk" layout), exact in any order: the same bits as
@@ -9,8 +9,9 @@
 //   symmetric int8 of quantize_rows; -128 would saturate vpmaddubsw, see tile()).
 // sd_attend: causal attention of decode and verify rows, each (row, KV head) computed by one
 //   thread in one fixed order that depends only on its own query, keys and values;
-//   sd_attend_slots the same over a list of slots a query (draft tree node; this file only).
+//   sd_attend_slots the same over a list of slots a query (a draft tree node).
 // sd_silu_mul: silu(gate) * up, element-wise.
+// sd_rmsnorm, sd_layers_nk: RMSNorm, and the decoder layer stack in one call (cpu_layers.h).
 
 #include <immintrin.h>
 #include <math.h>
@@ -313,13 +314,6 @@ void sd_silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 
 }  // extern "C"
 
-// ---- the decoder layer stack of an int8 "nk" model in one call (models/fused.py) ----
-//
-// Each step calls the functions above or does IEEE operations in the order of the PyTorch
-// modules (native.py: RMSNorm, Attention, MLP, DecoderLayer), so a pass through here gives
-// the bits of the same pass through the modules, row by row; it only removes the ~1 ms per
-// layer that the modules' Python costs a decode step.
-
 extern "C" {
 
 // out[m, :] = w * (x[m, :] * r), r = 1 / sqrt(mean(x[m, :]^2) + eps), for M rows of N floats:
@@ -343,83 +337,25 @@ void sd_rmsnorm(const float* x, int64_t M, int64_t N, const float* w, float eps,
 
 }  // extern "C"
 
-namespace {
-
-// rotate-half RoPE in place on M tokens x `heads` heads of D floats (token m at position
-// pos[m] of the [*, D] tables): x * cos + rotate_half(x) * sin, two products and a sum, each
-// rounded as PyTorch's element-wise operators round them (native.apply_rope)
-void rope(float* x, int64_t M, int64_t heads, int64_t D, const float* cos_tab,
-          const float* sin_tab, const int64_t* pos) {
-    const int64_t half = D / 2;
-    for (int64_t m = 0; m < M; m++) {
-        const float* c = cos_tab + pos[m] * D;
-        const float* s = sin_tab + pos[m] * D;
-        for (int64_t h = 0; h < heads; h++) {
-            float* v = x + (m * heads + h) * D;
-            for (int64_t d = 0; d < half; d++) {
-                const float x1 = v[d], x2 = v[d + half];
-                const float a = x1 * c[d], b = -x2 * s[d];
-                const float a2 = x2 * c[d + half], b2 = x1 * s[d + half];
-                v[d] = a + b;
-                v[d + half] = a2 + b2;
-            }
-        }
-    }
-}
-
-thread_local std::vector<float> fh, fq, fk, fv, fa, fo, fg, fu;
-
-}  // namespace
+#include "cpu_layers.h"
 
 extern "C" {
 
-// Run decoder layers which[0..nrun-1] over x [B*T, dim] in place (B rows of T new tokens).
-// wp: 23 pointers a layer (int64), in this order: input_layernorm, post_attention_layernorm
-// weights, then (int8 weight [out, in], fp32 scale [out], fp32 bias [out] or 0) of q, k, v,
-// o, gate, up, down. cp: the layer's cache k, v [B, Hkv, L, D] (2 pointers a layer). pos:
-// the RoPE position of each token [B*T]; slots: its cache slot, or -1 for padding (computed,
-// not cached); lens [B*T]: the slots each query sees (sd_attend). F: the MLP width.
+// Run decoder layers which[0..nrun-1] over x [B*T, dim] in place: run_layers (cpu_layers.h)
+// with 3 words a linear: an int8 "nk" weight [out, in], its fp32 scale [out], fp32 bias [out]
+// or 0.
 void sd_layers_nk(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
                   const int64_t* cp, const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv,
                   int64_t D, int64_t F, int64_t L, float eps, const float* cos_tab,
                   const float* sin_tab, const int64_t* pos, const int64_t* slots,
-                  const int64_t* lens, float scale) {
-    const int64_t M = B * T, qd = H * D, kd = Hkv * D;
-    fh.resize(M * dim); fq.resize(M * qd); fk.resize(M * kd); fv.resize(M * kd);
-    fa.resize(M * qd); fo.resize(M * dim); fg.resize(M * F); fu.resize(M * F);
+                  const int64_t* lens, const int64_t* seen, int64_t S, const int64_t* hid,
+                  float scale) {
     auto lin = [](const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, float* out) {
         sd_int8_linear_nk_x(in, m, k, (const int8_t*)p[0], (const float*)p[1],
                             (const float*)p[2], n, out);
     };
-    for (int64_t i = 0; i < nrun; i++) {
-        const int64_t* w = wp + which[i] * 23;
-        float* kc = (float*)cp[which[i] * 2];
-        float* vc = (float*)cp[which[i] * 2 + 1];
-        sd_rmsnorm(x, M, dim, (const float*)w[0], eps, fh.data());
-        lin(w + 2, fh.data(), M, dim, qd, fq.data());
-        lin(w + 5, fh.data(), M, dim, kd, fk.data());
-        lin(w + 8, fh.data(), M, dim, kd, fv.data());
-        rope(fq.data(), M, H, D, cos_tab, sin_tab, pos);
-        rope(fk.data(), M, Hkv, D, cos_tab, sin_tab, pos);
-        for (int64_t m = 0; m < M; m++) {
-            if (slots[m] < 0) continue;
-            const int64_t b = m / T;
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t at = ((b * Hkv + h) * L + slots[m]) * D;
-                memcpy(kc + at, fk.data() + (m * Hkv + h) * D, D * sizeof(float));
-                memcpy(vc + at, fv.data() + (m * Hkv + h) * D, D * sizeof(float));
-            }
-        }
-        sd_attend(fq.data(), B, T, H, D, T * qd, qd, D, kc, vc, Hkv, L, lens, scale, fa.data());
-        lin(w + 11, fa.data(), M, qd, dim, fo.data());
-        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
-        sd_rmsnorm(x, M, dim, (const float*)w[1], eps, fh.data());
-        lin(w + 14, fh.data(), M, dim, F, fg.data());
-        lin(w + 17, fh.data(), M, dim, F, fu.data());
-        sd_silu_mul(fg.data(), fu.data(), M * F, fg.data());
-        lin(w + 20, fg.data(), M, F, dim, fo.data());
-        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
-    }
+    run_layers<3>(lin, x, B, T, dim, wp, cp, which, nrun, H, Hkv, D, F, L, eps, cos_tab,
+                  sin_tab, pos, slots, lens, seen, S, hid, scale);
 }
 
 }  // extern "C"

@@ -1,21 +1,27 @@
-"""The decoder layer stack of an int8 "nk" model in one C call, on CPUs with AVX2 only.
+"""The decoder layer stack of a quantized model in one C call (``cpu_layers.h``).
 
 A decode step of a small model is mostly Python: each of its ~10 operators a layer costs
 tens of microseconds of module calls, views and allocations, against a few of arithmetic.
-For the 30-layer SmolLM2-135M draft that was ~35 of the step's ~45 ms. ``sd_layers_nk``
-(``cpu_kernels_avx2.cpp``) runs the whole stack (norms, the W8A8 linears, RoPE, the cache
-writes, attention, SiLU, residual adds) in one call, through the same kernel functions and
-in the same IEEE operations as the modules of ``native.py`` (whose RMSNorm uses the same
-``sd_rmsnorm`` there), so a pass gives the same bits either way: tested in
-``tests/test_fused.py``, row by row, with rows of their own lengths and layer subsets.
+For the 30-layer SmolLM2-135M draft that was ~35 of the step's ~45 ms on an AVX2 CPU, and
+~10 of ~19 ms on an AVX512 one. ``run_layers`` runs the whole stack (norms, the W8A8 or
+Q4_K linears, RoPE, the cache writes, attention, SiLU, residual adds) in one call, through
+the same kernel functions and in the same IEEE operations as the modules of ``native.py``
+(whose RMSNorm calls the same ``sd_rmsnorm``), so a pass gives the same bits either way:
+tested in ``tests/test_fused.py``, row by row, with rows of their own lengths, trees, layer
+subsets and hidden states.
 
-Used by :meth:`native.Transformer.forward_rows` for decode and verify passes (the
-:class:`native.Prefixes` attention) of a model whose every layer has RMSNorms and
-:class:`quant.Int8Linear` linears in the "nk" layout, when no per-layer hidden state is
-asked for; every other pass runs the modules.
+Two kernels: ``sd_layers`` (``cpu_kernels.cpp``, CPUs with AVX512-VNNI) for linears that
+are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (mixed
+freely: a q4 target's Q6_K tensors are int8); ``sd_layers_nk`` (``cpu_kernels_avx2.cpp``,
+AVX2 CPUs) for Int8Linear in the "nk" layout. Used by :meth:`native.Transformer.forward_rows`
+for decode, verify and draft-tree passes (the :class:`native.Prefixes` attention), hidden
+states of chosen layers included, of a model whose every layer fits; every other pass (long
+prefill chunks, float models, other devices) runs the modules.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -24,17 +30,33 @@ from . import quant
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
             ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
             ("mlp", "down_proj"))
+_INT8 = ("qweight", "wscale", "bias")
+_Q4K = (*quant.Q4K_BUFFERS, "bias")
+
+
+def _avx512_words(lin) -> tuple[list[int], tuple[str, ...], int]:
+    """For ``sd_layers`` (``LINEAR_WORDS`` in cpu_kernels.cpp): a linear's words before its
+    buffers' pointers (kind, padded inputs), its buffers' names, and its words in all (8:
+    the pointers padded with zeros)."""
+    if isinstance(lin, quant.Q4KLinear):
+        return [1, lin.padded_in], _Q4K, 8
+    return [0, 0], _INT8, 8
+
+
+def _avx2_words(lin) -> tuple[list[int], tuple[str, ...], int]:
+    """For ``sd_layers_nk``: a linear's three pointers, no other word."""
+    return [], _INT8, 3
 
 
 class LayerStack:
-    """The weights' pointers of a model's decoder layers for ``sd_layers_nk``, with the
+    """The weights' pointers of a model's decoder layers for the layer-stack kernel, with the
     tensors they point into (kept alive and compared by identity, so that a model whose
     buffers are reassigned gets a new stack, see :func:`stack`).
 
-    pointers: int64 [n_layers, 23] (see ``sd_layers_nk``).
+    pointers: int64 [n_layers, 2 + 7 * words a linear]; fn: the kernel's stack function.
     """
 
-    def __init__(self, layers):
+    def __init__(self, layers, fn, words):
         rows, refs = [], []
         for layer in layers:
             row = []
@@ -46,12 +68,15 @@ class LayerStack:
                 holder = layer._modules[parent]
                 lin = holder._modules[name]
                 refs += [(layer._modules, parent, holder), (holder._modules, name, lin)]
-                for key in ("qweight", "wscale", "bias"):
+                head, names, width = words(lin)
+                for key in names:
                     t = lin._buffers.get(key)
-                    row.append(0 if t is None else t.data_ptr())
+                    head.append(0 if t is None else t.data_ptr())
                     refs.append((lin._buffers, key, t))
+                row += head + [0] * (width - len(head))
             rows.append(row)
         self.pointers = torch.tensor(rows, dtype=torch.int64)
+        self.fn = fn
         self._refs = refs  # (the dict holding a module or tensor, its name, what it held)
         self._layers = list(layers)
 
@@ -64,59 +89,85 @@ class LayerStack:
             d.get(k) is t for d, k, t in self._refs)
 
 
-def _fits(layers, norm_type: type, dtype: torch.dtype) -> bool:
-    """Whether every layer has fp32 RMSNorms (``norm_type``: native.RMSNorm, the model's final
-    norm's type) and "nk" int8 linears (what the kernel runs)."""
-    for layer in layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm) is not norm_type or norm.weight.dtype != torch.float32 or \
-                    norm.weight.device.type != "cpu":
-                return False
-        for parent, name in _LINEARS:
-            lin = getattr(getattr(layer, parent), name)
-            if not (isinstance(lin, quant.Int8Linear) and lin.layout == "nk"
-                    and lin.qweight.device.type == "cpu"):
-                return False
-    return dtype == torch.float32
+def _norms_fit(layer, norm_type: type) -> bool:
+    return all(type(n) is norm_type and n.weight.dtype == torch.float32
+               and n.weight.device.type == "cpu"
+               for n in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+def _avx512_fits(lin) -> bool:
+    return (isinstance(lin, quant.Q4KLinear) or isinstance(lin, quant.Int8Linear)
+            and lin.layout == "vnni") and lin.qweight.device.type == "cpu"
+
+
+def _avx2_fits(lin) -> bool:
+    return isinstance(lin, quant.Int8Linear) and lin.layout == "nk" and lin.qweight.device.type == "cpu"
+
+
+def _kernel() -> tuple[ctypes.CDLL, object, object, object] | None:
+    """(library, its stack function, a linear's words, whether a linear fits) of the kernel in
+    use, or None."""
+    lib = quant.vnni_kernel()[0]
+    if lib is not None:
+        return lib, lib.sd_layers, _avx512_words, _avx512_fits
+    lib = quant.avx2_kernel()
+    if lib is not None:
+        return lib, lib.sd_layers_nk, _avx2_words, _avx2_fits
+    return None
 
 
 def stack(model) -> LayerStack | None:
     """The :class:`LayerStack` of a :class:`native.Transformer` (built once, rebuilt when its
-    weights change), or None when the fused kernel does not apply: no AVX2 kernel in use
-    (:func:`quant.avx2_kernel`), or layers the kernel does not run (see the module
-    docstring)."""
-    if quant.avx2_kernel() is None:
+    weights change), or None when the fused kernel does not apply: no CPU kernel in use
+    (:func:`quant.vnni_kernel`, :func:`quant.avx2_kernel`), an fp32-less cache, or layers
+    the kernel does not run (see the module docstring)."""
+    kernel = _kernel()
+    if kernel is None:
         return None
+    _, fn, words, fits = kernel
     layers = model.model.layers
     held = model.__dict__.get("_layer_stack")
-    if held is not None and held.current(layers):
+    if held is not None and held.fn is fn and held.current(layers):
         return held
-    fits = _fits(layers, type(model.model.norm), model.caches[0].k.dtype)
-    built = LayerStack(layers) if fits else None
+    norm_type = type(model.model.norm)
+    ok = model.caches[0].k.dtype == torch.float32 and all(
+        _norms_fit(layer, norm_type) and all(fits(getattr(getattr(layer, p), n)) for p, n in _LINEARS)
+        for layer in layers)
+    built = LayerStack(layers, fn, words) if ok else None
     model.__dict__["_layer_stack"] = built
     return built
 
 
 def run(model, layer_stack: LayerStack, x: torch.Tensor, run_layers, caches, pos: torch.Tensor,
-        slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        slots: torch.Tensor, lens: torch.Tensor, seen: torch.Tensor | None = None,
+        hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Run the decoder layers ``run_layers`` (indices) of ``model`` over x, in place.
 
     x: fp32 [B, T, dim] (the embeddings of the new tokens); caches: the model's per-layer
     :class:`native.KVCache` (the rows of this pass); pos: int64 [B, T] RoPE positions;
     slots: int64 [B, T] cache slots, -1 for padding; lens: int64 [B, T] the slots each query
-    sees (``Prefixes.lens``). Returns x, the residual stream after the last layer.
+    sees (``Prefixes.lens``); seen: None (slots 0..lens-1) or a draft tree's int64 [B, T, S]
+    (``Prefixes.slots``); hidden: layer index -> an fp32 [B, T, dim] tensor that gets the
+    residual stream after that layer (contiguous; layers in ``run_layers``). Returns x, the
+    residual stream after the last layer.
     """
     a = model.args
-    lib = quant.avx2_kernel()
     b, t, dim = x.shape
     x = x.contiguous()
     k0 = caches[0].k
     cache_ptrs = torch.tensor([[c.k.data_ptr(), c.v.data_ptr()] for c in caches], dtype=torch.int64)
-    which = torch.tensor(list(run_layers), dtype=torch.int64)
+    which = list(run_layers)
+    hid = None
+    if hidden:
+        hid = torch.tensor([hidden[i].data_ptr() if i in hidden else 0 for i in which],
+                           dtype=torch.int64)
+    which = torch.tensor(which, dtype=torch.int64)
     pos, slots, lens = pos.contiguous(), slots.contiguous(), lens.contiguous()
-    lib.sd_layers_nk(x.data_ptr(), b, t, dim, layer_stack.pointers.data_ptr(),
-                     cache_ptrs.data_ptr(), which.data_ptr(), which.numel(), a.n_heads,
-                     a.n_kv_heads, a.head_dim, a.intermediate_size, k0.shape[2], a.norm_eps,
-                     model._cos.data_ptr(), model._sin.data_ptr(), pos.data_ptr(),
-                     slots.data_ptr(), lens.data_ptr(), a.head_dim ** -0.5)
+    layer_stack.fn(x.data_ptr(), b, t, dim, layer_stack.pointers.data_ptr(),
+                   cache_ptrs.data_ptr(), which.data_ptr(), which.numel(), a.n_heads,
+                   a.n_kv_heads, a.head_dim, a.intermediate_size, k0.shape[2], a.norm_eps,
+                   model._cos.data_ptr(), model._sin.data_ptr(), pos.data_ptr(),
+                   slots.data_ptr(), lens.data_ptr(), 0 if seen is None else seen.data_ptr(),
+                   0 if seen is None else seen.shape[2], 0 if hid is None else hid.data_ptr(),
+                   a.head_dim ** -0.5)
     return x

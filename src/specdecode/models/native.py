@@ -183,9 +183,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = quant.avx2_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" \
-            and self.weight.dtype == torch.float32 else None
-        if lib is not None:  # sd_rmsnorm: the bits of the fused layers (models/fused.py)
+        lib = cpu_kernels(x.device, x.dtype) if self.weight.dtype == torch.float32 else None
+        if lib is not None and not (torch.is_grad_enabled() and (
+                x.requires_grad or self.weight.requires_grad)):
+            # sd_rmsnorm: the bits of the fused layers (models/fused.py); no autograd there
             x = x.contiguous()
             out = torch.empty_like(x)
             lib.sd_rmsnorm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
@@ -817,16 +818,17 @@ class Transformer(nn.Module):
 
         x = self.model.embed_tokens(input_ids)
         want, hidden = output_hidden, {}
-        layer_stack = fused.stack(self) if isinstance(mask, Prefixes) and mask.slots is None \
-            and all(k == FINAL for k in want) else None
+        layer_stack = fused.stack(self) if isinstance(mask, Prefixes) else None
         if layer_stack is not None:  # the same bits in one C call (models/fused.py)
             if same_start and not ragged:
                 slots = torch.arange(s0, s0 + t).expand(b, t)
             else:
                 slots = (start_t[:, None] + tok).masked_fill(~valid, -1)
             pos = slots if position_ids is None else position_ids
+            hidden = {i: x.new_empty(x.shape) for i in run if i in want}
             x = fused.run(self, layer_stack, x, run, self.caches,
-                          pos.masked_fill(~valid, 0) if ragged else pos, slots, mask.lens)
+                          pos.masked_fill(~valid, 0) if ragged else pos, slots, mask.lens,
+                          mask.slots, hidden)
         else:
             blocks = zip(self.model.layers, self.caches) if layers is None else \
                 ((self.model.layers[i], self.caches[i]) for i in layers)

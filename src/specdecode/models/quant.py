@@ -100,6 +100,7 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_attend_slots.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
+    _layer_argtypes(lib, "sd_layers")
     lib.sd_int8_linear_bf16.argtypes = [P, I, I, P, P, P, I, P]
     lib.sd_int8_linear_bf16.restype = None
     lib.sd_q4k_linear_bf16.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
@@ -152,12 +153,18 @@ def avx2_library() -> ctypes.CDLL | None:
     lib.sd_attend_slots.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
-    lib.sd_rmsnorm.argtypes = [P, I, I, P, ctypes.c_float, P]
-    lib.sd_rmsnorm.restype = None
-    lib.sd_layers_nk.argtypes = [P, I, I, I, P, P, P, I, I, I, I, I, I, ctypes.c_float, P, P, P,
-                                 P, P, ctypes.c_float]
-    lib.sd_layers_nk.restype = None
+    _layer_argtypes(lib, "sd_layers_nk")
     return lib
+
+
+def _layer_argtypes(lib: ctypes.CDLL, stack: str) -> None:
+    """Declare ``sd_rmsnorm`` and the layer stack ``stack`` (``cpu_layers.h``) of a kernel."""
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.sd_rmsnorm.argtypes = [P, I, I, P, F, P]
+    lib.sd_rmsnorm.restype = None
+    fn = getattr(lib, stack)
+    fn.argtypes = [P, I, I, I, P, P, P, I, I, I, I, I, I, F, P, P, P, P, P, P, I, P, F]
+    fn.restype = None
 
 
 def set_amx(on: bool) -> bool:
@@ -221,7 +228,8 @@ def _bf16_linear(linear: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
 
 def _compiled(source: Path, flag_sets: tuple) -> tuple[ctypes.CDLL | None, str]:
     """``source`` compiled with the first of ``flag_sets`` that builds and loaded, and "";
-    or None and why not. Built once per source, flags and compiler into
+    or None and why not. Built once per source (with the headers beside it), flags and
+    compiler into
     ``<specdecode cache>/kernels/`` (about a second with g++), then loaded from there; a
     cached build that does not load is built again, once. Never raises."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -230,7 +238,8 @@ def _compiled(source: Path, flag_sets: tuple) -> tuple[ctypes.CDLL | None, str]:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
-        key = hashlib.sha256(source.read_bytes() + repr((flag_sets, version)).encode())
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        key = hashlib.sha256(source.read_bytes() + headers + repr((flag_sets, version)).encode())
         out = registry.cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
         failed = None if out.is_file() else _build(cxx, out, source, flag_sets)
         if failed:

@@ -1,0 +1,95 @@
+// The decoder layer stack in one call, shared by cpu_kernels.cpp (AVX512) and
+// cpu_kernels_avx2.cpp, each of which includes it after its own sd_rmsnorm, sd_attend_slots and
+// sd_silu_mul (models/fused.py).
+//
+// Each step calls those functions or does IEEE operations in the order of the PyTorch modules
+// (native.py: RMSNorm, Attention, MLP, DecoderLayer; their RMSNorm calls the same
+// sd_rmsnorm), so a pass through here gives the bits of the same pass through the modules,
+// row by row; it only removes the Python the modules cost a decode step (~0.4 ms a layer).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+// rotate-half RoPE in place on M tokens x `heads` heads of D floats (token m at position
+// pos[m] of the [*, D] tables): x * cos + rotate_half(x) * sin, two products and a sum, each
+// rounded as PyTorch's element-wise operators round them (native.apply_rope)
+void rope(float* x, int64_t M, int64_t heads, int64_t D, const float* cos_tab,
+          const float* sin_tab, const int64_t* pos) {
+    const int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float* c = cos_tab + pos[m] * D;
+        const float* s = sin_tab + pos[m] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float* v = x + (m * heads + h) * D;
+            for (int64_t d = 0; d < half; d++) {
+                const float x1 = v[d], x2 = v[d + half];
+                const float a = x1 * c[d], b = -x2 * s[d];
+                const float a2 = x2 * c[d + half], b2 = x1 * s[d + half];
+                v[d] = a + b;
+                v[d + half] = a2 + b2;
+            }
+        }
+    }
+}
+
+thread_local std::vector<float> fh, fq, fk, fv, fa, fo, fg, fu;
+
+// Run decoder layers which[0..nrun-1] over x [B*T, dim] in place (B rows of T new tokens).
+// wp: 2 + 7 * LW int64 a layer: the input_layernorm and post_attention_layernorm weights,
+// then LW words for each of the linears q, k, v, o, gate, up, down, which
+// linear(words, in [m, k], m, k, n, out [m, n]) runs. cp: the layer's cache k, v
+// [B, Hkv, L, D] (2 pointers a layer). pos: the RoPE position of each token [B*T]; slots: its
+// cache slot, or -1 for padding (computed, not cached); lens [B*T]: how many slots each query
+// sees: 0..lens-1, or with `seen` (a draft tree, [B*T, S]) seen[b*T+t, 0..lens-1]
+// (sd_attend_slots). F: the MLP width. hid: null, or nrun pointers (0 for none) to [B*T, dim]
+// floats that get x after that layer (the hidden states asked for).
+template <int64_t LW, class Linear>
+void run_layers(Linear linear, float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
+                const int64_t* cp, const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv,
+                int64_t D, int64_t F, int64_t L, float eps, const float* cos_tab,
+                const float* sin_tab, const int64_t* pos, const int64_t* slots,
+                const int64_t* lens, const int64_t* seen, int64_t S, const int64_t* hid,
+                float scale) {
+    const int64_t M = B * T, qd = H * D, kd = Hkv * D;
+    fh.resize(M * dim); fq.resize(M * qd); fk.resize(M * kd); fv.resize(M * kd);
+    fa.resize(M * qd); fo.resize(M * dim); fg.resize(M * F); fu.resize(M * F);
+    for (int64_t i = 0; i < nrun; i++) {
+        const int64_t* w = wp + which[i] * (2 + 7 * LW);
+        const int64_t* lw = w + 2;
+        float* kc = (float*)cp[which[i] * 2];
+        float* vc = (float*)cp[which[i] * 2 + 1];
+        sd_rmsnorm(x, M, dim, (const float*)w[0], eps, fh.data());
+        linear(lw, fh.data(), M, dim, qd, fq.data());
+        linear(lw + LW, fh.data(), M, dim, kd, fk.data());
+        linear(lw + 2 * LW, fh.data(), M, dim, kd, fv.data());
+        rope(fq.data(), M, H, D, cos_tab, sin_tab, pos);
+        rope(fk.data(), M, Hkv, D, cos_tab, sin_tab, pos);
+        for (int64_t m = 0; m < M; m++) {
+            if (slots[m] < 0) continue;
+            const int64_t b = m / T;
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t at = ((b * Hkv + h) * L + slots[m]) * D;
+                memcpy(kc + at, fk.data() + (m * Hkv + h) * D, D * sizeof(float));
+                memcpy(vc + at, fv.data() + (m * Hkv + h) * D, D * sizeof(float));
+            }
+        }
+        sd_attend_slots(fq.data(), B, T, H, D, T * qd, qd, D, kc, vc, Hkv, L, lens, seen, S, scale,
+                        fa.data());
+        linear(lw + 3 * LW, fa.data(), M, qd, dim, fo.data());
+        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
+        sd_rmsnorm(x, M, dim, (const float*)w[1], eps, fh.data());
+        linear(lw + 4 * LW, fh.data(), M, dim, F, fg.data());
+        linear(lw + 5 * LW, fh.data(), M, dim, F, fu.data());
+        sd_silu_mul(fg.data(), fu.data(), M * F, fg.data());
+        linear(lw + 6 * LW, fg.data(), M, F, dim, fo.data());
+        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
+        if (hid != nullptr && hid[i] != 0) memcpy((float*)hid[i], x, M * dim * sizeof(float));
+    }
+}
+
+}  // namespace
