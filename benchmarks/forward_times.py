@@ -22,7 +22,7 @@ else:
     load_s = time.time() - t0
     lm = m.lm
     lm.allocate(1, 400)
-    ids = torch.randint(0, 150000, (1, 300), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, lm.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
     lm.forward(ids[:, :256], num_logits=0)
     def fwd(n):
         lm.rollback(256)

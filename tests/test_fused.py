@@ -172,6 +172,11 @@ def test_fused_stack_follows_new_weights(kind):
     lin.qweight = lin.qweight.clone()
     second = fused.stack(m)
     assert second is not first and second.current(m.model.layers)
+    m._apply(lambda t: t.clone())  # every tensor replaced, no assignment hook
+    third = fused.stack(m)
+    assert third is not second and third.current(m.model.layers)
+    m.model.layers[2].post_attention_layernorm.weight = torch.nn.Parameter(torch.ones(m.args.dim))
+    assert fused.stack(m) is not third
     dim = m.args.dim
     m.model.layers[0].self_attn.q_proj = quant.Int8Linear.from_float(torch.randn(dim, dim), None, "kn")
     assert fused.stack(m) is None  # a layout the kernel does not run: the modules

@@ -567,6 +567,12 @@ class Transformer(nn.Module):
             self._cos, self._sin = emb.cos().to(w.dtype), emb.sin().to(w.dtype)
         self.row_lengths, self._layer_lengths = [0] * batch, None
 
+    def _apply(self, fn, recurse=True):
+        # .to(), .float() and the like replace tensors without the assignment hooks that tell
+        # the fused layer stack its pointers are stale (models/fused.py): drop it
+        self.__dict__.pop("_layer_stack", None)
+        return super()._apply(fn, recurse)
+
     def fork(self) -> "Transformer":
         """A second handle on the same weights with its own (empty) KV cache: lets one model
         be its own draft without the two sharing cache state."""
