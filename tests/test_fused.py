@@ -183,3 +183,29 @@ def test_fused_stack_follows_new_weights(kind):
     float_model = tiny_model(**KERNEL_SHAPES)
     float_model.allocate(1, 8)
     assert fused.stack(float_model) is None  # nn.Linear: the modules
+
+
+def test_fused_prefill_is_cut_into_stack_passes_with_the_bits_of_any_cut(kind):
+    """A prefill longer than a verify pass runs as passes of at most 64 tokens through the
+    stack; the cache and logits it leaves equal those of the same prompt fed in other cuts
+    (one token at a time included): the decode kernel's attention, row by row."""
+    if kind is None:
+        return
+    m = _model(kind)
+    m.allocate(1, 256)
+    prompt = torch.randint(0, 96, (1, 150), generator=torch.Generator().manual_seed(6))
+    sizes = []
+    real = fused.run
+    fused.run = lambda model, st, x, *args: sizes.append(x.shape[1]) or real(model, st, x, *args)
+    try:
+        whole = m.forward_rows(prompt).logits
+    finally:
+        fused.run = real
+    assert sizes == [64, 64, 22]
+    cache = [(c.k[:, :, :150].clone(), c.v[:, :, :150].clone()) for c in m.caches]
+    for cuts in ([70, 80], [1] * 150):
+        m.rollback(0)
+        logits = torch.cat([m.forward_rows(p).logits for p in prompt.split(cuts, 1)], 1)
+        assert torch.equal(logits, whole)
+        for (k, v), c in zip(cache, m.caches):
+            assert torch.equal(k, c.k[:, :, :150]) and torch.equal(v, c.v[:, :, :150])

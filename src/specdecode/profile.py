@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .models import quant, registry
+from .models import native, quant, registry
 from .models.base import busy_lock
 from .models.loading import LoadedModel
 
@@ -50,8 +50,12 @@ def measure_forward_times(lm, context_len: int, max_n: int = 16, repeats: int = 
 PROFILE_CONTEXT = 256
 @functools.cache
 def _kernel_source() -> str:
-    """A digest of our C++ kernels' source: a changed kernel is measured again."""
-    return hashlib.sha256(quant.KERNEL_SOURCE.read_bytes()).hexdigest()[:12]
+    """A digest of the runtime's source (the C++ kernels, their headers, and the modules that
+    drive them): a changed forward is measured again."""
+    here = Path(native.__file__).parent
+    files = sorted([*here.glob("*.cpp"), *here.glob("*.h"), here / "native.py", here / "fused.py",
+                    here / "quant.py"])
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
 
 
 PROFILE_VERSION = 2  # bumped when the measurement changes: older cached profiles are measured again
