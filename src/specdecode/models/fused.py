@@ -1,11 +1,10 @@
 """The decoder layer stack of a quantized model in one C call (``cpu_layers.h``).
 
 A decode step of a small model is mostly Python: each of its ~10 operators a layer costs
-tens of microseconds of module calls, views and allocations, against a few of arithmetic.
-For the 30-layer SmolLM2-135M draft that was ~35 of the step's ~45 ms on an AVX2 CPU, and
-~10 of ~19 ms on an AVX512 one. ``run_layers`` runs the whole stack (norms, the W8A8 or
-Q4_K linears, RoPE, the cache writes, attention, SiLU, residual adds) in one call, through
-the same kernel functions and in the same IEEE operations as the modules of ``native.py``
+tens of microseconds of module calls, views and allocations, against a few of arithmetic
+(most of the SmolLM2-135M draft's step on either kernel; docs/EXPERIMENTS.md).
+``run_layers`` runs the whole stack (norms, the W8A8 or Q4_K linears, RoPE, the cache
+writes, attention, SiLU, residual adds) in one call, through the same kernel functions and in the same IEEE operations as the modules of ``native.py``
 (whose RMSNorm calls the same ``sd_rmsnorm``), so a pass gives the same bits either way:
 tested in ``tests/test_fused.py``, row by row, with rows of their own lengths, trees, layer
 subsets and hidden states.
@@ -15,8 +14,9 @@ are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (
 freely: a q4 target's Q6_K tensors are int8); ``sd_layers_nk`` (``cpu_kernels_avx2.cpp``,
 AVX2 CPUs) for Int8Linear in the "nk" layout. Used by :meth:`native.Transformer.forward_rows`
 for decode, verify and draft-tree passes (the :class:`native.Prefixes` attention), hidden
-states of chosen layers included, of a model whose every layer fits; every other pass (long
-prefill chunks, float models, other devices) runs the modules.
+states of chosen layers included, and prefill in passes of 64 tokens
+(:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
+(prefill past 2,048 slots or on the tile unit, float models, other devices) runs the modules.
 """
 
 from __future__ import annotations

@@ -507,9 +507,8 @@ class Transformer(nn.Module):
     (2,048) slots runs, where the fused layer stack applies (models/fused.py) and the tile
     unit does not take long passes (:func:`quant.bf16_prefill`), as passes of at most
     ``SDPA_MIN_TOKENS - 1`` (64) tokens through the stack: its attention is the decode
-    kernel's, row by row, so a prompt's cache has the same bits however it is cut. On the
-    AVX512 EPYC (no tile unit), q4 1.5B target: 192 tokens 1.62 -> 1.24-1.30 s, 1,024 tokens
-    9.3 -> 7.2 s, 2,048 tokens 16.0 -> 14.6 s.
+    kernel's, row by row, so a prompt's cache has the same bits however it is cut, and it
+    is faster than SDPA's passes up to there (docs/EXPERIMENTS.md).
     """
 
     PREFILL_CHUNK = 512
