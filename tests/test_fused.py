@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdecode.models import fused, quant
-from specdecode.models.native import FINAL
+from specdecode.models.native import FINAL, RMSNorm
 
 from helpers import KERNEL_SHAPES, tiny_model
 
@@ -209,3 +209,25 @@ def test_fused_prefill_is_cut_into_stack_passes_with_the_bits_of_any_cut(kind):
         assert torch.equal(logits, whole)
         for (k, v), c in zip(cache, m.caches):
             assert torch.equal(k, c.k[:, :, :150]) and torch.equal(v, c.v[:, :, :150])
+
+
+def test_rmsnorm_kernel_rows_are_independent_and_autograd_takes_torch(kind):
+    """The modules' RMSNorm on the kernel (``sd_rmsnorm``): each row's bits its own, within
+    an fp32 rounding of the formula; with autograd on a tensor that needs gradients it runs
+    PyTorch's operators, so that gradients flow."""
+    if kind is None:
+        return
+    norm = RMSNorm(40, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        together = norm(x)
+        alone = torch.cat([norm(x[i:i + 1]) for i in range(5)])
+    assert torch.equal(together, alone)
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(together, ref, rtol=1e-5, atol=1e-6)
+    x.requires_grad_(True)
+    out = norm(x)
+    out.sum().backward()
+    assert out.grad_fn is not None and x.grad is not None and norm.weight.grad is not None
