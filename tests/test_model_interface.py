@@ -306,6 +306,9 @@ def test_bad_input_raises_value_errors(lm):
     cases = [
         (lambda: m.forward_rows(ids(6)), r"input_ids must be \[B, T\]"),
         (lambda: m.forward_rows(ids(1, 3)), "input_ids has 1 rows, the KV cache 2"),
+        (lambda: m.forward_rows(x + m.vocab_size), r"token ids must be in 0..\d+ \(the model's vocabulary"),
+        (lambda: m.forward_rows(x - 200), "input_ids hold -"),
+        (lambda: m.forward_rows(x.float()), "must be integer token ids"),
         (lambda: m.forward_rows(x, [3]), "got 1 lengths for 2 rows"),
         (lambda: m.forward_rows(x, [3, 4]), r"lengths\[1\]=4 is out of range \(allowed: 0..3"),
         (lambda: m.forward_rows(x, num_logits=4), r"num_logits=4 is out of range \(allowed: 0..3"),

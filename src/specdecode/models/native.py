@@ -738,7 +738,8 @@ class Transformer(nn.Module):
 
         Runs in chunks of PREFILL_CHUNK when T exceeds it, unless lengths differ or
         attn_mask is given. Raises ValueError, before anything runs, for input that is not
-        [B, T] of the allocated batch, lengths or num_logits out of range, a cache overflow,
+        [B, T] integer ids in the vocabulary of the allocated batch, lengths or num_logits out
+        of range, a cache overflow,
         a mask or positions of the wrong shape, dtype or range, bad layer or hidden keys, or
         a layer whose cache misses positions of a row (see ``layers``).
         """
@@ -749,6 +750,13 @@ class Transformer(nn.Module):
         if b != len(starts):
             raise ValueError(f"input_ids has {b} rows, the KV cache {len(starts)} "
                              "(allocate(batch, max_len) sets it)")
+        if input_ids.is_floating_point() or input_ids.is_complex():
+            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if input_ids.numel():
+            low, high = input_ids.min().item(), input_ids.max().item()
+            if low < 0 or high >= self.args.vocab_size:
+                raise ValueError(f"input_ids hold {low if low < 0 else high}: token ids must be "
+                                 f"in 0..{self.args.vocab_size - 1} (the model's vocabulary)")
         if lengths is None:
             lens, ragged = [t] * b, False
         else:
