@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .models import native, quant, registry
+from .models import quant, registry
 from .models.base import busy_lock
 from .models.loading import LoadedModel
 
@@ -52,7 +52,7 @@ PROFILE_CONTEXT = 256
 def _kernel_source() -> str:
     """A digest of the runtime's source (the C++ kernels, their headers, and the modules that
     drive them): a changed forward is measured again."""
-    here = Path(native.__file__).parent
+    here = quant.KERNEL_SOURCE.parent
     files = sorted([*here.glob("*.cpp"), *here.glob("*.h"), here / "native.py", here / "fused.py",
                     here / "quant.py"])
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]

@@ -21,8 +21,6 @@ states of chosen layers included, and prefill in passes of 64 tokens
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch.nn.modules import module as _module
 
@@ -127,15 +125,15 @@ def _avx2_fits(lin) -> bool:
     return isinstance(lin, quant.Int8Linear) and lin.layout == "nk" and lin.qweight.device.type == "cpu"
 
 
-def _kernel() -> tuple[ctypes.CDLL, object, object, object] | None:
-    """(library, its stack function, a linear's words, whether a linear fits) of the kernel in
-    use, or None."""
+def _kernel() -> tuple[object, object, object] | None:
+    """(the stack function, a linear's words, whether a linear fits) of the kernel in use, or
+    None."""
     lib = quant.vnni_kernel()[0]
     if lib is not None:
-        return lib, lib.sd_layers, _avx512_words, _avx512_fits
+        return lib.sd_layers, _avx512_words, _avx512_fits
     lib = quant.avx2_kernel()
     if lib is not None:
-        return lib, lib.sd_layers_nk, _avx2_words, _avx2_fits
+        return lib.sd_layers_nk, _avx2_words, _avx2_fits
     return None
 
 
@@ -147,7 +145,7 @@ def stack(model) -> LayerStack | None:
     kernel = _kernel()
     if kernel is None:
         return None
-    _, fn, words, fits = kernel
+    fn, words, fits = kernel
     layers = model.model.layers
     held = model.__dict__.get("_layer_stack")
     if held is not None and held.fn is fn and held.current(layers):

@@ -753,7 +753,7 @@ class Transformer(nn.Module):
         if input_ids.is_floating_point() or input_ids.is_complex():
             raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if input_ids.numel():
-            low, high = input_ids.min().item(), input_ids.max().item()
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read to the host
             if low < 0 or high >= self.args.vocab_size:
                 raise ValueError(f"input_ids hold {low if low < 0 else high}: token ids must be "
                                  f"in 0..{self.args.vocab_size - 1} (the model's vocabulary)")

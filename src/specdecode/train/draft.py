@@ -153,7 +153,7 @@ class Distillation(torch.nn.Module):
         return distill_loss(self.model, batch)
 
 
-def _copied_files(source: Path) -> list[str]:
+def _copied_files(source: str | Path) -> list[str]:
     """The draft directory's files other than its weights (tokenizer, chat template)."""
     return [f.name for f in Path(source).iterdir() if f.is_file() and f.name not in WEIGHT_FILES
             and not f.name.endswith(".safetensors")]
@@ -162,4 +162,4 @@ def _copied_files(source: Path) -> list[str]:
 def source_files(source: str | Path) -> list[str]:
     """The names a distilled draft's directory holds besides the weights: the source
     directory's other files and ``distillation.json``."""
-    return _copied_files(Path(source)) + [DISTILL_FILE]
+    return _copied_files(source) + [DISTILL_FILE]
