@@ -324,26 +324,40 @@ def test_a_span_of_rows_computes_only_those_rows_with_the_batchs_bits(target):
 
 def test_measured_rates_speculate_only_where_measured_faster():
     """The guard that keeps a batch from running slower than plain decoding: plain rounds are
-    measured first, then speculative ones; the faster (median, robust to one slow round that
-    paid a draft prefill) is chosen, the other tried every explore_every rounds."""
+    measured first, then speculative ones; the faster (tokens over seconds of the window: a
+    slow round that fed a draft counts, a long acceptance too) is chosen, the other tried
+    after explore_every rounds, a gap that doubles while trials change nothing. A batch size
+    not measured with speculation takes its neighbours' verdict: slower with fewer rows, off;
+    faster with more rows, on."""
     from specdecode.batch import MeasuredRates
 
-    g = MeasuredRates(window=8, min_rounds=3, explore_every=4)
+    g = MeasuredRates(window=16, min_rounds=3, explore_every=4)
     choices = []
     for _ in range(3):
         choices.append(g.speculate(2))
         g.record(2, False, 2, 0.1)  # plain: 20 tokens/s
     assert choices == [False] * 3
     assert g.speculate(2) is True  # speculation not measured yet
-    for seconds in (1.0, 0.1, 0.1):  # 2 tok/s (a draft prefill), then 30 tokens/s
-        g.record(2, True, 3, seconds)
-    assert g.rate(2, True) == 30 and g.rate(2, False) == 20
-    picks = [g.speculate(2) for _ in range(8)]
-    assert picks == [True, True, True, False, True, True, True, False]  # explores plain
-    for _ in range(8):
+    for tokens, seconds in ((3, 0.5), (14, 0.1), (3, 0.1)):  # a round that fed a draft, a long acceptance
+        g.record(2, True, tokens, seconds)
+    assert g.rate(2, True) == pytest.approx(20 / 0.7) and g.rate(2, False) == pytest.approx(20)
+    picks = [g.speculate(2) for _ in range(12)]
+    # explores plain after 4 rounds; that left the choice as it was: the next trial after 8
+    assert picks == [True] * 3 + [False] + [True] * 7 + [False]
+    for _ in range(16):
         g.record(2, True, 1, 0.1)  # speculation now slower: 10 tokens/s
+    # the trial changed the choice: the gap is back to 4
     assert [g.speculate(2) for _ in range(4)] == [False, False, False, True]
-    assert g.speculate(3) is False and g.rate(3, False) is None  # each batch size on its own
+    assert g.speculate(3) is False and g.rate(3, False) is None  # plain first at each size
+    for _ in range(3):
+        g.record(3, False, 3, 0.1)
+        g.record(1, False, 1, 0.1)
+    assert g.speculate(3) is False  # slower at 2 rows: not tried at 3
+    assert g.speculate(1) is True  # (nothing known with fewer rows: tried)
+    for _ in range(3):
+        g.record(5, False, 5, 0.1)
+        g.record(5, True, 10, 0.1)  # faster at 5 rows
+    assert g.speculate(3) is True  # faster with more rows: taken with fewer
 
 
 def test_the_policy_chooses_k_unless_the_request_gave_one(pair):
@@ -361,3 +375,47 @@ def test_the_policy_chooses_k_unless_the_request_gave_one(pair):
         assert [row.fixed_k for row in engine.rows if row is not None] == [False, True, False]
     finally:
         engine.close()
+
+
+class _Sharing(PromptLookupProposer):
+    """Prompt lookup that records what the batch told it before each proposal."""
+
+    def __init__(self):
+        super().__init__()
+        self.told: list[int] = []
+
+    def share_passes(self, rows: int) -> None:
+        self.told.append(rows)
+
+
+def test_each_proposer_is_told_how_many_rows_share_its_passes(target):
+    """Before each proposal the batch tells a row's proposer how many requests its passes
+    hold up (the hybrid charges its draft's catch-up to each): the rows in the batch, and 1
+    for a seeded request of the rejection rule, whose proposals must be those it makes alone."""
+    engine = BatchEngine(target.fork(), 3, 64)
+    greedy, seeded = SamplingParams(max_new_tokens=6), SamplingParams(
+        max_new_tokens=6, temperature=0.8, seed=3, acceptance_rule="rejection")
+    props = [_Sharing() for _ in range(3)]
+    short = SamplingParams(max_new_tokens=1)
+    for i, (p, params) in enumerate(zip(props, [short, greedy, seeded])):
+        engine.add(prompt(5, i), params, proposer=p, schedule=FixedK(2))
+    engine.step()
+    assert [p.told for p in props] == [[3], [3], [1]]
+    engine.run()  # the first request left after one round: two rows share the passes
+    assert props[0].told == [3] and props[1].told[1:] == [2] * (len(props[1].told) - 1)
+    assert set(props[2].told) == {1} and len(props[1].told) > 1
+    engine.close()
+
+
+def test_a_lone_rows_rounds_are_not_measured_for_the_guard(target):
+    """A lone row takes its own schedule's K, so its rounds say nothing about the batch's
+    choice and are left out of the measured rates (which rounds of 2 rows enter)."""
+    engine = BatchEngine(target.fork(), 2, 64)
+    engine.add(prompt(5, 0), SamplingParams(max_new_tokens=8))
+    engine.run()
+    assert engine.rates.rate(1, False) is None
+    for i in range(2):
+        engine.add(prompt(5, i), SamplingParams(max_new_tokens=8))
+    engine.run()
+    assert engine.rates.rate(2, False) is not None
+    engine.close()

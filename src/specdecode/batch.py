@@ -120,24 +120,33 @@ class _Waiting:
 
 class MeasuredRates:
     """The batch's measured tokens per second in rounds with speculation and without, per
-    number of active rows, and the choice between them: the one measured faster (median of
-    its last ``window`` rounds, robust to a round that paid a draft's prefill), the other
-    tried every ``explore_every`` rounds to keep its figure fresh; plain rounds are measured
-    first, then speculative ones, ``min_rounds`` each. It keeps the batch from running slower
-    than plain decoding where the cost model misjudges (SERVER.md item 21)."""
+    number of active rows, and the choice between them: the one measured faster (tokens over
+    seconds of its last ``window`` rounds: a round that fed a draft what it had skipped
+    counts, and a lookup's rare long acceptances are not discarded as a median would), the
+    other tried after ``explore_every`` rounds to keep its figure fresh (the gap doubles, up
+    to ``64 * explore_every``, each time the trial leaves the choice as it was, and returns to
+    ``explore_every`` when it changes it); plain rounds are measured
+    first, then speculative ones, ``min_rounds`` each. A number of rows where speculation was
+    not measured yet borrows the verdict of its neighbours, since speculation pays less as
+    the batch grows (a verify pass of n tokens costs T(n), which grows with n): measured
+    slower with fewer rows, it is not tried with more; measured faster with more, it is
+    taken with fewer. It keeps the batch from running slower than plain decoding where the
+    cost model misjudges (SERVER.md item 21)."""
 
-    def __init__(self, window: int = 8, min_rounds: int = 3, explore_every: int = 16):
+    def __init__(self, window: int = 16, min_rounds: int = 3, explore_every: int = 16):
         self.window, self.min_rounds, self.explore_every = window, min_rounds, explore_every
         self._rates: dict[tuple[int, bool], deque] = {}
-        self._rounds: dict[int, int] = {}
+        # per number of rows: rounds until the other kind is tried, the gap after that, and
+        # the choice the last trial was made against
+        self._explore: dict[int, list] = {}
 
     def rate(self, rows: int, speculative: bool) -> float | None:
-        """Median tokens/s of the last rounds of this kind at this batch size (None: fewer
-        than ``min_rounds``)."""
+        """Tokens/s of the last rounds of this kind at this batch size (None: fewer than
+        ``min_rounds``)."""
         seen = self._rates.get((rows, speculative))
         if seen is None or len(seen) < self.min_rounds:
             return None
-        return sorted(seen)[len(seen) // 2]
+        return sum(t for t, _ in seen) / sum(s for _, s in seen)
 
     def speculate(self, rows: int) -> bool:
         """Whether this round (``rows`` active) should speculate."""
@@ -145,14 +154,29 @@ class MeasuredRates:
         if off is None:
             return False
         if on is None:
-            return True
-        n = self._rounds[rows] = self._rounds.get(rows, 0) + 1
+            verdicts = {r: self._faster(r) for r, s in self._rates if s}
+            return (any(v for r, v in verdicts.items() if r > rows)
+                    or not any(v is False for r, v in verdicts.items() if r < rows))
         best = on >= off
-        return (not best) if n % self.explore_every == 0 else best
+        state = self._explore.setdefault(rows, [self.explore_every, self.explore_every, None])
+        if state[2] is not None:  # the round after a trial: did it change the choice?
+            state[1] = self.explore_every if best != state[2] else min(2 * state[1], 64 * self.explore_every)
+            state[0], state[2] = state[1], None
+        state[0] -= 1
+        if state[0] > 0:
+            return best
+        state[2] = best
+        return not best
+
+    def _faster(self, rows: int) -> bool | None:
+        """Whether speculation was measured faster at this number of rows (None: not both
+        measured)."""
+        off, on = self.rate(rows, False), self.rate(rows, True)
+        return None if off is None or on is None else on >= off
 
     def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
         if seconds > 0:
-            self._rates.setdefault((rows, speculative), deque(maxlen=self.window)).append(tokens / seconds)
+            self._rates.setdefault((rows, speculative), deque(maxlen=self.window)).append((tokens, seconds))
 
 
 PROBE_EVERY = 8  # rounds without drafts after which a row the policy stopped tries one again
@@ -456,6 +480,9 @@ class BatchEngine:
         if self.forward_seconds is not None and any(wanted) and len(active) > 1:
             ks = self._policy(active, wanted) if self.rates.speculate(len(active)) else [
                 w if not run.clocked or self.rows[b].fixed_k else 0 for (b, run), w in zip(active, wanted)]
+        for b, run in active:
+            if run.proposer is not None:  # (a seeded rejection-rule row chooses as if alone)
+                run.proposer.share_passes(self.active if run.clocked else 1)
         drafts = self._draft({b: run.propose_steps(k) for (b, run), k in zip(active, ks)})
         t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())
@@ -497,7 +524,8 @@ class BatchEngine:
                 self._free(b)
         rest = (now - t_drafted) - (t_scored - t_forward)  # the round outside drafts and the pass
         self._overhead_s = 0.8 * self._overhead_s + 0.2 * max(0.0, rest)
-        self.rates.record(len(active), width > 1, sum(len(e) for _, e in out), now - t_start)
+        if len(active) > 1:  # (a lone row's K is its own schedule's, never the guard's)
+            self.rates.record(len(active), width > 1, sum(len(e) for _, e in out), now - t_start)
         return out
 
     def _tree_mask(self, active: list[tuple[int, RequestRun]], first: int, stop: int,

@@ -74,7 +74,9 @@ class HybridProposer(Proposer):
       estimated per position from this request's draft rounds, and P the cost of feeding it
       the committed tokens it has not seen (``draft_prefill_cost`` each), spread over the
       rounds the answer is expected to go on for (as many as it has so far, at least
-      ``horizon``). The longest D within ``explore`` of the best rate is taken.
+      ``horizon``), and in a batch times the rows that feed holds up (:meth:`share_passes`:
+      it runs as one long pass while every row waits). The longest D within ``explore`` of
+      the best rate is taken.
     - The draft drafts when its rate beats the best lookup's over ``lookup_margin`` and
       plain decoding's, 1/T(1) (by ``cold_margin`` when it must first catch up), or as a
       probe (see :class:`HybridTuning`); else the best lookup proposes its best L if that
@@ -130,6 +132,7 @@ class HybridProposer(Proposer):
         self._draft_counts = ([0.0] * draft_k, [0.0] * draft_k)  # per position: (reached, accepted)
         self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
         self._idle, self._probe_every = 0, tuning.probe_every  # rounds since the draft drafted
+        self._rows = 1  # requests that share this round's passes
 
     @staticmethod
     def draft_for(lm: CausalLM, p_min: float | None = None) -> DraftModelProposer:
@@ -173,6 +176,9 @@ class HybridProposer(Proposer):
         self._drafted = None
         self._idle, self._probe_every = 0, self.tuning.probe_every
 
+    def share_passes(self, rows: int) -> None:
+        self._rows = rows
+
     def _t(self, n: int) -> float:
         return relative_cost(self.verify_cost, n)
 
@@ -199,7 +205,7 @@ class HybridProposer(Proposer):
         rates = []
         for d in range(1, min(k, self.draft_k) + 1):
             expected = expected_tokens(alpha, d)
-            catch_up = behind * self.draft_prefill_cost / max(1.0, horizon / expected)
+            catch_up = behind * self.draft_prefill_cost * self._rows / max(1.0, horizon / expected)
             rates.append((d, expected / (d * self.draft_cost + self._t(d + 1) + catch_up)))
         if not rates:
             return 0, 0.0
