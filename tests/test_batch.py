@@ -337,17 +337,18 @@ def test_measured_rates_speculate_only_where_measured_faster():
         choices.append(g.speculate(2))
         g.record(2, False, 2, 0.1)  # plain: 20 tokens/s
     assert choices == [False] * 3
-    assert g.speculate(2) is True  # speculation not measured yet
+    assert g.speculate(2) is True and g.trial  # speculation not measured yet
     for tokens, seconds in ((3, 0.5), (14, 0.1), (3, 0.1)):  # a round that fed a draft, a long acceptance
         g.record(2, True, tokens, seconds)
     assert g.rate(2, True) == pytest.approx(20 / 0.7) and g.rate(2, False) == pytest.approx(20)
-    picks = [g.speculate(2) for _ in range(12)]
+    picks = [(g.speculate(2), g.trial) for _ in range(12)]
     # explores plain after 4 rounds; that left the choice as it was: the next trial after 8
-    assert picks == [True] * 3 + [False] + [True] * 7 + [False]
+    assert [p for p, _ in picks] == [True] * 3 + [False] + [True] * 7 + [False]
+    assert not any(t for _, t in picks)  # speculation measured faster: none is a trial
     for _ in range(16):
         g.record(2, True, 1, 0.1)  # speculation now slower: 10 tokens/s
     # the trial changed the choice: the gap is back to 4
-    assert [g.speculate(2) for _ in range(4)] == [False, False, False, True]
+    assert [(g.speculate(2), g.trial) for _ in range(4)] == [(False, False)] * 3 + [(True, True)]
     assert g.speculate(3) is False and g.rate(3, False) is None  # plain first at each size
     for _ in range(3):
         g.record(3, False, 3, 0.1)
@@ -383,9 +384,11 @@ class _Sharing(PromptLookupProposer):
     def __init__(self):
         super().__init__()
         self.told: list[int] = []
+        self.feed: list[bool] = []
 
-    def share_passes(self, rows: int) -> None:
+    def share_passes(self, rows: int, feed: bool = True) -> None:
         self.told.append(rows)
+        self.feed.append(feed)
 
 
 def test_each_proposer_is_told_how_many_rows_share_its_passes(target):
@@ -404,6 +407,18 @@ def test_each_proposer_is_told_how_many_rows_share_its_passes(target):
     engine.run()  # the first request left after one round: two rows share the passes
     assert props[0].told == [3] and props[1].told[1:] == [2] * (len(props[1].told) - 1)
     assert set(props[2].told) == {1} and len(props[1].told) > 1
+    assert all(f for p in props for f in p.feed)  # no guard without forward times: no trials
+    engine.close()
+    # with the guard: plain rounds of 3 rows measured, speculation not yet: a trial round,
+    # in which no clocked row's draft is fed what it skipped
+    engine = BatchEngine(target.fork(), 3, 64, forward_seconds=[0.01 * (1 + n / 8) for n in range(17)])
+    for _ in range(3):
+        engine.rates.record(3, False, 3, 0.1)
+    props = [_Sharing() for _ in range(3)]
+    for i, (p, params) in enumerate(zip(props, [greedy, greedy, seeded])):
+        engine.add(prompt(5, i), params, proposer=p, schedule=FixedK(2))
+    engine.step()
+    assert [(p.told, p.feed) for p in props] == [([3], [False]), ([3], [False]), ([1], [True])]
     engine.close()
 
 

@@ -126,13 +126,13 @@ def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up
     assert gen.stats.by_proposer["suffix"]["num_accepted_tokens"] > 30
 
 
-def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning(), rows: int = 1):
+def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning(), rows: int = 1, feed: bool = True):
     tgt = MockLM(50, hashed_logits(50, "t"))
     prompt = [(i * 7) % 50 for i in range(41)]
     draft = MockLM(50, hashed_logits(50, "t"))  # the target's twin: every draft is accepted
     hybrid = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(draft, p_min=0.0),
                             draft_prefill_cost=cost, tuning=tuning)
-    hybrid.share_passes(rows)
+    hybrid.share_passes(rows, feed)
     params = SamplingParams(max_new_tokens=120)
     gen, _ = run(tgt, hybrid, 6, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
@@ -159,12 +159,14 @@ def test_hybrid_charges_a_catch_up_to_every_row_it_holds_up():
     """In a batch the draft's feed runs as one long pass while every row waits, so the hybrid
     charges it once per row sharing the pass (share_passes): the feed that pays at once for
     a request alone (cost 0.04 T(1) a token, no margin) waits for a longer answer with 4
-    rows, and with 16 is never paid within 120 tokens."""
+    rows, and with 16 is never paid within 120 tokens; on the batch's trial rounds, never."""
     tuning = HybridTuning(draft_prior_alpha=0.7, cold_margin=1.0)
     assert _amortised_run(0.04, tuning)[0] == 0
     first_fed_at, accepted = _amortised_run(0.04, tuning, rows=4)
     assert 10 <= first_fed_at <= 60 and accepted >= 0.8 * (120 - first_fed_at)
     assert _amortised_run(0.04, tuning, rows=16) == (None, 0)
+    # the batch's trial rounds, whose speculation may not go on, never feed it
+    assert _amortised_run(0.04, tuning, feed=False) == (None, 0)
 
 
 def test_hybrid_drafts_as_far_as_the_draft_is_accepted():

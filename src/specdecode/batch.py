@@ -139,6 +139,7 @@ class MeasuredRates:
         # per number of rows: rounds until the other kind is tried, the gap after that, and
         # the choice the last trial was made against
         self._explore: dict[int, list] = {}
+        self.trial = False
 
     def rate(self, rows: int, speculative: bool) -> float | None:
         """Tokens/s of the last rounds of this kind at this batch size (None: fewer than
@@ -149,14 +150,19 @@ class MeasuredRates:
         return sum(t for t, _ in seen) / sum(s for _, s in seen)
 
     def speculate(self, rows: int) -> bool:
-        """Whether this round (``rows`` active) should speculate."""
+        """Whether this round (``rows`` active) should speculate. Sets ``trial``: True when it
+        speculates without having been measured faster (a trial, whose speculation may not
+        go on)."""
+        self.trial = False
         off, on = self.rate(rows, False), self.rate(rows, True)
         if off is None:
             return False
         if on is None:
             verdicts = {r: self._faster(r) for r, s in self._rates if s}
-            return (any(v for r, v in verdicts.items() if r > rows)
-                    or not any(v is False for r, v in verdicts.items() if r < rows))
+            if any(v for r, v in verdicts.items() if r > rows):
+                return True
+            self.trial = not any(v is False for r, v in verdicts.items() if r < rows)
+            return self.trial
         best = on >= off
         state = self._explore.setdefault(rows, [self.explore_every, self.explore_every, None])
         if state[2] is not None:  # the round after a trial: did it change the choice?
@@ -166,6 +172,7 @@ class MeasuredRates:
         if state[0] > 0:
             return best
         state[2] = best
+        self.trial = not best
         return not best
 
     def _faster(self, rows: int) -> bool | None:
@@ -475,14 +482,15 @@ class BatchEngine:
         target = self.target
         t_start = time.perf_counter()
         wanted = [run.wanted_k() for _, run in active]
-        ks = wanted
+        ks, trial = wanted, False
         # a lone row takes its own schedule's K, as the request alone would
         if self.forward_seconds is not None and any(wanted) and len(active) > 1:
             ks = self._policy(active, wanted) if self.rates.speculate(len(active)) else [
                 w if not run.clocked or self.rows[b].fixed_k else 0 for (b, run), w in zip(active, wanted)]
+            trial = self.rates.trial
         for b, run in active:
             if run.proposer is not None:  # (a seeded rejection-rule row chooses as if alone)
-                run.proposer.share_passes(self.active if run.clocked else 1)
+                run.proposer.share_passes(self.active if run.clocked else 1, not (trial and run.clocked))
         drafts = self._draft({b: run.propose_steps(k) for (b, run), k in zip(active, ks)})
         t_drafted = time.perf_counter()
         width = 1 + max(d.shape[1] for d in drafts.values())

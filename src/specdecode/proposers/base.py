@@ -157,11 +157,13 @@ class Proposer(ABC):
         """The last forecast was neither verified nor read by another proposer: a proposer
         that learns from its proposals must not learn from this one."""
 
-    def share_passes(self, rows: int) -> None:
+    def share_passes(self, rows: int, feed: bool = True) -> None:
         """This round's passes are shared by ``rows`` requests (a batch's active rows, 1
         alone; the batched engine calls it before each proposal of a request whose output
         does not depend on its proposals). A proposer whose long passes (a draft's catch-up)
-        hold up every row may charge them ``rows`` times. Default: ignored."""
+        hold up every row may charge them ``rows`` times; ``feed`` False: this round is the
+        batch's trial of speculation, which may not go on, so a draft that must first be fed
+        what it skipped does not draft. Default: ignored."""
 
     def unseen(self, state: RequestState) -> int:
         """Committed tokens the proposer must first process before it can propose (a draft

@@ -75,8 +75,9 @@ class HybridProposer(Proposer):
       the committed tokens it has not seen (``draft_prefill_cost`` each), spread over the
       rounds the answer is expected to go on for (as many as it has so far, at least
       ``horizon``), and in a batch times the rows that feed holds up (:meth:`share_passes`:
-      it runs as one long pass while every row waits). The longest D within ``explore`` of
-      the best rate is taken.
+      it runs as one long pass while every row waits; never on the batch's trial rounds,
+      whose speculation may not go on). The longest D within ``explore`` of the best rate is
+      taken.
     - The draft drafts when its rate beats the best lookup's over ``lookup_margin`` and
       plain decoding's, 1/T(1) (by ``cold_margin`` when it must first catch up), or as a
       probe (see :class:`HybridTuning`); else the best lookup proposes its best L if that
@@ -132,7 +133,7 @@ class HybridProposer(Proposer):
         self._draft_counts = ([0.0] * draft_k, [0.0] * draft_k)  # per position: (reached, accepted)
         self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
         self._idle, self._probe_every = 0, tuning.probe_every  # rounds since the draft drafted
-        self._rows = 1  # requests that share this round's passes
+        self._rows, self._feed = 1, True  # requests that share this round's passes; a feed allowed
 
     @staticmethod
     def draft_for(lm: CausalLM, p_min: float | None = None) -> DraftModelProposer:
@@ -176,8 +177,8 @@ class HybridProposer(Proposer):
         self._drafted = None
         self._idle, self._probe_every = 0, self.tuning.probe_every
 
-    def share_passes(self, rows: int) -> None:
-        self._rows = rows
+    def share_passes(self, rows: int, feed: bool = True) -> None:
+        self._rows, self._feed = rows, feed
 
     def _t(self, n: int) -> float:
         return relative_cost(self.verify_cost, n)
@@ -230,6 +231,8 @@ class HybridProposer(Proposer):
         behind = self.drafter.unseen(state)  # committed tokens the draft has not seen
         d, draft_rate = self._best_draft(n, k, behind)
         cold = behind > 2  # the draft must first be fed what it skipped
+        if cold and not self._feed:
+            d, draft_rate = 0, 0.0
         merit = draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
         # a draft given up after a bad start is tried again now and then (never one that was
         # not fed yet: its catch-up prefill is left to the cost model)
