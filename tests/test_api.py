@@ -674,6 +674,13 @@ def test_a_chat_reaches_a_draft_of_another_tokenizer_in_its_own_template(dirs, t
     assert seen[-1] is None
     specdecode.generate(target, PROMPT, chat=True, draft=specdecode.load(dirs["foreign"]), max_new_tokens=5)
     assert seen[-1] is None  # no chat template of its own: the target's rendered text
+    # a batch of prompts: each chat in the draft's own template, as alone
+    seen.clear()
+    batch = specdecode.generate(target, [msgs, PROMPT], draft=other, max_new_tokens=20)
+    assert batch[0].token_ids == plain.token_ids
+    own = other.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)
+    assert len(seen) == 2 and own in seen and None in seen
 
 
 def test_a_tokenizer_that_cannot_be_bridged_is_refused_at_pairing(dirs, tmp_path, target):

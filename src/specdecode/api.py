@@ -310,9 +310,11 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     if isinstance(method, (str, Method)):
         prepare(speculative_config(method, False), tgt)  # (the layer-skip profile, likewise)
     engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len), forward_seconds=times)
-    rest = {k: v for k, v in kwargs.items() if k not in ("chat", "dtype")}
+    rest = {k: v for k, v in kwargs.items() if k != "dtype"}
     try:  # started together, consumed in turn: each next() steps every row in the batch
-        streams = [stream(tgt, input_ids=p, batch=engine, **rest) for p in ids]
+        # (each prompt as given, not its ids: a draft of another tokenizer reads a chat in
+        # its own template, as alone)
+        streams = [stream(tgt, p, batch=engine, **rest) for p in prompts]
         results: list[GenerationResult | None] = [None] * len(ids)
         live = set(range(len(ids)))
         while live:
