@@ -800,3 +800,32 @@ def test_cpus_without_the_vnni_kernel_run_int8_on_the_avx2_kernel():
         ref = ref + lin.bias if bias is not None else ref
         assert torch.equal(lin(x).reshape(-1, 48), ref)
         assert torch.equal(lin(x[1:2, 2:3]).reshape(-1, 48), ref[7:8])  # a row alone
+
+
+@pytest.mark.parametrize("kind", ["float", "kn", "nk", "vnni", "q4k"])
+def test_first_rows_give_the_full_linears_outputs_bit_for_bit(kind):
+    """A draft's restricted LM head (quant.first_rows): its outputs are the full linear's
+    first m, bit for bit, in every weight format; a bad m or module is named."""
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(64, 256, generator=g), torch.randn(64, generator=g), torch.randn(5, 256, generator=g)
+    if kind == "float":
+        lin = torch.nn.Linear(256, 64)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+    elif kind == "q4k":
+        lin = quant.Q4KLinear(256, 64, True)
+        for name, t in quant.q4k_quantize(w).items():
+            setattr(lin, name, t)
+        lin.bias = b
+    else:
+        lin = quant.Int8Linear.from_float(w, b, layout=kind)
+        assert lin.layout == kind
+    sub = quant.first_rows(lin, 32)
+    assert type(sub) is type(lin) and sub.out_features == 32
+    assert torch.equal(sub(x), lin(x)[:, :32])
+    for m in (0, 24, 80, 32.0):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            quant.first_rows(lin, m)
+    with pytest.raises(ValueError, match="Int8Linear, Q4KLinear or nn.Linear"):
+        quant.first_rows(torch.nn.Embedding(4, 4), 16)

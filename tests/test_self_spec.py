@@ -16,6 +16,7 @@ from specdecode.engine import Engine
 from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
 from specdecode.methods import SpeculativeConfig, build_proposer, speculative_config, split_method
 from specdecode.models.loading import LoadedModel
+from specdecode.models import native
 from specdecode.models.native import SelfDraft
 from specdecode.proposers import DraftModelProposer
 
@@ -315,3 +316,30 @@ def test_the_default_profile_is_made_before_a_batch_holds_the_target():
     with pytest.raises(RuntimeError, match="run `specdecode tune-skip` first"):
         tune_skip(target, max_new_tokens=4, progress=False)
     gen.close()
+
+
+@pytest.mark.parametrize("int8", [None, "kn"], ids=["fp32", "int8"])
+def test_a_self_drafts_head_over_the_first_ids_keeps_their_logits_and_the_output(int8, monkeypatch):
+    """A self-draft whose LM head covers the first ``vocab`` token ids (FR-Spec): those
+    logits are the whole head's bits, the others -inf (never drafted), and the output stays
+    plain decoding's. "auto" restricts a vocabulary more than twice DRAFT_VOCAB only; bad
+    values are named."""
+    tgt, prompt = _target(int8), PROMPTS["twenty"]
+    n = len(prompt) - 1
+    tgt.allocate(1, 64)
+    tgt.forward(torch.tensor([prompt[:-1]]), num_logits=0)
+    x = torch.tensor([[prompt[-1]]])
+    whole = tgt.self_draft([0, 2], vocab=None).forward(x, 1)
+    part = tgt.self_draft([0, 2], vocab=32).forward(x, 1)
+    assert tgt.seq_len == n and part.shape == whole.shape == (1, 1, 96)
+    assert torch.equal(part[..., :32], whole[..., :32]) and torch.isneginf(part[..., 32:]).all()
+    assert tgt.self_draft([0]).vocab is None  # 96 ids: not twice DRAFT_VOCAB
+    monkeypatch.setattr(native, "DRAFT_VOCAB", 32)
+    assert tgt.self_draft([0]).vocab == 32
+    plain = Engine(tgt, None, None).generate(prompt, GREEDY).run()
+    proposer = DraftModelProposer(tgt.self_draft([0, 2]), lazy_prefill=True)
+    gen, _ = run(tgt, proposer, 3, prompt, GREEDY)
+    assert gen.token_ids == plain.token_ids and gen.stats.num_draft_tokens > 0
+    for bad in (8, 33, 112, True, "all"):
+        with pytest.raises(ValueError, match="vocab="):
+            tgt.self_draft([0], vocab=bad)

@@ -467,6 +467,15 @@ class _Body(nn.Module):
 
 FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head's input)
 
+# A self-draft's LM head covers only the first DRAFT_VOCAB token ids of a vocabulary more
+# than twice as large (FR-Spec, arXiv:2502.14856, restricts a draft's head to frequent
+# tokens): byte-level BPE numbers its merges in the order it learned them, the most frequent
+# pairs first, so the lowest ids are the most used (the default target's first 32,768 of
+# 151,936 cover 90-96 % of its answers' tokens: docs/EXPERIMENTS.md). Its head then reads a
+# fifth of the bytes; a token outside it is never drafted, and the verify pass, which has
+# the whole vocabulary, still emits it: the output does not change.
+DRAFT_VOCAB = 32768
+
 
 @dataclass
 class ForwardOutput:
@@ -588,10 +597,21 @@ class Transformer(nn.Module):
         return other
 
     def self_draft(self, layers: list[int] | None = None,
-                   weights: "Transformer | None" = None) -> "SelfDraft":
+                   weights: "Transformer | None" = None, vocab: int | str | None = "auto") -> "SelfDraft":
         """This model as its own draft model, drafting on its own KV cache: see
         :class:`SelfDraft`."""
-        return SelfDraft(self, layers, weights)
+        return SelfDraft(self, layers, weights, vocab)
+
+    def draft_head(self, m: int) -> nn.Module:
+        """The LM head over token ids 0..m-1 only (:func:`~specdecode.models.quant.first_rows`:
+        each logit the full head's bits for that token), made once and kept while the head's
+        tensors stay the same."""
+        head = self.lm_head
+        key = (m, id(head), *(t.data_ptr() for t in (*head.buffers(), *head.parameters())))
+        cached = self.__dict__.get("_draft_head")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_draft_head"] = (key, quant.first_rows(head, m))
+        return cached[1]
 
     def _set_lengths(self, lengths: list[int]):
         self.row_lengths = lengths
@@ -714,7 +734,7 @@ class Transformer(nn.Module):
     def forward_rows(self, input_ids: torch.Tensor, lengths: list[int] | None = None,
                      num_logits: int | None = None, attn_mask: torch.Tensor | None = None,
                      position_ids: torch.Tensor | None = None, output_hidden=(),
-                     layers: list[int] | None = None) -> ForwardOutput:
+                     layers: list[int] | None = None, head: nn.Module | None = None) -> ForwardOutput:
         """Append new tokens to each row, rows with their own lengths and positions.
 
         input_ids: [B, T] token ids (B = the allocated batch). Row b appends its first
@@ -735,6 +755,8 @@ class Transformer(nn.Module):
         (default all). A skipped layer's cache gets nothing for the new positions; a later
         pass that runs that layer raises ValueError until those positions are rolled back
         (draft with a subset, roll back, verify with all layers).
+        head: the output layer instead of the model's LM head (a draft's restricted one,
+        :meth:`draft_head`): logits [.., m] over its m rows.
 
         Runs in chunks of PREFILL_CHUNK when T exceeds it, unless lengths differ or
         attn_mask is given. Raises ValueError, before anything runs, for input that is not
@@ -788,7 +810,7 @@ class Transformer(nn.Module):
                 e = min(t, s + step)
                 pos = None if position_ids is None else position_ids[:, s:e]
                 outs.append(self.forward_rows(input_ids[:, s:e], None, max(0, e - max(s, t - n)),
-                                              None, pos, output_hidden, layers))
+                                              None, pos, output_hidden, layers, head))
             hidden = {k: torch.cat([o.hidden[k] for o in outs], 1) for k in outs[0].hidden}
             return ForwardOutput(torch.cat([o.logits for o in outs], 1), hidden)
 
@@ -861,14 +883,15 @@ class Transformer(nn.Module):
             hidden[FINAL] = self.model.norm(x)
         self._advance(run, layers, lens)
 
+        head = self.lm_head if head is None else head
         if n == 0:
-            logits = x.new_zeros(b, 0, self.args.vocab_size)
+            logits = x.new_zeros(b, 0, head.out_features)
         elif not ragged or num_logits is None:
-            logits = self.lm_head(self.model.norm(x[:, t - n:])).float()
+            logits = head(self.model.norm(x[:, t - n:])).float()
         else:
             idx = (len_t[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
             x = x.gather(1, idx[:, :, None].expand(b, n, x.shape[-1]))
-            logits = self.lm_head(self.model.norm(x)).float()
+            logits = head(self.model.norm(x)).float()
         return ForwardOutput(logits, hidden)
 
     def _chunk(self, t: int, end: int) -> int:
@@ -1069,13 +1092,15 @@ class SelfDraft:
     target: the native Transformer that verifies. layers: sorted unique layer indices to run
     (None: all; the final norm and LM head always run). weights: a Transformer of the same
     architecture whose layers and head draft instead of the target's (its activations'
-    dtype must be the target's cache dtype). Rows: row 0 of a one-row target, or the row a
+    dtype must be the target's cache dtype). vocab: the first token ids its LM head covers
+    ("auto": ``DRAFT_VOCAB`` for a vocabulary more than twice that, else all; None: all);
+    its logits of the other ids are -inf. Rows: row 0 of a one-row target, or the row a
     batched engine gives the request (:meth:`bind`).
-    Raises ValueError for bad layers or weights of another shape or dtype.
+    Raises ValueError for bad layers, weights of another shape or dtype, or a bad vocab.
     """
 
     def __init__(self, target: Transformer, layers: list[int] | None = None,
-                 weights: Transformer | None = None):
+                 weights: Transformer | None = None, vocab: int | str | None = "auto"):
         nl = target.args.n_layers
         if layers is not None:
             layers = list(layers)
@@ -1098,6 +1123,15 @@ class SelfDraft:
         # a draft pass's cost over the target's T(1): the share of layers it runs until
         # measured (layer_skip.draft_cost; the layer-skip methods set it from their profile)
         self.cost = (len(layers) if layers is not None else nl) / nl
+        v = target.args.vocab_size
+        if vocab == "auto":
+            vocab = DRAFT_VOCAB if v > 2 * DRAFT_VOCAB else None
+        if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool)
+                                      and 16 <= vocab <= v and vocab % 16 == 0):
+            raise ValueError(f"vocab={vocab!r}: allowed: 'auto', None (the whole vocabulary) or a "
+                             f"multiple of 16 in 16..{v} (the first token ids the draft's head covers)")
+        self.vocab = vocab
+        self._head = source.draft_head(vocab) if vocab is not None else None
         self.vocab_size = target.vocab_size
         self.max_context = target.max_context
         self.weight_format = source.weight_format
@@ -1130,7 +1164,7 @@ class SelfDraft:
     def same_pass(self) -> tuple:
         """Drafts with equal keys (one target, layers and weights) can run their rows' passes
         as one (:meth:`forward_together`)."""
-        return id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model)
+        return id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model), self.vocab
 
     @staticmethod
     def forward_together(passes: list[tuple["SelfDraft", torch.Tensor, int]]) -> list[torch.Tensor]:
@@ -1159,7 +1193,11 @@ class SelfDraft:
         lm.caches = [c.rows(first, stop) for c in t.caches]
         lm.max_len, lm._cos, lm._sin = t.max_len, t._cos, t._sin
         lm.row_lengths, lm._layer_lengths = starts, None
-        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers).logits
+        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers, head=d0._head).logits
+        if d0._head is not None:  # tokens past the draft's head are never drafted
+            full = logits.new_full((*logits.shape[:2], t.args.vocab_size), float("-inf"))
+            full[..., :d0.vocab] = logits
+            logits = full
         out = []
         for d, ids, n in passes:
             d._len = starts[d.row - first] + ids.shape[1]

@@ -515,6 +515,42 @@ class Q4KLinear(nn.Module):
 Q4K_BUFFERS = ("qweight", "d", "dmin", "sc", "mn")
 
 
+def first_rows(linear: nn.Module, m: int) -> nn.Module:
+    """A linear of the same kind holding ``linear``'s first ``m`` output rows (m a multiple
+    of 16, at most its out_features), copied as they are: each output is the bits of the
+    full linear's for that row (the kernels compute every output row on its own). For a
+    draft's restricted LM head (:meth:`~specdecode.models.native.Transformer.draft_head`).
+    Takes :class:`Int8Linear` (any layout), :class:`Q4KLinear` and ``nn.Linear``; raises
+    ValueError for another module or a bad ``m``."""
+    out = linear.out_features if isinstance(linear, (Int8Linear, Q4KLinear, nn.Linear)) else None
+    if out is None:
+        raise ValueError(f"first_rows takes an Int8Linear, Q4KLinear or nn.Linear, got {type(linear).__name__}")
+    if not (isinstance(m, int) and 16 <= m <= out and m % 16 == 0):
+        raise ValueError(f"first_rows: m={m!r}; allowed: a multiple of 16 in 16..{out}")
+    bias = getattr(linear, "bias", None)
+    if isinstance(linear, nn.Linear):
+        sub = nn.Linear(linear.in_features, m, bias=bias is not None, device=linear.weight.device,
+                        dtype=linear.weight.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(linear.weight[:m])
+            if bias is not None:
+                sub.bias.copy_(bias[:m])
+        return sub.requires_grad_(False)
+    if isinstance(linear, Int8Linear):
+        sub = Int8Linear(linear.in_features, m, bias is not None, linear.layout, device=linear.wscale.device)
+        q = linear.qweight  # vnni: [out/16, in/4, 16, 4]; kn: [in, out]; nk: [out, in]
+        sub.qweight = (q[:, :m] if linear.layout == "kn" else q[:m // 16] if linear.layout == "vnni"
+                       else q[:m]).contiguous().clone()
+        sub.wscale = linear.wscale[:m].clone()
+    else:
+        sub = Q4KLinear(linear.in_features, m, bias is not None, device=linear.qweight.device)
+        for name in Q4K_BUFFERS:  # each [out/16, ...]
+            setattr(sub, name, getattr(linear, name)[:m // 16].clone())
+    if bias is not None:
+        sub.bias = bias[:m].clone()
+    return sub
+
+
 def q4k_dequantize(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     """fp32 [out, in] of :class:`Q4KLinear` buffers, computed as gguf-py dequantizes Q4_K:
     (d * sc) * q - dmin * m."""
