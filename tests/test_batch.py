@@ -359,6 +359,13 @@ def test_measured_rates_speculate_only_where_measured_faster():
         g.record(5, False, 5, 0.1)
         g.record(5, True, 10, 0.1)  # faster at 5 rows
     assert g.speculate(3) is True  # faster with more rows: taken with fewer
+    # trials that change nothing come ever later, up to 8 x explore_every rounds apart
+    g = MeasuredRates(window=16, min_rounds=3, explore_every=4)
+    for _ in range(3):
+        g.record(2, False, 2, 0.1)
+        g.record(2, True, 4, 0.1)
+    trials = [i for i in range(1, 130) if not g.speculate(2)]
+    assert [b - a for a, b in zip([0] + trials, trials)] == [4, 8, 16, 32, 32, 32]
 
 
 def test_the_policy_chooses_k_unless_the_request_gave_one(pair):

@@ -124,7 +124,7 @@ class MeasuredRates:
     seconds of its last ``window`` rounds: a round that fed a draft what it had skipped
     counts, and a lookup's rare long acceptances are not discarded as a median would), the
     other tried after ``explore_every`` rounds to keep its figure fresh (the gap doubles, up
-    to ``64 * explore_every``, each time the trial leaves the choice as it was, and returns to
+    to ``8 * explore_every``, each time the trial leaves the choice as it was, and returns to
     ``explore_every`` when it changes it); plain rounds are measured
     first, then speculative ones, ``min_rounds`` each. A number of rows where speculation was
     not measured yet borrows the verdict of its neighbours, since speculation pays less as
@@ -166,7 +166,7 @@ class MeasuredRates:
         best = on >= off
         state = self._explore.setdefault(rows, [self.explore_every, self.explore_every, None])
         if state[2] is not None:  # the round after a trial: did it change the choice?
-            state[1] = self.explore_every if best != state[2] else min(2 * state[1], 64 * self.explore_every)
+            state[1] = self.explore_every if best != state[2] else min(2 * state[1], 8 * self.explore_every)
             state[0], state[2] = state[1], None
         state[0] -= 1
         if state[0] > 0:
