@@ -407,6 +407,18 @@ def test_bench_serve_client_measures_both_methods_at_each_level(server, alone):
     c = serving.check(results, {0: solo_texts[0], 1: solo_texts[1] + "x"}, 0)
     assert c["mismatches"] == c["compared"] // 2 and c["first_mismatches"][0]["prompt"] == 1
     assert "mismatches" in serving.report(dict(results, command="x", date="d"))
+    # pairs of blocks, alternated: the level's figures over both, the ratio the pairs' median
+    seen.clear()
+    paired = serving.run(server.url, MODEL, prompts, "draft", "ar", [2], 2, 4,
+                         progress=lambda c, m, r: seen.append((m, r["requests"])), repeats=3)
+    assert seen == [("draft", 2), ("ar", 2), ("ar", 2), ("draft", 2), ("draft", 2), ("ar", 2)]
+    level = paired["levels"][0]
+    assert level["draft"]["requests"] == 6 == len(level["ar"]["samples"]) and paired["repeats"] == 3
+    assert len(level["pair_ratios"]) == 3 and level["ratio_median"] == sorted(level["pair_ratios"])[1]
+    low, high = min(level["pair_ratios"]), max(level["pair_ratios"])
+    assert f"{level['ratio_median']:.2f}× ({low:.2f}-{high:.2f})" in serving.report(dict(paired, command="x", date="d"))
+    with pytest.raises(ValueError, match="repeats=0"):
+        serving.run(server.url, MODEL, prompts, "draft", "ar", [1], 1, 4, repeats=0)
     # a failed request is counted, not a crash of the load
     failed = serving.run(server.url, "no-such-model", prompts, "draft", "ar", [2], None, 4)
     assert failed["levels"][0]["ar"]["errors"] == 4 and failed["levels"][0]["ar"]["requests"] == 0
@@ -600,6 +612,8 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
     questions = tmp_path / "question.jsonl"
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
                                    enumerate([("writing", "Write add(a, b)."), ("qa", "What is 2 + 2?")])))
+    assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     code = cli.main(["bench-serve", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
                      "--method", "draft", "--concurrency", "1,2", "--max-tokens", "6", "--limit", "1",
                      "--dataset", str(questions), "--check", "--out", str(tmp_path / "out")])

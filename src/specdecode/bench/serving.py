@@ -130,23 +130,37 @@ def summarize(samples: list[Sample], wall_s: float) -> dict:
             "acceptance_rate": round(sum(s.accepted for s in samples) / proposed, 4) if proposed else None}
 
 
+def _ratio_text(level: dict) -> str:
+    """A level's on / off throughput: the pair's ratio, or with several pairs their median
+    and range."""
+    ratios = [x for x in level["pair_ratios"] if x is not None]
+    if not ratios:
+        return "—"
+    if len(level["pair_ratios"]) == 1:
+        return f"{ratios[0]:.2f}×"
+    return f"{level['ratio_median']:.2f}× ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def report(results: dict) -> str:
     """The markdown report of :func:`run` 's results."""
     on, off = results["method_on"], results["method_off"]
+    pairs = results.get("repeats", 1)
     lines = [f"# specdecode bench-serve\n\ncommand: `{results['command']}`\n",
              f"date: {results['date']}; speculation on: `{on}`, off: `{off}`; "
-             f"{results['max_tokens']} tokens a request, greedy\n",
+             f"{results['max_tokens']} tokens a request, greedy"
+             + (f"; {pairs} pairs of blocks a level, on / off = the median of the pairs' "
+                "throughput ratios (their range)" if pairs > 1 else "") + "\n",
              "| concurrency | method | requests (errors) | throughput tok/s | on / off | TTFT median (p90) s "
              "| TPOT median (p90) s | acceptance |", "|---|---|---|---|---|---|---|---|"]
     for level in results["levels"]:
         c = level["concurrency"]
-        ratio = level[on]["throughput_tok_s"] / level[off]["throughput_tok_s"]
+        ratio = _ratio_text(level)
         for m in (on, off):
             r = level[m]
             acc = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "—"
             tpot = f"{r['tpot_median_s']:.3f} ({r['tpot_p90_s']:.3f})" if r["tpot_median_s"] else "—"
             lines.append(f"| {c} | {m} | {r['requests']} ({r.get('errors', 0)}) | {r['throughput_tok_s']:.2f} | "
-                         f"{f'{ratio:.2f}×' if m == on else ''} | {r['ttft_median_s']:.3f} "
+                         f"{ratio if m == on else ''} | {r['ttft_median_s']:.3f} "
                          f"({r['ttft_p90_s']:.3f}) | {tpot} | {acc} |")
     check = results.get("check")
     if check is not None:
@@ -165,22 +179,41 @@ def report(results: dict) -> str:
 
 def run(url: str, model: str, prompts: list[list[dict]], method_on: str, method_off: str,
         concurrencies: list[int], requests_per_level: int | None, max_tokens: int,
-        api_key: str | None = None, progress=None) -> dict:
-    """Every concurrency level with speculation on and off (their order alternating from
-    level to level, so that a drift of the machine moves both); returns the results."""
+        api_key: str | None = None, progress=None, repeats: int = 1) -> dict:
+    """Every concurrency level with speculation on and off, ``repeats`` pairs of blocks of
+    ``requests_per_level`` requests (default twice the concurrency) a method, the order
+    alternating from block to block and level to level (on off, off on, ...), so that a
+    drift of the machine moves both alike. A level's figures per method are over all its
+    blocks (throughput: tokens over the blocks' summed wall time); ``pair_ratios`` holds each
+    pair's on / off throughput and ``ratio_median`` their median, the figure to quote on a
+    shared machine. ``progress(concurrency, method, block summary)`` after each block.
+    Raises ValueError for repeats < 1."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is invalid; allowed: an integer >= 1")
     levels = []
     for j, c in enumerate(concurrencies):
         n = requests_per_level or 2 * c
-        level = {"concurrency": c}
-        for m in ((method_on, method_off) if j % 2 == 0 else (method_off, method_on)):
-            samples, wall = run_level(url, model, prompts, m, c, n, max_tokens, api_key)
-            level[m] = summarize(samples, wall)
+        level = {"concurrency": c, "pair_ratios": []}
+        blocks: dict[str, list] = {method_on: [], method_off: []}
+        for r in range(repeats):
+            pair = {}
+            for m in ((method_on, method_off) if (j + r) % 2 == 0 else (method_off, method_on)):
+                samples, wall = run_level(url, model, prompts, m, c, n, max_tokens, api_key)
+                blocks[m].append((samples, wall))
+                pair[m] = summarize(samples, wall)
+                if progress is not None:
+                    progress(c, m, pair[m])
+            off = pair[method_off]["throughput_tok_s"]
+            level["pair_ratios"].append(round(pair[method_on]["throughput_tok_s"] / off, 4) if off else None)
+        for m, runs in blocks.items():
+            samples = [s for run_samples, _ in runs for s in run_samples]
+            level[m] = summarize(samples, sum(w for _, w in runs))
             level[m]["samples"] = [asdict(s) for s in samples]
-            if progress is not None:
-                progress(c, m, level[m])
+        known = [x for x in level["pair_ratios"] if x is not None]
+        level["ratio_median"] = round(statistics.median(known), 4) if known else None
         levels.append(level)
     return {"method_on": method_on, "method_off": method_off, "max_tokens": max_tokens,
-            "levels": levels}
+            "repeats": repeats, "levels": levels}
 
 
 def check(results: dict, solo_texts: dict[int, str], left_running: int) -> dict:

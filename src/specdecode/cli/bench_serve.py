@@ -21,12 +21,14 @@ from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument,
 HELP = """\
 Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
 its last one ends) at each concurrency, Spec-Bench questions as chat prompts, greedy, every
-level with speculation on (--method) and off (--off-method) in the same run. Reports
+level with speculation on (--method) and off (--off-method) in the same run (--repeats pairs
+of blocks, alternated, on a noisy machine). Reports
 throughput, time to first token, time per output token (median, p90) and acceptance. Starts
 the server itself on 127.0.0.1 (the model options below) unless --url names a running one.
 
 examples:
   specdecode bench-serve --concurrency 1,2,4 --max-tokens 64 --out benchmarks/serve
+  specdecode bench-serve --concurrency 1,4,8 --requests 8 --repeats 3 --check --out benchmarks/serve-paired
   specdecode bench-serve --url http://127.0.0.1:8000 --model qwen2.5-coder-1.5b-instruct
 """
 
@@ -55,6 +57,11 @@ def add_parser(sub) -> None:
                    help="comma-separated levels (default 1,2,4,8,16)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per level and method (default: twice the concurrency)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="pairs of on / off blocks a level, alternated (on off, off on, ...): the "
+                        "on / off figure is the median of the pairs' ratios, with their range; "
+                        "3 or more show whether a difference is more than the machine's noise "
+                        "(default 1)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens a request (default 64)")
     p.add_argument("--limit", type=int, default=2, help="Spec-Bench questions per subtask (default 2)")
     p.add_argument("--dataset", default=str(SPEC_BENCH_PATH), help="a Spec-Bench question.jsonl")
@@ -81,7 +88,7 @@ def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompt
     pairs = {}
     for m in methods:
         draft = worker.draft if m.needs_draft_model else None
-        for s in results["levels"][0][m.value]["samples"]:
+        for s in results["levels"][0][m.value]["samples"][:args.requests or 2]:  # one block's
             served = serving.request(url, model, prompts[s["prompt"]], m.value, args.max_tokens, args.api_key)
             t0 = time.perf_counter()
             alone = api.generate(target, prompts[s["prompt"]], method=m.value, draft=draft,
@@ -96,6 +103,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Raises ValueError for bad options, FileNotFoundError for a missing dataset."""
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
@@ -131,7 +140,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
-                              args.requests, args.max_tokens, args.api_key, progress)
+                              args.requests, args.max_tokens, args.api_key, progress, args.repeats)
         if args.check and results["levels"][0]["concurrency"] == 1:
             _beside_generate(results, worker, url, model, prompts, (on, off), args)
         if args.check:  # what the worker still holds once every client has its answer
@@ -160,7 +169,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "report.md").write_text(text)
-    summary = {str(lv["concurrency"]): round(lv[on.value]["throughput_tok_s"] / lv[off.value]["throughput_tok_s"], 3)
-               for lv in results["levels"]}
+    summary = {str(lv["concurrency"]): lv["ratio_median"] for lv in results["levels"]}
     print(json.dumps({"on_over_off_throughput": summary}))
     return 0
