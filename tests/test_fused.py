@@ -76,8 +76,8 @@ def _same_caches(a, b, lengths):
 def test_fused_stack_gives_the_modules_bits(kind, qkv_bias):
     """Prefill, one-token steps and verify passes, rows of their own lengths and starts, and
     explicit positions: the same logits, final hidden state and cache, bit for bit."""
-    if kind is None:
-        assert fused.stack(_model(kind)) is None  # no kernel: the modules run
+    if kind is None:  # no kernel of this kind here: an int8 model fuses on the AVX2 one or not at all
+        assert (fused.stack(_model(kind)) is None) == (quant.avx2_kernel() is None)
         return
     a, b = _pair(kind, qkv_bias=qkv_bias)
     g = torch.Generator().manual_seed(0)

@@ -823,7 +823,10 @@ def test_first_rows_give_the_full_linears_outputs_bit_for_bit(kind):
         assert lin.layout == kind
     sub = quant.first_rows(lin, 32)
     assert type(sub) is type(lin) and sub.out_features == 32
-    assert torch.equal(sub(x), lin(x)[:, :32])
+    if kind == "q4k" and quant.vnni_kernel()[0] is None:  # Q4_K runs on that kernel only: the blocks
+        assert torch.equal(sub.weight(), lin.weight()[:32]) and torch.equal(sub.bias, lin.bias[:32])
+    else:
+        assert torch.equal(sub(x), lin(x)[:, :32])
     for m in (0, 24, 80, 32.0):
         with pytest.raises(ValueError, match="multiple of 16"):
             quant.first_rows(lin, m)
