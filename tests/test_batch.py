@@ -186,6 +186,38 @@ def test_generate_over_a_list_of_prompts_equals_each_alone(pair, method):
                                            for p in prompts[:3]]
 
 
+def test_a_seeded_rejection_rule_row_takes_its_own_k_beside_any_neighbour(pair):
+    """A seeded row of the rejection rule keeps the K it would have alone: its output depends
+    on its proposals, so the batch policy's probe (one token after rounds without drafts) must
+    not touch it. Found by a break-it pass: "hello there" beside "a" changed its tokens."""
+    import specdecode
+
+    target = pair[0]
+    kw = dict(method="suffix", max_new_tokens=40, temperature=0.8, seed=5,
+              acceptance_rule="rejection", num_speculative_tokens=8)
+    alone = specdecode.generate(target, "hello there", **kw).token_ids
+    for other in ("def f(x):", "a", "hello there", "zzz zzz"):
+        assert specdecode.generate(target, ["hello there", other], **kw)[0].token_ids == alone, other
+
+
+def test_a_draft_of_another_tokenizer_has_its_positions_in_a_batch(pair):
+    """A draft of another tokenizer reads more tokens than the target: its rows in a batch
+    get the positions it has alone, so it drafts as much as alone, and a seeded rejection-rule
+    row (whose output depends on its proposals) equals its solo run."""
+    import specdecode
+
+    target, _, dirs = pair
+    foreign = specdecode.load(dirs["foreign"])
+    kw = dict(method="draft", draft=foreign, max_new_tokens=40, num_speculative_tokens=3)
+    alone = specdecode.generate(target, "def f(x):", **kw)
+    [batched] = specdecode.generate(target, ["def f(x):"], **kw)
+    assert batched.token_ids == alone.token_ids
+    assert batched.stats.num_draft_tokens == alone.stats.num_draft_tokens > 0
+    sampled = dict(kw, temperature=0.8, seed=5, acceptance_rule="rejection")
+    assert specdecode.generate(target, ["def f(x):"], **sampled)[0].token_ids == \
+        specdecode.generate(target, "def f(x):", **sampled).token_ids
+
+
 def test_generate_batch_bad_input(pair):
     import specdecode
 

@@ -333,16 +333,18 @@ class BatchEngine:
         self._blocks: dict[Generation, deque] = {}  # blocks made, not yet handed out
         self._overhead_s = 0.0  # a round's time outside its forward pass and drafts (decayed mean)
         self.rates = MeasuredRates()
-        self._draft_rows: dict[int, DraftRows] = {}  # id(draft model) -> its rows
+        self._draft_rows: dict[tuple, DraftRows] = {}  # (id(draft model), positions) -> its rows
         self.max_batch = max_batch
 
-    def draft_view(self, draft) -> DraftRowView:
+    def draft_view(self, draft, max_len: int | None = None) -> DraftRowView:
         """A model for one request's draft-model proposer whose passes this batch runs
         together with the other requests' passes of the same draft (``draft``: its model;
-        one cache row per batch row, allocated on first use)."""
-        rows = self._draft_rows.get(id(draft))
+        one cache row per batch row, allocated on first use). max_len: the draft's positions
+        a row (default the batch's: a draft of another tokenizer needs more, as alone)."""
+        key = (id(draft), max_len or self.max_len)
+        rows = self._draft_rows.get(key)
         if rows is None:
-            rows = self._draft_rows[id(draft)] = DraftRows(draft, self.max_batch, self.max_len)
+            rows = self._draft_rows[key] = DraftRows(draft, self.max_batch, key[1])
         return rows.view()
 
     def close(self) -> None:
@@ -603,10 +605,11 @@ class BatchEngine:
                 c = 0.25 * t1 if run.proposer is not None and run.proposer.models() else 0.0
             draft_seconds.append(c)
             recent = st.speculation_lengths[-PROBE_EVERY:]
-            probe = wanted[i] > 0 and len(recent) == PROBE_EVERY and not any(recent)
+            own = not run.clocked or self.rows[b].fixed_k  # its K is its own, as alone
+            probe = not own and wanted[i] > 0 and len(recent) == PROBE_EVERY and not any(recent)
             if probe:  # the policy stopped this row: one draft token, to see if that changed
                 asked[i] = 1
-            fixed.append(probe or not run.clocked or self.rows[b].fixed_k)
+            fixed.append(probe or own)
             batched.append(run.proposer is not None and any(
                 isinstance(m, (DraftRowView, SelfDraft)) for m in run.proposer.models()))
         return choose_lengths(alphas, draft_seconds, asked, fixed, self.forward_seconds,

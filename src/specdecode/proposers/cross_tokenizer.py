@@ -98,6 +98,13 @@ class CrossTokenizerProposer(Proposer):
 
     # -- the committed text and the draft's context
 
+    @staticmethod
+    def draft_positions(target_positions: int) -> int:
+        """The draft's positions for a request of ``target_positions`` target positions: a
+        draft token stands for at least one byte, and a target token for a few, so twice the
+        target's (+ 64) bound the draft's; past them, speculation turns off."""
+        return 2 * target_positions + 64
+
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self.enabled = True
         self.committed, self.ends, self.seen = bytearray(), [], 0
@@ -110,9 +117,7 @@ class CrossTokenizerProposer(Proposer):
             self.ctx_end = [0] * len(self.ctx)
         self.fixed = len(self.ctx)
         self.cached: list[int] = []  # what the draft's KV cache holds
-        # a draft token stands for at least one byte, and a target token for a few: twice
-        # the target's tokens bound the draft's (past it, speculation turns off)
-        self._limit = min(self.draft.max_context, 2 * max_total_len + 64)
+        self._limit = min(self.draft.max_context, self.draft_positions(max_total_len))
         self.draft.allocate(1, self._limit)
         eos = list(state.eos_token_ids)
         self.to_target = self.vmap.to_target.clone()
