@@ -253,6 +253,12 @@ def test_bad_requests_get_openai_errors_with_the_right_status(server):
         ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 501, "presence_penalty"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"prompt": "x"}, 400, "model"),
+        # from a break-it pass: each was a 500
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10 ** 400}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": 10 ** 400}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "n": 2, "seed": (1 << 63) - 1, "temperature": 1}, 400, "seed"),
+        (b"[" * 100000 + b"]" * 100000, 400, None),
+        (b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ]
     for body, status, param in cases:
         got, _, err = server.post("/v1/completions", body)
@@ -345,6 +351,114 @@ def test_a_client_that_leaves_frees_the_worker(server):
         time.sleep(0.05)
     r = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_row(spare, monkeypatch):
+    """A non-streamed request whose client closes its connection: the worker drops it long
+    before its generation would end (each round held 50 ms here: 200 tokens take 10 s)."""
+    import http.client
+
+    s = Server(lambda: spare, max_batch=1).start()
+    real = s.worker._round
+
+    def slow():
+        time.sleep(0.05)
+        real()
+
+    monkeypatch.setattr(s.worker, "_round", slow)
+    try:
+        before = s.worker.metrics.cancelled._value.get()
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "method": "ar"}),
+            {"Content-Type": "application/json"})
+        deadline = time.time() + 5
+        while not s.worker._live:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        conn.close()
+        t0 = time.time()
+        while s.worker.metrics.cancelled._value.get() == before:
+            assert time.time() - t0 < 3, "the worker kept generating for a client that left"
+            time.sleep(0.02)
+        assert not s.worker._live
+    finally:
+        s.stop()
+
+
+def test_the_queue_bound_counts_requests_taken_but_not_running(spare, monkeypatch):
+    """max_queue bounds every request without a row, also those the worker has taken from
+    its queue (one a step): with the one row busy and max_queue 2, of 8 more requests 2
+    wait and 6 are refused. (A break-it pass saw 7 of 20 accepted.)"""
+    s = Server(lambda: spare, max_queue=2, max_batch=1).start()
+    real = s.worker._round
+
+    def slow():
+        time.sleep(0.05)
+        real()
+
+    monkeypatch.setattr(s.worker, "_round", slow)
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "method": "ar"}
+        results = []
+        first = threading.Thread(target=lambda: results.append(
+            s.post("/v1/completions", dict(body, max_tokens=80))))
+        first.start()
+        deadline = time.time() + 10
+        while not s.worker._live:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        more = []
+        for _ in range(8):  # a step apart or more: the worker takes each from its queue
+            more.append(threading.Thread(target=lambda: results.append(s.post("/v1/completions", body))))
+            more[-1].start()
+            time.sleep(0.15)
+        refused = [r for r in results if r[0] == 429]
+        assert len(refused) == 6 and s.worker.waiting == 2, (len(refused), s.worker.waiting)
+        for t in [first, *more]:
+            t.join(60)
+        assert sorted(r[0] for r in results) == [200] * 3 + [429] * 6
+    finally:
+        s.stop()
+
+
+def test_methods_that_cannot_run_here_are_not_offered_and_get_400(spare, monkeypatch, tmp_path):
+    """A server without the target's layer-skip profile (it measures it only for --method
+    layer-skip or self) neither lists layer-skip, self and early-exit (no exit layer from a
+    method name) nor runs them: a 400 that says what to do, not a 500."""
+    import specdecode.methods as methods
+
+    monkeypatch.setattr(methods, "default_profile_path", lambda target: tmp_path / "none.json")
+    s = Server(lambda: spare, method="ar").start()
+    try:
+        offered = s.get("/v1/models")[2]["data"][0]["methods"]
+        assert "ar" in offered and "suffix" in offered
+        assert not {"layer-skip", "self", "early-exit"} & set(offered)
+        for m in ("layer-skip", "self", "early-exit"):
+            status, _, err = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "method": m})
+            assert status == 400 and err["error"]["param"] == "method", (m, err)
+            assert "cannot run here" in err["error"]["message"]
+        status, _, err = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "method": "self"})
+        assert "specdecode tune-skip --target" in err["error"]["message"]
+    finally:
+        s.stop()
+    assert "exit layer" in methods.cannot_run(Method("early-exit"), spare[0])
+
+
+def test_metrics_count_a_prompt_once_however_many_choices(server):
+    def prompt_total():
+        text = server.get("/metrics")[2]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("specdecode:prompt_tokens_total"))
+
+    before = prompt_total()
+    r = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=3,
+                                           temperature=1, seed=3)
+    deadline = time.time() + 5
+    while prompt_total() == before:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert prompt_total() - before == r.usage.prompt_tokens
 
 
 def test_metrics_count_speculation_with_vllm_names(server):
@@ -614,6 +728,8 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
                                    enumerate([("writing", "Write add(a, b)."), ("qa", "What is 2 + 2?")])))
     assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--method", "ar"]) == 2
+    assert "--method and --off-method are both ar" in capsys.readouterr().err
     code = cli.main(["bench-serve", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
                      "--method", "draft", "--concurrency", "1,2", "--max-tokens", "6", "--limit", "1",
                      "--dataset", str(questions), "--check", "--out", str(tmp_path / "out")])

@@ -18,10 +18,10 @@ import torch
 
 from .config import MAX_K, KSchedule, check_k
 from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir
-from .layer_skip import SkipProfile, check_skip, default_profile
+from .layer_skip import SkipProfile, check_skip, default_profile, default_profile_path
 from .models.base import module_device
 from .models.loading import LoadedModel, check_compatible, load
-from .models.quant import best_layout
+from .models.quant import best_layout, vnni_kernel
 from .profile import verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
                         Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
@@ -577,6 +577,36 @@ def prepare(spec: SpeculativeConfig, target: LoadedModel) -> None:
     if spec.method.value in ("layer-skip", "self") and spec.skip_layers is None \
             and spec.skip_profile is None:
         default_profile(target)
+
+
+def cannot_run(method: "Method", target: LoadedModel) -> str | None:
+    """Why ``method`` with its default options cannot run on ``target`` as it stands (None
+    when it can), without measuring or loading anything: for a server, whose requests name a
+    method but no options, and whose batch holds the target so that nothing can be measured
+    on it later (:func:`prepare`). Draft models and draft heads are checked elsewhere."""
+    name = method.value
+    if name not in ("layer-skip", "self", "early-exit", "self-draft"):
+        return None
+    try:
+        lm = _native(target, name)
+    except ValueError as e:
+        return str(e)
+    if name == "early-exit":
+        return "it needs its exit layer E (early-exit:layer=E), which a method name cannot give"
+    if name == "self-draft":
+        own = _PRECISION.get(lm.weight_format.split("-")[0])
+        if own is None or own <= _PRECISION["int4"]:
+            return (f"its int4 self-draft is not below this target's {lm.weight_format} weights "
+                    "(load the target in float32 or int8)")
+        if vnni_kernel()[0] is None:
+            return f"its int4 self-draft needs the AVX512-VNNI kernel, which is not in use here ({vnni_kernel()[1]})"
+        return None
+    try:
+        SkipProfile.load(default_profile_path(target), lm.args.n_layers)
+    except ValueError:
+        return (f"the target has no layer-skip profile yet: run `specdecode tune-skip --target "
+                f"{target.name}` once (or start the server with --method {name}), then restart")
+    return None
 
 
 def build_proposer(spec: SpeculativeConfig, target: LoadedModel,

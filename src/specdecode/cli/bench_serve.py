@@ -15,8 +15,9 @@ from ..bench import serving
 from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
 from ..methods import METHODS, Method
 from ..server import Metrics, Worker, create_app, serve_in_thread
+from .serve import load_served
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     load_models, model_name, run_command)
+                     model_name, run_command)
 
 HELP = """\
 Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
@@ -88,7 +89,8 @@ def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompt
     pairs = {}
     for m in methods:
         draft = worker.draft if m.needs_draft_model else None
-        for s in results["levels"][0][m.value]["samples"][:args.requests or 2]:  # one block's
+        level = next(lv for lv in results["levels"] if lv["concurrency"] == 1)
+        for s in level[m.value]["samples"][:args.requests or 2]:  # one block's
             served = serving.request(url, model, prompts[s["prompt"]], m.value, args.max_tokens, args.api_key)
             t0 = time.perf_counter()
             alone = api.generate(target, prompts[s["prompt"]], method=m.value, draft=draft,
@@ -116,12 +118,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.check and args.url is not None:
         raise ValueError("--check runs the solo runs on the server's own models: leave out --url")
     on, off = Method(args.method), Method(args.off_method)
+    if on == off:
+        raise ValueError(f"--method and --off-method are both {on.value}: compare two methods "
+                         "(--off-method ar is plain decoding)")
     uv = None
     if args.url is None:
         apply_threads(args)
-        need = on if on.needs_draft_model else off
         name = model_name(args)
-        worker = Worker(lambda: load_models(args, need), Metrics(name), 1024,
+        worker = Worker(lambda: load_served(args, (on, off)), Metrics(name), 1024,
                         args.max_batch or max(args.concurrency), 2048)
         worker.start()
         uv, port = serve_in_thread(create_app(worker, name, on.value, args.api_key))
@@ -141,7 +145,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
                               args.requests, args.max_tokens, args.api_key, progress, args.repeats)
-        if args.check and results["levels"][0]["concurrency"] == 1:
+        if args.check and 1 in args.concurrency:
             _beside_generate(results, worker, url, model, prompts, (on, off), args)
         if args.check:  # what the worker still holds once every client has its answer
             time.sleep(1.0)
@@ -171,4 +175,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         (out / "report.md").write_text(text)
     summary = {str(lv["concurrency"]): lv["ratio_median"] for lv in results["levels"]}
     print(json.dumps({"on_over_off_throughput": summary}))
+    errors = sum(lv[m]["errors"] for lv in results["levels"] for m in (on.value, off.value))
+    if errors:  # a load test that lost requests has failed, whatever its figures
+        print(f"error: {errors} requests failed (their errors are in the samples of results.json)",
+              file=sys.stderr)
+        return 1
     return 0

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..methods import Method, SpeculativeConfig, head_dir_for, prepare
+from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, prepare
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
@@ -69,6 +69,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=lambda args: run_command(cmd_serve, args))
 
 
+def load_served(args: argparse.Namespace, methods: tuple[Method, ...]):
+    """(target, draft) for a server of ``methods`` (the draft model when one needs it), after
+    measuring what they measure once on the target (:func:`~specdecode.methods.prepare`:
+    before the batch holds it). Raises ValueError for a method that cannot run on the target."""
+    target, draft = load_models(args, next((m for m in methods if m.needs_draft_model), methods[0]))
+    for m in methods:
+        prepare(SpeculativeConfig(m), target)
+        why = cannot_run(m, target)
+        if why is not None:
+            raise ValueError(f"method {m.value} cannot run on this target: {why}")
+    return target, draft
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Raises ValueError for bad options (the models load after the server is up)."""
     import uvicorn  # here: the other commands do not need it
@@ -88,12 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     head_dir_for(SpeculativeConfig(method), args.target)  # a missing head is said before anything loads
     threads = apply_threads(args)
     name = model_name(args)
-    def load():
-        target, draft = load_models(args, method)
-        prepare(SpeculativeConfig(method), target)  # (the layer-skip profile: before the batch holds the target)
-        return target, draft
-
-    worker = Worker(load, Metrics(name), args.max_queue, args.max_batch,
+    worker = Worker(lambda: load_served(args, (method,)), Metrics(name), args.max_queue, args.max_batch,
                     args.max_len)
     worker.start()
     app = create_app(worker, name, method.value, args.api_key)

@@ -27,13 +27,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
-from ..methods import Method, SpeculativeConfig, head_dir_for, speculative_config
+from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, speculative_config
 from . import protocol
 from .protocol import OpenAIError, bad
 from .worker import Ticket, Worker
 
 # the page at /: one static file (HTML, CSS and JS, no build step)
 PAGE = Path(__file__).with_name("page.html")
+# seconds between checks that the client of a non-streamed request is still there (a stream
+# learns it at its next write)
+DISCONNECT_POLL_S = 0.1
 
 
 def _has_head(method: Method, target: str) -> bool:
@@ -52,8 +55,10 @@ class _Context:
     def __init__(self, worker: Worker, model_name: str, default_method: str):
         tgt = worker.target
         self.model_name, self.default_method = model_name, default_method
+        # what a request may name: the methods whose models, heads and profiles are here
+        self.unavailable = {m.value: why for m in Method if (why := cannot_run(m, tgt)) is not None}
         self.methods = [m.value for m in Method if (not m.needs_draft_model or worker.draft is not None)
-                        and _has_head(m, tgt.name)]
+                        and _has_head(m, tgt.name) and m.value not in self.unavailable]
         self.max_context, self.vocab_size = worker.context, tgt.lm.vocab_size
         self._target = tgt
 
@@ -170,9 +175,19 @@ def create_app(worker: Worker, model_name: str, default_method: str,
         texts, finishes, results = [""] * total, [None] * total, [None] * total
         tokens, spans, speculation = [[] for _ in range(total)], [[] for _ in range(total)], [None] * total
         try:
-            done = 0
+            done, asked = 0, time.monotonic()
             while done < total:
-                piece = await ticket.pieces.get()
+                try:
+                    piece = await asyncio.wait_for(ticket.pieces.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    piece = None
+                if time.monotonic() - asked >= DISCONNECT_POLL_S:
+                    # a client that leaves is only seen by asking: its row is freed then
+                    asked = time.monotonic()
+                    if await request.is_disconnected():  # (finally: the worker drops the ticket)
+                        return Response(status_code=499)  # nobody reads it
+                if piece is None:
+                    continue
                 if piece.kind == "error":
                     raise OpenAIError(500, piece.message, type="server_error",
                                       headers={"x-should-retry": "false"})

@@ -57,7 +57,8 @@ class Metrics:
 
     def observe(self, result, completion_tokens: int, prompt_tokens: int, arrived: float,
                 first_text: float | None) -> None:
-        """Count one finished choice (a :class:`~specdecode.api.GenerationResult`)."""
+        """Count one finished choice (a :class:`~specdecode.api.GenerationResult`);
+        ``prompt_tokens``: 0 for the second and later choices of one prompt."""
         now = time.perf_counter()
         s = result.stats
         self.num_drafts.inc(s.num_drafts)

@@ -85,6 +85,8 @@ def parse_body(raw: bytes, kind: str) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder's own limit, not a fault of the server
+        raise bad("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     for name in body:
@@ -104,10 +106,13 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     if value is None:
         return default
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+    # an int too large for a float is finite but has no float: checked by range, not isfinite
+    if isinstance(value, bool) or not isinstance(value, kind) or \
+            (isinstance(value, float) and not math.isfinite(value)):
         raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
     if not lo <= value <= hi:
-        raise bad(f"'{name}' is {value!r}; allowed: {lo}..{hi}", name)
+        shown = value if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
+        raise bad(f"'{name}' is {shown}; allowed: {lo}..{hi}", name)
     return value
 
 
@@ -128,7 +133,8 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     """A :class:`Job` from a parsed body, or OpenAIError naming the bad value.
 
     ctx: what the checks need from the server (``model_name``, ``methods`` it can run,
-    ``default_method``, ``max_context``, ``encode(text)``, ``apply_chat(messages)``).
+    ``unavailable`` (method -> why it cannot run here), ``default_method``, ``max_context``,
+    ``encode(text)``, ``apply_chat(messages)``).
     """
     model = body.get("model")
     if not isinstance(model, str):
@@ -194,8 +200,10 @@ def check_request(body: dict, kind: str, ctx) -> Job:
             raise bad("'stop' must be a non-empty string or a list of them", "stop")
     method = body.get("method", ctx.default_method)
     if method not in ctx.methods:
+        why = ctx.unavailable.get(method) if isinstance(method, str) else None
         hint = (" (the methods with a draft model need one loaded: start the server with --draft "
-                "NAME or --method draft|hybrid)" if method in ("draft", "hybrid") else "")
+                "NAME or --method draft|hybrid)" if method in ("draft", "hybrid")
+                else f" ({method} cannot run here: {why})" if why else "")
         raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}{hint}", "method")
     k = body.get("num_speculative_tokens")
     if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64):
@@ -211,7 +219,8 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         top_k=_number(body, "top_k", 0, 0, 1 << 31, integer=True),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 1e9),
         stop=stop, acceptance_rule=rule)
-    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    # choice i samples with seed + i: every one of them must be a valid seed
+    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - n, integer=True)
     sources = body.get("return_token_sources", False)
     if not isinstance(sources, bool):
         raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")

@@ -85,7 +85,7 @@ class Worker:
     def __init__(self, load, metrics, max_queue: int = 32, max_batch: int = 8, max_len: int = 4096):
         self._load = load
         self.metrics = metrics
-        self.max_batch, self.max_len = max_batch, max_len
+        self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.target = self.draft = None
         self.engine: BatchEngine | None = None
         self.error: str | None = None
@@ -109,7 +109,9 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        """Tickets waiting for a row: queued, or taken with no choice running yet."""
+        running = {id(c.ticket) for c in list(self._live)}
+        return self._queue.qsize() + len({id(c.ticket) for c in list(self._pending)} - running)
 
     @property
     def context(self) -> int:
@@ -117,7 +119,10 @@ class Worker:
         return self.engine.max_len if self.engine is not None else self.target.lm.max_context
 
     def submit(self, ticket: Ticket) -> None:
-        """Queue a ticket; raises queue.Full when ``max_queue`` are waiting."""
+        """Queue a ticket; raises queue.Full when ``max_queue`` are waiting (queued, or taken
+        from the queue by the worker without a row yet)."""
+        if self.waiting >= self.max_queue:
+            raise queue.Full
         self._queue.put_nowait(ticket)
         self.metrics.waiting.set(self.waiting)
 
@@ -147,13 +152,13 @@ class Worker:
                 self._take(ticket)
             while self._pending and len(self._live) < rows:
                 self._live.append(self._begin(self._pending.pop(0)))
-            self.metrics.waiting.set(self.waiting + len(self._pending))
+            self.metrics.waiting.set(self.waiting)
             self.metrics.running.set(len(self._live))
             if self._live:
                 self.metrics.batch_size.observe(len(self._live))
             self._round()
             self.metrics.running.set(len(self._live))  # (the loop may block next, idle)
-            self.metrics.waiting.set(self.waiting + len(self._pending))
+            self.metrics.waiting.set(self.waiting)
         for c in self._live:
             c.chunks.close()
         if self.engine is not None:
@@ -227,7 +232,10 @@ class Worker:
                 r = chunk.result
                 ids = r.token_ids  # an EOS that ended the request is not text
                 n = len(ids) - (r.finish_reason == "stop" and bool(ids) and ids[-1] in eos)
-                self.metrics.observe(r, n, choice.prompt_tokens, ticket.arrived, choice.first)
+                # a prompt's tokens count once however many choices it has, as usage counts them
+                first_of_prompt = choice.index % ticket.job.n == 0
+                self.metrics.observe(r, n, choice.prompt_tokens if first_of_prompt else 0,
+                                     ticket.arrived, choice.first)
                 ticket.put(Piece("done", choice.index, finish=r.finish_reason,
                                  completion_tokens=n, stats=r.stats))
                 choice.chunks.close()
