@@ -110,7 +110,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
     print(f"# serving {name} (method {method.value}; "
-          + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix, layer-skip, self")
+          + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix, and "
+             "layer-skip and self once the target has its layer-skip profile (`specdecode "
+             "tune-skip`); GET /v1/models lists them")
           + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
           "the models are loaded", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
