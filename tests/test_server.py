@@ -353,19 +353,25 @@ def test_a_client_that_leaves_frees_the_worker(server):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def _slow_rounds(server, monkeypatch, seconds=0.05):
+    """Hold each of the worker's rounds ``seconds`` longer: a request of n tokens takes n
+    rounds' worth of that, long enough to act on it meanwhile."""
+    real = server.worker._round
+
+    def slow():
+        time.sleep(seconds)
+        real()
+
+    monkeypatch.setattr(server.worker, "_round", slow)
+
+
 def test_a_non_streaming_client_that_leaves_frees_its_row(spare, monkeypatch):
     """A non-streamed request whose client closes its connection: the worker drops it long
     before its generation would end (each round held 50 ms here: 200 tokens take 10 s)."""
     import http.client
 
     s = Server(lambda: spare, max_batch=1).start()
-    real = s.worker._round
-
-    def slow():
-        time.sleep(0.05)
-        real()
-
-    monkeypatch.setattr(s.worker, "_round", slow)
+    _slow_rounds(s, monkeypatch)
     try:
         before = s.worker.metrics.cancelled._value.get()
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
@@ -391,13 +397,7 @@ def test_the_queue_bound_counts_requests_taken_but_not_running(spare, monkeypatc
     its queue (one a step): with the one row busy and max_queue 2, of 8 more requests 2
     wait and 6 are refused. (A break-it pass saw 7 of 20 accepted.)"""
     s = Server(lambda: spare, max_queue=2, max_batch=1).start()
-    real = s.worker._round
-
-    def slow():
-        time.sleep(0.05)
-        real()
-
-    monkeypatch.setattr(s.worker, "_round", slow)
+    _slow_rounds(s, monkeypatch)
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "method": "ar"}
         results = []
