@@ -14,7 +14,8 @@ from lossless import EV, N_RUNS, assert_lossless
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
-from specdecode.methods import SpeculativeConfig, build_proposer, speculative_config, split_method
+from specdecode import methods
+from specdecode.methods import Method, SpeculativeConfig, build_proposer, speculative_config, split_method
 from specdecode.models.loading import LoadedModel
 from specdecode.models import native
 from specdecode.models.native import SelfDraft
@@ -271,7 +272,7 @@ def test_method_strings_carry_their_own_options():
         SpeculativeConfig("draft", skip_layers=(1,))
 
 
-def test_methods_build_their_self_drafts_and_refuse_bad_values():
+def test_methods_build_their_self_drafts_and_refuse_bad_values(monkeypatch):
     lm = _target("kn")
     target = _loaded(lm)
     ls = build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1, 3)), target, None)
@@ -286,9 +287,17 @@ def test_methods_build_their_self_drafts_and_refuse_bad_values():
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(7,)), target, None)
     with pytest.raises(ValueError, match="leaves no draft"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(0, 1, 2, 3)), target, None)
-    # an int8 target's int8 copy would cost as much: int4 is allowed, int8 refused
+    # an int8 target's int8 copy would cost as much: int4 is allowed (where its kernel runs), int8 refused
+    monkeypatch.setattr(methods, "vnni_kernel", lambda: (object(), ""))
     with pytest.raises(ValueError, match="not below this target's int8.*dtype=int4"):
         build_proposer(SpeculativeConfig("self-draft", self_draft_dtype="int8"), target, None)
+    # on a CPU without the int4 kernel (from a new-user pass: the two messages sent the user
+    # back and forth between int8 and int4)
+    monkeypatch.setattr(methods, "vnni_kernel", lambda: (None, "a test"))
+    for dtype in ("int4", "int8"):
+        with pytest.raises(ValueError, match="use layer-skip or self"):
+            build_proposer(SpeculativeConfig("self-draft", self_draft_dtype=dtype), target, None)
+    assert "AVX512-VNNI" in methods.cannot_run(Method("self-draft"), target)
     from specdecode.models.hf import HFCausalLM
     with pytest.raises(ValueError, match="native runtime"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1,)),

@@ -253,11 +253,21 @@ def _lower_precision_draft(spec: "SpeculativeConfig", target: LoadedModel):
     dtype = spec.self_draft_dtype or "int4"
     own = _PRECISION.get(lm.weight_format.split("-")[0])
     if own is None or _PRECISION[dtype] >= own:
-        lower = [d for d in SELF_DRAFT_DTYPES if own is not None and _PRECISION[d] < own]
+        lower = [d for d in SELF_DRAFT_DTYPES if own is not None and _PRECISION[d] < own
+                 and (d != "int4" or vnni_kernel()[0] is not None)]  # int4 runs on that kernel only
         raise ValueError(f"a self-draft in {dtype} is not below this target's {lm.weight_format} "
                          "weights, so it would cost as much as the target: "
                          + (f"use dtype={' or '.join(lower)}" if lower else
-                            "load the target in float32 or int8 for a self-draft"))
+                            "load the target in float32 or int8 for a self-draft" if own is None
+                            or own <= _PRECISION["int4"] or vnni_kernel()[0] is not None else
+                            "no lower precision runs on this CPU (int4 needs the AVX512-VNNI "
+                            "kernel): use layer-skip or self (no second model) instead"))
+    if dtype == "int4" and vnni_kernel()[0] is None:  # said here: load() would say "use int8"
+        raise ValueError(f"a self-draft in int4 needs the AVX512-VNNI kernel, which is not in use "
+                         f"here ({vnni_kernel()[1]}): " + (
+                             "use self-draft:dtype=int8" if own > _PRECISION["int8"] else
+                             f"int8 is no lower than this target's {lm.weight_format}, so on this "
+                             "CPU use layer-skip or self (no second model) instead"))
     if dtype not in target.self_drafts:
         if target.path is None:
             raise ValueError("a self-draft loads the target's files again: this target has no path")

@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
         if not lock.acquire(blocking=False):
             raise RuntimeError("this model is generating another request: its forward times for "
                                "K='auto' can be measured once that request is finished or closed")
+        print(f"measuring {model.name}'s forward times T(1..{n}) once (cached in {path})...",
+              file=sys.stderr)
         try:
             context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
             # a draft's T(1) alone is cheap: 15 samples of it

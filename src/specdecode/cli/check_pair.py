@@ -62,7 +62,7 @@ def _print(r: dict) -> None:
     ct = r["chat_template"]
     print(f"chat    template: target {'yes' if ct['target'] else 'no'}, draft {'yes' if ct['draft'] else 'no'}"
           + ("" if r["mode"] == "same" else ", the same" if ct["same"] else
-             ", different (the draft reads the target's rendered conversation as text)"))
+             ", different (a chat request's draft reads the conversation in its own template)"))
     s = r["sample_split"]
     print(f"split   {s['text']!r}: {s['target']} target tokens, {s['draft']} draft tokens"
           + ("" if s["round_trip"] else " (a tokenizer changed the text: speculation stops there)"))

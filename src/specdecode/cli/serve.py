@@ -34,10 +34,10 @@ one or --draft names one; only then may requests ask for the draft and hybrid me
 Each step the rows' draft passes run as one pass, each round's K per row is chosen for the
 whole batch, and a round speculates only while that is measured faster than plain rounds.
 The default method is ar (plain batched decoding) for now: measured with `specdecode
-bench-serve` on a 2-core CPU, the hybrid made 1.10x plain decoding's throughput at
-concurrency 1, 0.99x at 4, but 0.88-0.92x at 2 and 8 (a hybrid request's draft prefill
-stalls the batch once; BENCHMARKS.md section 7b); a request may still ask for a method
-("method" in extra_body), and --method sets the default.
+bench-serve` on 2-core CPUs, the hybrid made 0.98-1.13x plain batched decoding's throughput
+at concurrency 1 but 0.86-1.12x at 4-8 (BENCHMARKS.md sections 7h, 7i); a request may still
+ask for a method ("method" in extra_body; GET /v1/models lists those it can run), and
+--method sets the default.
 
 examples:
   specdecode serve
