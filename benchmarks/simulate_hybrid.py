@@ -33,10 +33,9 @@ from simulate_lookup import load_cases, replay
 from specdecode.bench.runners import BenchModels
 from specdecode.models import registry
 from specdecode.proposers import DraftOutput, HybridProposer, HybridTuning, PromptLookupProposer, Proposer, SuffixProposer
-from specdecode.profile import verify_profile
+from specdecode.profile import prefill_profile, verify_profile
 
 DRAFT_K = 6
-DRAFT_PREFILL_COST = 0.008  # HybridProposer's default draft_prefill_cost, per token / T(1)
 
 
 @torch.inference_mode()
@@ -113,7 +112,7 @@ def main() -> None:
                    help="where step 1's results are kept (default: %(default)s)")
     p.add_argument("--prefill-cost", type=float, default=None,
                    help="the draft's prefill per token / T(1), charged and told to the hybrid "
-                        f"(default {DRAFT_PREFILL_COST}, HybridProposer's)")
+                        "(default: the draft's measured one, as the hybrid method's)")
     p.add_argument("--dtype", default="auto", help="the target's dtype (that of the run recorded)")
     p.add_argument("--draft-dtype", default="auto", help="the draft's dtype (default: load()'s)")
     args = p.parse_args()
@@ -134,7 +133,7 @@ def main() -> None:
     times = verify_profile(target, 16)
     vc = [t / times[0] for t in times]  # T(n)/T(1): every cost in units of T(1)
     c_draft = verify_profile(draft, 0)[0] / times[0]
-    prefill_cost = DRAFT_PREFILL_COST if args.prefill_cost is None else args.prefill_cost
+    prefill_cost = prefill_profile(draft) / times[0] if args.prefill_cost is None else args.prefill_cost
 
     def cost_of(drafter: ReplayDraft):
         def cost(proposal, n):

@@ -126,14 +126,15 @@ def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up
     assert gen.stats.by_proposer["suffix"]["num_accepted_tokens"] > 30
 
 
-def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning(), rows: int = 1, feed: bool = True):
+def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning(), rows: int = 1, feed: bool = True,
+                   max_new: int = 120):
     tgt = MockLM(50, hashed_logits(50, "t"))
     prompt = [(i * 7) % 50 for i in range(41)]
     draft = MockLM(50, hashed_logits(50, "t"))  # the target's twin: every draft is accepted
     hybrid = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(draft, p_min=0.0),
                             draft_prefill_cost=cost, tuning=tuning)
     hybrid.share_passes(rows, feed)
-    params = SamplingParams(max_new_tokens=120)
+    params = SamplingParams(max_new_tokens=max_new)
     gen, _ = run(tgt, hybrid, 6, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     first_fed_at = draft.forward_sizes[0] - (len(prompt) - 1) if draft.forward_sizes else None
@@ -144,15 +145,20 @@ def test_hybrid_amortises_the_draft_prefill_over_the_answer_so_far():
     """A long prompt's draft prefill is paid only once the answer has gone on long enough to
     spread it (RAG: 800 prompt tokens, a 15-token answer), not over max_new_tokens: before
     that the draft is not fed at all. Numbers (default costs, prior acceptance 0.7, a cold
-    margin of 10 %): 40 unseen prompt tokens at 0.12 T(1) each beat plain decoding by the
+    margin of 10 %, a horizon of 16 tokens): 40 unseen prompt tokens at 0.12 T(1) each beat plain decoding by the
     margin from about 35 generated tokens on; spread over max_new_tokens they would from the
     start. With no margin, a draft that beats plain decoding barely is fed at once."""
-    tuning = HybridTuning(draft_prior_alpha=0.7, cold_margin=1.1)
+    tuning = HybridTuning(draft_prior_alpha=0.7, cold_margin=1.1, horizon=16)
     first_fed_at, accepted = _amortised_run(0.12, tuning)
     assert 25 <= first_fed_at <= 50
     assert accepted >= 0.8 * (120 - first_fed_at)  # then it serves most of the answer
     assert _amortised_run(0.18, tuning) == (None, 0)  # dearer: never pays within 120 tokens
-    assert _amortised_run(0.12, HybridTuning(draft_prior_alpha=0.7, cold_margin=1.0))[0] == 0
+    assert _amortised_run(0.12, dataclasses.replace(tuning, cold_margin=1.0))[0] == 0
+    # the default horizon (64) spreads a feed over 64 tokens from the start: fed at once,
+    # but never over more tokens than the request has left: with 16 to go, never fed
+    assert _amortised_run(0.12, dataclasses.replace(tuning, horizon=64))[0] == 0
+    assert _amortised_run(0.12, dataclasses.replace(tuning, horizon=64), max_new=16) == (None, 0)
+    assert _amortised_run(0.01, dataclasses.replace(tuning, horizon=64), max_new=16)[0] == 0
 
 
 def test_hybrid_charges_a_catch_up_to_every_row_it_holds_up():
@@ -160,7 +166,7 @@ def test_hybrid_charges_a_catch_up_to_every_row_it_holds_up():
     charges it once per row sharing the pass (share_passes): the feed that pays at once for
     a request alone (cost 0.04 T(1) a token, no margin) waits for a longer answer with 4
     rows, and with 16 is never paid within 120 tokens; on the batch's trial rounds, never."""
-    tuning = HybridTuning(draft_prior_alpha=0.7, cold_margin=1.0)
+    tuning = HybridTuning(draft_prior_alpha=0.7, cold_margin=1.0, horizon=16)
     assert _amortised_run(0.04, tuning)[0] == 0
     first_fed_at, accepted = _amortised_run(0.04, tuning, rows=4)
     assert 10 <= first_fed_at <= 60 and accepted >= 0.8 * (120 - first_fed_at)

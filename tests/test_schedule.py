@@ -189,6 +189,34 @@ def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
         assert len(again) == 5 and all(t > 0 for t in again) and fresh.lm.forward_sizes  # measured
 
 
+def test_prefill_profile_is_measured_once_and_is_the_hybrids_feed_cost(tmp_path, monkeypatch):
+    """prefill_profile: seconds per token of a PREFILL_TOKENS-token pass into an empty cache,
+    measured on the model (refused while it generates), then read from memory or the cache
+    file; the hybrid method charges a draft's feed at that over the target's T(1)."""
+    from specdecode import profile
+    from specdecode.methods import build_proposer
+    from specdecode.models import LoadedModel
+
+    monkeypatch.setattr(profile, "PROFILE_DIR", tmp_path)
+    draft = LoadedModel(MockLM(V, hashed_logits(V), max_context=256), name="draft")
+    busy = Engine(draft.lm).generate([1, 2, 3], SamplingParams(max_new_tokens=5))
+    next(iter(busy))
+    with pytest.raises(RuntimeError, match="generating another request"):
+        profile.prefill_profile(draft)
+    busy.close()
+    before = len(draft.lm.forward_sizes)
+    per_token = profile.prefill_profile(draft)
+    assert per_token > 0 and draft.lm.forward_sizes[before:] == [profile.PREFILL_TOKENS] * 4
+    assert profile.prefill_profile(draft) == per_token and len(draft.lm.forward_sizes) == before + 4
+    fresh = LoadedModel(MockLM(V, hashed_logits(V), max_context=256), name="draft")
+    assert profile.prefill_profile(fresh) == per_token and not fresh.lm.forward_sizes  # from disk
+    tgt = LoadedModel(MockLM(V, hashed_logits(V), max_context=256), name="target")
+    hybrid = build_proposer(SpeculativeConfig("hybrid"), tgt, draft)
+    t1 = profile.verify_profile(tgt, 16)[0]
+    assert hybrid.draft_prefill_cost == pytest.approx(per_token / t1)
+    assert hybrid.draft_cost == pytest.approx(profile.verify_profile(draft, 0)[0] / t1)
+
+
 def test_inapplicable_options_raise():
     from specdecode.config import KSchedule
 

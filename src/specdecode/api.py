@@ -23,7 +23,7 @@ from .engine import Engine, Generation, TokenInfo
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, split_method,
                       speculative_config)
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load
-from .profile import verify_profile
+from .profile import prefill_profile, verify_profile
 from .stats import SpecDecodingStats
 from .proposers import CrossTokenizerProposer
 from .text import IncrementalDetokenizer, TokenSpans
@@ -370,6 +370,8 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     # the rows' draft passes run as one (BatchEngine.draft_view); a model without rows of
     # their own lengths drafts on a fork of its own
     draft_s = verify_profile(drf, 0)[0] if drf is not None else None  # (measured on the model itself)
+    if spec.method.value == "hybrid":  # its feed cost, measured on the model itself too
+        prefill_profile(drf)
     positions = None if drf is None or check_compatible(tgt, drf) == "same" else \
         CrossTokenizerProposer.draft_positions(batch.max_len)
     view = batch.draft_view(drf.lm, positions) if drf is not None and hasattr(drf.lm, "forward_span") else \

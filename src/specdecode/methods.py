@@ -22,7 +22,7 @@ from .layer_skip import SkipProfile, check_skip, default_profile, default_profil
 from .models.base import module_device
 from .models.loading import LoadedModel, check_compatible, load
 from .models.quant import best_layout, vnni_kernel
-from .profile import verify_profile
+from .profile import prefill_profile, verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
                         Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
 from .proposers.hybrid import HybridTuning
@@ -196,7 +196,8 @@ def _hybrid(spec: "SpeculativeConfig", target: LoadedModel, draft: LoadedModel) 
     times = verify_profile(target, spec.max_speculative_tokens)
     return HybridProposer(_suffix(spec, target), draft_proposer(target, draft, spec.draft_p_min, hybrid=True),
                           verify_cost=[t / times[0] for t in times],
-                          draft_cost=verify_profile(draft, 0)[0] / times[0])
+                          draft_cost=verify_profile(draft, 0)[0] / times[0],
+                          draft_prefill_cost=prefill_profile(draft) / times[0])
 
 
 def _native(target: LoadedModel, method: str):

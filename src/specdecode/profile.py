@@ -75,6 +75,38 @@ def profile_path(model: LoadedModel, *what) -> tuple[str, Path]:
         hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
+def _measured_once(model: LoadedModel, what: tuple, size: int, describe: str, measure) -> list[float]:
+    """``measure(lm)`` (``size`` positive seconds) read from this model's cache file for
+    ``what`` (:func:`profile_path`), or measured under the model's lock and written there.
+    Raises RuntimeError while the model is generating another request."""
+    key, path = profile_path(model, *what)
+    times = None
+    try:
+        times = json.loads(path.read_text())["forward_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if isinstance(times, list) and len(times) == size and all(
+            isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times):
+        return times
+    lock = busy_lock(model.lm)
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(f"this model is generating another request: its {describe} can be "
+                           "measured once that request is finished or closed")
+    print(f"measuring {model.name}'s {describe} once (cached in {path})...", file=sys.stderr)
+    try:
+        times = measure(model.lm)
+    finally:
+        lock.release()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "forward_seconds": times}))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs the profile again next time
+    return times
+
+
 def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     """A model's forward times T(1..max_k+1) in seconds (:class:`~specdecode.schedule.AutoK`'s cost model; with
     max_k = 0, a draft model's T(1)), measured once by :func:`measure_forward_times` — one
@@ -89,35 +121,48 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     cached = model.forward_seconds
     if cached is not None and len(cached) >= n:
         return cached[:n]
-    key, path = profile_path(model, n)
-    times = None
-    try:
-        times = json.loads(path.read_text())["forward_seconds"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    if not (isinstance(times, list) and len(times) == n and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times)):
-        lm = model.lm
-        lock = busy_lock(lm)
-        if not lock.acquire(blocking=False):
-            raise RuntimeError("this model is generating another request: its forward times for "
-                               "K='auto' can be measured once that request is finished or closed")
-        print(f"measuring {model.name}'s forward times T(1..{n}) once (cached in {path})...",
-              file=sys.stderr)
-        try:
-            context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
-            # a draft's T(1) alone is cheap: 15 samples of it
-            times = measure_forward_times(lm, context, n, repeats=3 if n > 1 else 15, warmup=1)
-        finally:
-            lock.release()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "forward_seconds": times}))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache only costs the profile again next time
+
+    def measure(lm):
+        context = max(1, min(PROFILE_CONTEXT, lm.max_context - n))
+        # a draft's T(1) alone is cheap: 15 samples of it
+        return measure_forward_times(lm, context, n, repeats=3 if n > 1 else 15, warmup=1)
+
+    times = _measured_once(model, (n,), n, f"forward times T(1..{n})", measure)
     model.forward_seconds = times
     return times
+
+
+PREFILL_TOKENS = 64  # a short prompt's feed: the hybrid's draft is fed prompts and answers so far
+
+
+def prefill_profile(model: LoadedModel) -> float:
+    """Seconds per token of a prefill pass of ``PREFILL_TOKENS`` tokens into an empty cache
+    (the median of 3 timed passes after an untimed one): what feeding a draft the tokens it
+    has not seen costs (the hybrid's ``draft_prefill_cost``). A pass of that size costs about
+    as much per token as a longer one where prefill is compute-bound, and more per token where
+    it is still bound by reading the weights. Measured once and cached as
+    :func:`verify_profile`, and in memory on the loaded model (``LoadedModel.prefill_seconds``);
+    raises RuntimeError while the model is generating another request."""
+    if model.prefill_seconds is not None:
+        return model.prefill_seconds
+
+    def measure(lm):
+        n = max(1, min(PREFILL_TOKENS, lm.max_context))
+        lm.allocate(1, n)
+        ids = torch.randint(0, lm.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        samples = []
+        for r in range(4):
+            t0 = time.perf_counter()
+            lm.forward(ids, num_logits=1)
+            if r:
+                samples.append((time.perf_counter() - t0) / n)
+            lm.rollback(0)
+        return [statistics.median(samples)]
+
+    model.prefill_seconds = _measured_once(model, ("prefill", PREFILL_TOKENS), 1,
+                                           f"prefill time per token ({PREFILL_TOKENS}-token passes)",
+                                           measure)[0]
+    return model.prefill_seconds
 
 
 def _cpu_model() -> str:

@@ -36,7 +36,8 @@ class LoadedModel:
     ``eos_token_ids`` are the ids that end generation by default (generation_config ∪ tokenizer).
     State that lives as long as the loaded model:
     ``forward_seconds``: its measured forward times T(1..n) in seconds, once profiled
-    (:func:`specdecode.profile.verify_profile`); ``session_proposers``: proposers whose state
+    (:func:`specdecode.profile.verify_profile`); ``prefill_seconds``: its measured prefill
+    time per token, once profiled (:func:`specdecode.profile.prefill_profile`); ``session_proposers``: proposers whose state
     carries over between this model's requests (``suffix_cache="session"``), by method name;
     ``self_drafts``: its weights at lower precisions drafting for it (``--method
     self-draft``), by dtype; ``heads``: draft heads loaded for it (shared by its requests),
@@ -50,6 +51,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...] = ()
     path: Path | None = field(default=None, repr=False)
     forward_seconds: list[float] | None = field(default=None, repr=False)
+    prefill_seconds: float | None = field(default=None, repr=False)
     session_proposers: dict[str, object] = field(default_factory=dict, repr=False)
     self_drafts: dict[str, object] = field(default_factory=dict, repr=False)
     heads: dict[tuple, object] = field(default_factory=dict, repr=False)

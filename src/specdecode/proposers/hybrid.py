@@ -19,8 +19,9 @@ class HybridTuning:
     """Weight, in rounds (or tokens), of the prior in every estimate the hybrid learns."""
     draft_prior_alpha: float = 0.85
     """Prior acceptance of the draft's first token before it has drafted in this request."""
-    horizon: int = 16
-    """Fewest tokens an answer is expected to go on for when spreading a draft's catch-up."""
+    horizon: int = 64
+    """Fewest tokens an answer is expected to go on for when spreading a draft's catch-up
+    (never more than the request has left of its max_new_tokens)."""
     explore: float = 0.03
     """The draft drafts the longest length within this fraction of the best rate, so the
     positions past the best length keep being measured."""
@@ -74,7 +75,7 @@ class HybridProposer(Proposer):
       estimated per position from this request's draft rounds, and P the cost of feeding it
       the committed tokens it has not seen (``draft_prefill_cost`` each), spread over the
       rounds the answer is expected to go on for (as many as it has so far, at least
-      ``horizon``), and in a batch times the rows that feed holds up (:meth:`share_passes`:
+      ``horizon``, at most what is left of max_new_tokens), and in a batch times the rows that feed holds up (:meth:`share_passes`:
       it runs as one long pass while every row waits; never on the batch's trial rounds,
       whose speculation may not go on). The longest D within ``explore`` of the best rate is
       taken.
@@ -91,7 +92,9 @@ class HybridProposer(Proposer):
 
     Costs are relative to T(1): ``verify_cost[n-1]`` = T(n)/T(1) (the target's profile;
     default :func:`~specdecode.costmodel.relative_cost`'s), ``draft_cost`` = one draft step /
-    T(1), ``draft_prefill_cost`` = the draft's prefill per token / T(1). Choices depend only
+    T(1), ``draft_prefill_cost`` = the draft's prefill per token / T(1) (the methods pass
+    the two models' measured ones: :func:`~specdecode.profile.prefill_profile`; the defaults
+    are those of the 0.5B draft for the 1.5B target measured here). Choices depend only
     on the request's tokens and these costs, never on the clock, so a seeded sampled
     request is reproducible with the same costs. The members are used as given: build the
     draft member with :meth:`draft_for` for the settings the hybrid was tuned with.
@@ -105,7 +108,7 @@ class HybridProposer(Proposer):
 
     def __init__(self, *members: Proposer, verify_cost: list[float] | None = None,
                  draft_cost: float = 0.12, draft_k: int = DraftModelProposer.default_k,
-                 draft_prefill_cost: float = 0.008, tuning: HybridTuning = HybridTuning()):
+                 draft_prefill_cost: float = 0.04, tuning: HybridTuning = HybridTuning()):
         lookups = [m for m in members if isinstance(m, Proposer) and m.free]
         drafts = [m for m in members if isinstance(m, Proposer) and not m.free]
         if len(drafts) != 1 or not lookups or len(lookups) + len(drafts) != len(members):
