@@ -8,7 +8,9 @@ prompt). Step 2 replays the real ``HybridProposer`` on them, with a stand-in dra
 that drafts what the draft model would, and adds up each round's modelled cost (the
 target's and the draft's profiled forward times, as the hybrid itself uses), for the hybrid
 with each combination of ``--margins`` (``HybridTuning.lookup_margin``), ``--explore``
-(``explore``), ``--prior`` (``draft_prior_alpha``) and ``--cold`` (``cold_margin``),
+(``explore``), ``--prior`` (``draft_prior_alpha``), ``--cold`` (``cold_margin``) and
+``--horizon`` (``horizon``), the draft's feeds charged at its measured prefill cost (or
+``--prefill-cost``) and the hybrid told that (or ``--told-cost``),
 beside the draft model alone at K = 6 and prompt lookup. Prints decode-only modelled
 speedups over plain decoding: medians per subtask, overall, and the geometric mean. Usage:
 
@@ -111,8 +113,13 @@ def main() -> None:
     p.add_argument("--cache", default=str(registry.cache_dir() / "draft_accepts.json"),
                    help="where step 1's results are kept (default: %(default)s)")
     p.add_argument("--prefill-cost", type=float, default=None,
-                   help="the draft's prefill per token / T(1), charged and told to the hybrid "
-                        "(default: the draft's measured one, as the hybrid method's)")
+                   help="the draft's prefill per token / T(1), charged (default: the draft's "
+                        "measured one, which the hybrid method is told)")
+    p.add_argument("--told-cost", type=float, default=None,
+                   help="the prefill cost told to the hybrid (default: the charged one)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="the recorded run's (default: 65 more than each output)")
+    p.add_argument("--horizon", default=str(HybridTuning.horizon), help="HybridTuning.horizon values")
     p.add_argument("--dtype", default="auto", help="the target's dtype (that of the run recorded)")
     p.add_argument("--draft-dtype", default="auto", help="the draft's dtype (default: load()'s)")
     args = p.parse_args()
@@ -134,6 +141,9 @@ def main() -> None:
     vc = [t / times[0] for t in times]  # T(n)/T(1): every cost in units of T(1)
     c_draft = verify_profile(draft, 0)[0] / times[0]
     prefill_cost = prefill_profile(draft) / times[0] if args.prefill_cost is None else args.prefill_cost
+    told = prefill_cost if args.told_cost is None else args.told_cost
+    print(f"draft prefill charged at {prefill_cost:.4f} T(1) a token, told {told:.4f}; a draft step "
+          f"{c_draft:.3f} T(1)")
 
     def cost_of(drafter: ReplayDraft):
         def cost(proposal, n):
@@ -152,14 +162,16 @@ def main() -> None:
         res["draft"] = replay(d, prompt, out, DRAFT_K, vc, cost_of(d))[1]
         res["prompt-lookup"] = replay(PromptLookupProposer(), prompt, out, 16, vc)[1]
         for m in args.margins.split(","):
-            for e, a, b in ((e, a, b) for e in args.explore.split(",") for a in args.prior.split(",")
-                            for b in args.cold.split(",")):
+            for e, a, b, hz in ((e, a, b, hz) for e in args.explore.split(",") for a in args.prior.split(",")
+                                for b in args.cold.split(",") for hz in args.horizon.split(",")):
                 tuning = dataclasses.replace(HybridTuning(), lookup_margin=float(m), explore=float(e),
-                                             draft_prior_alpha=float(a), cold_margin=float(b))
+                                             draft_prior_alpha=float(a), cold_margin=float(b),
+                                             horizon=int(hz))
                 d = ReplayDraft(len(prompt), out, acc)
                 h = HybridProposer(SuffixProposer(), d, verify_cost=vc, draft_cost=c_draft,
-                                   draft_prefill_cost=prefill_cost, tuning=tuning)
-                res[f"hybrid margin={m} explore={e} prior={a} cold={b}"] = replay(h, prompt, out, 16, vc, cost_of(d))[1]
+                                   draft_prefill_cost=told, tuning=tuning)
+                res[f"hybrid margin={m} explore={e} prior={a} cold={b} horizon={hz}"] = \
+                    replay(h, prompt, out, 16, vc, cost_of(d), args.max_new_tokens)[1]
         for name, v in res.items():
             rows.setdefault(name, {}).setdefault(sub, []).append(v)
     subtasks = sorted({c[0] for c in cases})

@@ -26,15 +26,17 @@ from specdecode.config import SamplingParams
 from specdecode.schedule import AutoK, FixedK, HeuristicK
 
 
-def replay(proposer, prompt: list[int], output: list[int], k, times: list[float], cost=None):
+def replay(proposer, prompt: list[int], output: list[int], k, times: list[float], cost=None,
+           max_new_tokens: int | None = None):
     """Replay one recorded greedy output through ``proposer``; returns (verify passes,
     speedup Σ T(1) / Σ round costs). k: an int (fixed K) or a schedule (reset / next_k /
     update). ``cost(proposal, n)``: a round's cost for a proposal of n tokens (default
-    T(n+1) from ``times``: lookups cost nothing to propose)."""
+    T(n+1) from ``times``: lookups cost nothing to propose). ``max_new_tokens``: the
+    recorded run's (default: 65 more than the output)."""
     schedule = FixedK(k) if isinstance(k, int) else k
     schedule.reset()
     state = RequestState(list(prompt), 0, SamplingParams(), (), None, 1 << 30)
-    proposer.reset(state, len(prompt) + len(output) + 65)
+    proposer.reset(state, len(prompt) + (max_new_tokens or len(output) + 65))
     passes, total, i = 0, 0.0, 0
     while i < len(output):
         kr = min(schedule.next_k(), len(output) - i)

@@ -77,8 +77,8 @@ class HybridProposer(Proposer):
       rounds the answer is expected to go on for (as many as it has so far, at least
       ``horizon``, at most what is left of max_new_tokens), and in a batch times the rows that feed holds up (:meth:`share_passes`:
       it runs as one long pass while every row waits; never on the batch's trial rounds,
-      whose speculation may not go on). The longest D within ``explore`` of the best rate is
-      taken.
+      whose speculation may not go on, nor in a request's first round, whose first token
+      a feed would delay). The longest D within ``explore`` of the best rate is taken.
     - The draft drafts when its rate beats the best lookup's over ``lookup_margin`` and
       plain decoding's, 1/T(1) (by ``cold_margin`` when it must first catch up), or as a
       probe (see :class:`HybridTuning`); else the best lookup proposes its best L if that
@@ -234,7 +234,8 @@ class HybridProposer(Proposer):
         behind = self.drafter.unseen(state)  # committed tokens the draft has not seen
         d, draft_rate = self._best_draft(n, k, behind)
         cold = behind > 2  # the draft must first be fed what it skipped
-        if cold and not self._feed:
+        # the first round's output is the request's first token: never held up by a feed
+        if cold and (not self._feed or state.num_generated == 0):
             d, draft_rate = 0, 0.0
         merit = draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
         # a draft given up after a bad start is tried again now and then (never one that was

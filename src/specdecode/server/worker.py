@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .. import api
 from ..batch import BatchEngine
 from ..methods import Method
-from ..profile import verify_profile
+from ..profile import prefill_profile, verify_profile
 from .protocol import Job, Token
 
 SPECULATION = ("num_draft_tokens", "num_accepted_tokens", "num_verify_passes",
@@ -136,6 +136,9 @@ class Worker:
                 self.engine = BatchEngine(self.target.lm, self.max_batch,
                                           min(self.max_len, self.target.lm.max_context),
                                           forward_seconds=times)
+            if self.draft is not None:  # its step and feed costs, measured before any request
+                verify_profile(self.draft, 0)
+                prefill_profile(self.draft)
         except Exception as e:  # noqa: BLE001 (any failure is reported by /health)
             self.error = f"{type(e).__name__}: {e}"
             return
