@@ -87,9 +87,9 @@ def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompt
     (:func:`serving.beside_generate`)."""
     target = replace(worker.target, lm=worker.target.lm.fork(), session_proposers={})
     pairs = {}
+    level = next(lv for lv in results["levels"] if lv["concurrency"] == 1)
     for m in methods:
         draft = worker.draft if m.needs_draft_model else None
-        level = next(lv for lv in results["levels"] if lv["concurrency"] == 1)
         for s in level[m.value]["samples"][:args.requests or 2]:  # one block's
             served = serving.request(url, model, prompts[s["prompt"]], m.value, args.max_tokens, args.api_key)
             t0 = time.perf_counter()

@@ -37,8 +37,9 @@ class LoadedModel:
     State that lives as long as the loaded model:
     ``forward_seconds``: its measured forward times T(1..n) in seconds, once profiled
     (:func:`specdecode.profile.verify_profile`); ``prefill_seconds``: its measured prefill
-    time per token, once profiled (:func:`specdecode.profile.prefill_profile`); ``session_proposers``: proposers whose state
-    carries over between this model's requests (``suffix_cache="session"``), by method name;
+    time per token, once profiled (:func:`specdecode.profile.prefill_profile`);
+    ``session_proposers``: proposers whose state carries over between this model's requests
+    (``suffix_cache="session"``), by method name;
     ``self_drafts``: its weights at lower precisions drafting for it (``--method
     self-draft``), by dtype; ``heads``: draft heads loaded for it (shared by its requests),
     by kind, directory and file time.

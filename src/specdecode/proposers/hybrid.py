@@ -75,10 +75,11 @@ class HybridProposer(Proposer):
       estimated per position from this request's draft rounds, and P the cost of feeding it
       the committed tokens it has not seen (``draft_prefill_cost`` each), spread over the
       rounds the answer is expected to go on for (as many as it has so far, at least
-      ``horizon``, at most what is left of max_new_tokens), and in a batch times the rows that feed holds up (:meth:`share_passes`:
-      it runs as one long pass while every row waits; never on the batch's trial rounds,
-      whose speculation may not go on, nor in a request's first round, whose first token
-      a feed would delay). The longest D within ``explore`` of the best rate is taken.
+      ``horizon``, at most what is left of max_new_tokens), and in a batch times the rows
+      that feed holds up (:meth:`share_passes`: it runs as one long pass while every row
+      waits; never on the batch's trial rounds, whose speculation may not go on, nor in a
+      request's first round, whose first token a feed would delay). The longest D within
+      ``explore`` of the best rate is taken.
     - The draft drafts when its rate beats the best lookup's over ``lookup_margin`` and
       plain decoding's, 1/T(1) (by ``cold_margin`` when it must first catch up), or as a
       probe (see :class:`HybridTuning`); else the best lookup proposes its best L if that
