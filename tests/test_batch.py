@@ -296,7 +296,7 @@ def test_a_long_prefill_stalls_the_others_one_chunk_at_most(target, draft, monke
     monkeypatch.setattr(type(target), "PREFILL_CHUNK", chunk)
     long_passes = []
     if weights == "int4":
-        if quant.vnni_kernel()[0] is None:  # int4 runs on the VNNI kernel only: refused, saying so
+        if quant.q4k_kernel()[0] is None:  # int4 runs on the VNNI or AVX2 kernel only: refused, saying so
             with pytest.raises(RuntimeError, match="VNNI"):
                 m = tiny_model(0, int8="vnni", int4=True, **KERNEL_SHAPES)
                 m.allocate(1, 4)

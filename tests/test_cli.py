@@ -438,7 +438,7 @@ def test_a_busy_core_is_not_counted_idle():
 def test_generate_reports_the_weights_and_threads_it_chose(capsys, dirs):
     obj = run_json(capsys, dirs)
     layout = quant.best_layout("target")
-    draft = "int4" if quant.vnni_kernel()[0] is not None else "int8"
+    draft = "int4" if quant.q4k_kernel()[0] is not None else "int8"
     assert obj["weights"] == {"target": f"int8-{layout}", "draft": f"{draft}-{quant.best_layout('draft')}"}
     assert isinstance(obj["threads"], int) and obj["threads"] >= 1
     obj = run_json(capsys, dirs, "--dtype", "float32", "--method", "ar")
@@ -486,7 +486,7 @@ def test_tune_skip_writes_a_profile_that_generate_loads(capsys, dirs, tmp_path):
 def test_self_draft_int4_copy_of_the_int8_target_is_its_output(capsys, dirs):
     from specdecode.models import quant
 
-    if quant.vnni_kernel()[0] is None:  # int4 needs the VNNI kernel: refused, saying what to use
+    if quant.q4k_kernel()[0] is None:  # int4 needs the VNNI or AVX2 kernel: refused, saying what to use
         code, _, err = run(capsys, "generate", "--target", dirs["target"], "--method", "self-draft",
                            "--prompt", PROMPT, "--json")
         assert code == 2 and "VNNI" in err and "int8" in err

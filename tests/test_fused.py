@@ -11,17 +11,18 @@ from specdecode.models.native import FINAL, RMSNorm
 from helpers import KERNEL_SHAPES, tiny_model
 
 
-KINDS = ("avx2-nk", "vnni", "q4k", "mixed")
+KINDS = ("avx2-nk", "avx2-q4k", "avx2-mixed", "vnni", "q4k", "mixed")
 
 
 @pytest.fixture(params=KINDS)
 def kind(request, monkeypatch):
-    """The kernel and weights under test: "avx2-nk" (the AVX2 library as the kernel in use,
-    also on CPUs where the VNNI one would be, int8 "nk" linears), or on the AVX512-VNNI
-    kernel "vnni" (int8 linears in that layout), "q4k" (Q4_K linears, dtype int4) or "mixed"
-    (both in one layer, as a q4 target's Q6_K tensors are int8). The kind, or None where this
-    CPU lacks its kernel (then the tests check that the modules run)."""
-    if request.param == "avx2-nk":
+    """The kernel and weights under test: on the AVX2 library as the kernel in use (also on
+    CPUs where the VNNI one would be) "avx2-nk" (int8 "nk" linears), "avx2-q4k" (Q4_K
+    linears, dtype int4) or "avx2-mixed" (both in one layer, as a q4 target's Q6_K tensors
+    are int8), or the same on the AVX512-VNNI kernel: "vnni" (int8 linears in that layout),
+    "q4k" or "mixed". The kind, or None where this CPU lacks its kernel (then the tests
+    check that the modules run)."""
+    if request.param.startswith("avx2-"):
         lib = quant.avx2_library()
         monkeypatch.setattr(quant, "vnni_kernel", lambda: (None, "a test of the AVX2 kernel"))
         monkeypatch.setattr(quant, "avx2_kernel", lambda: lib)
@@ -35,13 +36,14 @@ def _model(kind, **kw):
     elif kind == "vnni":
         m = tiny_model(seed=3, int8="vnni", n_layers=3, **KERNEL_SHAPES, **kw)
     else:
-        m = tiny_model(seed=3, int8="vnni", int4=True, n_layers=3, **KERNEL_SHAPES, **kw)
-        if kind == "mixed":
+        layout = "nk" if kind.startswith("avx2-") else "vnni"
+        m = tiny_model(seed=3, int8=layout, int4=True, n_layers=3, **KERNEL_SHAPES, **kw)
+        if kind.endswith("mixed"):
             for layer in m.model.layers[:2]:
                 for holder, name in ((layer.self_attn, "v_proj"), (layer.mlp, "down_proj")):
                     lin = getattr(holder, name)
                     setattr(holder, name, quant.Int8Linear.from_float(
-                        lin.weight(), getattr(lin, "bias", None), "vnni"))
+                        lin.weight(), getattr(lin, "bias", None), layout))
     m.allocate(3, 64)
     return m
 

@@ -45,14 +45,14 @@ def test_the_vnni_kernel_is_built_on_a_cpu_that_has_vnni():
         assert lib is None and why
 
 
-VNNI = quant.vnni_kernel()[0] is not None
+Q4K = quant.q4k_kernel()[0] is not None
 
 
 def q4k_refused(run) -> bool:
-    """Q4_K and int4 weights run on the AVX512-VNNI kernel only: where it is not in use,
-    ``run()`` must fail with an error that names it (then True: that is what this CPU does);
-    where it is, False (the test goes on)."""
-    if VNNI:
+    """Q4_K and int4 weights run on the AVX512-VNNI or the AVX2 kernel: where neither is in
+    use, ``run()`` must fail with an error that names them (then True: that is what this CPU
+    does); where one is, False (the test goes on)."""
+    if Q4K:
         return False
     with pytest.raises((RuntimeError, ValueError), match="VNNI"):
         run()
@@ -393,7 +393,7 @@ def test_int8_weights_are_cached_once_and_rebuilt_when_broken(tmp_path, monkeypa
 
     Transformer.from_pretrained(tmp_path / "m", dtype="int8", layout="kn")  # its own entry
     assert len(list((tmp_path / "cache" / "int8").iterdir())) == 2
-    if quant.vnni_kernel()[0] is not None:  # int4 is another entry, not the int8 one
+    if quant.q4k_kernel()[0] is not None:  # int4 is another entry, not the int8 one
         Transformer.from_pretrained(tmp_path / "m", dtype="int4")
         names = sorted(f.name for f in (tmp_path / "cache" / "int8").iterdir())
         assert len(names) == 3 and sum("-int4-" in n for n in names) == 1
@@ -439,9 +439,9 @@ def test_default_load_is_int8_and_the_draft_int4_in_the_one_token_layout(tmp_pat
     hf_model_dir(tmp_path, "qwen2-bias-tied")
     t, d = specdecode.load_pair(tmp_path, tmp_path)
     assert t.lm.weight_format == f"int8-{quant.best_layout('target')}"
-    vnni = quant.vnni_kernel()[0] is not None  # a draft gets int4 where the kernel runs
-    assert d.lm.weight_format == f"{'int4' if vnni else 'int8'}-{quant.best_layout('draft')}"
-    assert any(isinstance(m, quant.Q4KLinear) for m in d.lm.modules()) == vnni
+    q4k = quant.q4k_kernel()[0] is not None  # a draft gets int4 where a kernel runs it
+    assert d.lm.weight_format == f"{'int4' if q4k else 'int8'}-{quant.best_layout('draft')}"
+    assert any(isinstance(m, quant.Q4KLinear) for m in d.lm.modules()) == q4k
     hf = load(tmp_path, backend="transformers", role="draft", tokenizer=False)
     assert hf.lm.weight_format == f"int8-{quant.best_layout('draft')}"
     assert any(isinstance(m, quant.Int8Linear) for m in hf.lm.hf.modules())
@@ -542,7 +542,7 @@ def test_q4_target_keeps_the_gguf_blocks_and_its_verify_rows_equal_one_token_pas
     if q4k_refused(lambda: load(q4_gguf, dtype="q4")):
         assert lm.weight_format == "int8-nk"  # auto: int8 on the AVX2 kernel
         return
-    assert lm.weight_format == "q4-vnni"
+    assert lm.weight_format == f"q4-{quant.best_layout('target')}"
     fp32 = Transformer.from_pretrained(m.path, pack=False)  # the converted weights
     linears = {n: mod for n, mod in lm.named_modules() if isinstance(mod, quant.Q4KLinear)}
     assert len(linears) == 2 * 7  # every linear of both layers (the embedding is tied)
@@ -581,7 +581,7 @@ def test_q4_refuses_what_it_cannot_load(q4_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_INT8_KERNEL", "torch")
     quant.vnni_kernel.cache_clear()
     try:
-        with pytest.raises(ValueError, match="needs the AVX512-VNNI kernel"):
+        with pytest.raises(ValueError, match="needs the AVX512-VNNI or the AVX2 kernel"):
             load(q4_gguf, dtype="q4")
         assert load(q4_gguf).lm.weight_format == "int8-kn"  # auto without the kernel
     finally:
@@ -626,6 +626,60 @@ def test_a_draft_q4_that_cannot_load_is_refused_before_the_target_loads(tmp_path
 # ----------------------------------------------------------------------------------------
 # int4: every linear in Q4_K blocks quantized here
 # ----------------------------------------------------------------------------------------
+
+def _q4k_reference(lin: quant.Q4KLinear, x: torch.Tensor) -> torch.Tensor:
+    """What both Q4_K kernels compute, step by step in fp32 torch operations (each IEEE-exact
+    and unfused): x's rows quantized alone, per group of 32 the exact integer sums of q * xq
+    and of xq, f = (f + (d * sc) * sum) - (dmin * m) * gsum over the groups in order, then
+    f * xs + bias. The kernels must give these bits on any CPU."""
+    nb, groups = lin.qweight.shape[:2]
+    n, k = nb * 16, groups * 32
+    qw = lin.qweight.long().permute(0, 3, 1, 2, 4)  # [nb, 16, g, 4, 4]: byte (v, b) of group g
+    q = torch.stack([qw & 15, qw >> 4], 4).reshape(n, k)  # k = 32 g + 8 v + 4 half + b
+    per = lambda t, size: t.permute(0, 2, 1).reshape(n, -1).repeat_interleave(size // 32, 1)  # noqa: E731
+    d = per(lin.d.view(torch.float16).float(), 256)
+    dmin = per(lin.dmin.view(torch.float16).float(), 256)
+    a, bm = d * per(lin.sc.float(), 32), dmin * per(lin.mn.float(), 32)  # [n, groups]
+    xq, xs = quant.quantize_rows(torch.nn.functional.pad(x, (0, k - x.shape[1])))
+    sums = (xq.long().view(-1, 1, groups, 32) * q.view(1, n, groups, 32)).sum(-1)  # [M, n, groups]
+    gsum = xq.long().view(-1, groups, 32).sum(-1)  # [M, groups]
+    f = torch.zeros(x.shape[0], n)
+    for g in range(groups):
+        f = (f + a[:, g] * sums[:, :, g].float()) - bm[:, g] * gsum[:, g:g + 1].float()
+    f = f * xs[:, None]
+    return f if lin.bias is None else f + lin.bias
+
+
+@pytest.mark.parametrize("n,k", [(48, 96), (32, 896), (64, 512), (16, 256)])
+def test_q4k_kernel_gives_the_bits_of_its_reference_on_any_cpu(n, k):
+    """The Q4_K linear of the kernel in use (AVX512-VNNI, or AVX2 with its own integer
+    sequence) equals :func:`_q4k_reference` bit for bit, so a q4 or int4 model gives the same
+    logits on both kinds of CPU; extreme activations (rows scaled 1e-3..1e3) included."""
+    if q4k_refused(lambda: _int4_linear(48, 96)[1](torch.randn(1, 96))):
+        return
+    _, lin = _int4_linear(n, k, seed=n + k)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-3, 3, 11)[:, None]
+    assert torch.equal(lin(x), _q4k_reference(lin, x))
+    lin.bias = None
+    assert torch.equal(lin(x[:3]), _q4k_reference(lin, x[:3]))
+
+
+def test_q4k_avx2_kernel_gives_the_vnni_kernels_bits():
+    """Where both kernels build (an AVX512-VNNI CPU also has AVX2), one linear through each:
+    the same bits for 1..9 rows."""
+    vnni, avx2 = quant.vnni_kernel()[0], quant.avx2_library()
+    if vnni is None or avx2 is None:
+        assert quant.q4k_kernel()[0] is not None or avx2 is None
+        return
+    _, lin = _int4_linear(64, 512, seed=9)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
+    for m in range(1, 10):
+        out = [torch.empty(m, 64) for _ in range(2)]
+        for lib, y in zip((vnni, avx2), out):
+            lib.sd_q4k_linear_x(x.data_ptr(), m, 512, 512, *quant._pointers(lin, (*quant.Q4K_BUFFERS, "bias")),
+                                64, y.data_ptr())
+        assert torch.equal(out[0], out[1]), m
+
 
 def _int4_linear(n, k, seed=0):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05

@@ -12,7 +12,7 @@ from specdecode.models import quant, registry
 from specdecode.text import IncrementalDetokenizer
 
 pytestmark = pytest.mark.real
-VNNI = quant.vnni_kernel()[0] is not None  # else int8 on the AVX2 kernel: no q4 / int4
+Q4K = quant.q4k_kernel()[0] is not None  # the AVX512-VNNI or the AVX2 kernel: q4 / int4
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +86,11 @@ def test_default_models_verify_rows_equal_one_token_passes_bit_for_bit(qwen_pair
     are padded to 1024): after a 600-token prompt (a chunked prefill), each row of a verify
     pass of 2, 5, 9 and 17 tokens equals the one-token pass at its position."""
     lm = qwen_pair[0 if role == "target" else 1].lm
-    if VNNI:
-        assert lm.weight_format == ("q4-vnni" if role == "target" else "int4-vnni")
-    else:  # int8 on the AVX2 kernel (cpu_kernels_avx2.cpp)
-        assert lm.weight_format == "int8-nk" and quant.avx2_kernel() is not None
+    if Q4K:
+        kind = "q4" if role == "target" else "int4"
+        assert lm.weight_format == f"{kind}-{quant.best_layout(role)}"
+    else:  # int8 on torch._int_mm (a CPU without AVX2)
+        assert lm.weight_format == "int8-kn"
     seq = torch.randint(0, 151000, (1, 640), generator=torch.Generator().manual_seed(0))
     lm.allocate(1, 700)
     lm.forward(seq[:, :600], num_logits=0)
@@ -104,7 +105,7 @@ def test_default_target_keeps_the_gguf_q4k_blocks(qwen_pair):
     of the same GGUF file (layer 0 and the last layer), and the rest is int8."""
     from safetensors import safe_open
 
-    if not VNNI:  # q4 runs on the AVX512-VNNI kernel only: refused, saying so
+    if not Q4K:  # q4 runs on the AVX512-VNNI or the AVX2 kernel only: refused, saying so
         with pytest.raises(ValueError, match="VNNI"):
             specdecode.load(registry.DEFAULT_TARGET, dtype="q4")
         return
@@ -121,8 +122,8 @@ def test_smollm2_seeded_sampling_is_the_same_whatever_speculates(smollm2, temper
     """Issue 21 / TESTPACK §11 on a real model: a seeded sampled request gives plain
     sampling's token ids with every method, K schedule and session state; the draft is the
     same model quantized to int4 (other logits: it agrees often, not always)."""
-    # int4 needs the VNNI kernel; elsewhere the float model drafts for the int8 one
-    draft = specdecode.load("smollm2-135m-instruct", dtype="int4" if VNNI else "float32", role="draft")
+    # int4 needs a Q4_K kernel; elsewhere the float model drafts for the int8 one
+    draft = specdecode.load("smollm2-135m-instruct", dtype="int4" if Q4K else "float32", role="draft")
     prompt = "List five fruits and say one thing about each."
     common = dict(chat=True, max_new_tokens=64, temperature=temperature, seed=11)
     plain = specdecode.generate(smollm2, prompt, method="ar", **common)

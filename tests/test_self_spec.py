@@ -288,12 +288,12 @@ def test_methods_build_their_self_drafts_and_refuse_bad_values(monkeypatch):
     with pytest.raises(ValueError, match="leaves no draft"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(0, 1, 2, 3)), target, None)
     # an int8 target's int8 copy would cost as much: int4 is allowed (where its kernel runs), int8 refused
-    monkeypatch.setattr(methods, "vnni_kernel", lambda: (object(), ""))
+    monkeypatch.setattr(methods, "q4k_kernel", lambda: (object(), ""))
     with pytest.raises(ValueError, match="not below this target's int8.*dtype=int4"):
         build_proposer(SpeculativeConfig("self-draft", self_draft_dtype="int8"), target, None)
     # on a CPU without the int4 kernel (from a new-user pass: the two messages sent the user
     # back and forth between int8 and int4)
-    monkeypatch.setattr(methods, "vnni_kernel", lambda: (None, "a test"))
+    monkeypatch.setattr(methods, "q4k_kernel", lambda: (None, "a test"))
     for dtype in ("int4", "int8"):
         with pytest.raises(ValueError, match="use layer-skip or self"):
             build_proposer(SpeculativeConfig("self-draft", self_draft_dtype=dtype), target, None)

@@ -21,7 +21,7 @@ from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head
 from .layer_skip import SkipProfile, check_skip, default_profile, default_profile_path
 from .models.base import module_device
 from .models.loading import LoadedModel, check_compatible, load
-from .models.quant import best_layout, vnni_kernel
+from .models.quant import best_layout, q4k_kernel
 from .profile import prefill_profile, verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
                         Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
@@ -255,17 +255,17 @@ def _lower_precision_draft(spec: "SpeculativeConfig", target: LoadedModel):
     own = _PRECISION.get(lm.weight_format.split("-")[0])
     if own is None or _PRECISION[dtype] >= own:
         lower = [d for d in SELF_DRAFT_DTYPES if own is not None and _PRECISION[d] < own
-                 and (d != "int4" or vnni_kernel()[0] is not None)]  # int4 runs on that kernel only
+                 and (d != "int4" or q4k_kernel()[0] is not None)]  # int4 runs on those kernels only
         raise ValueError(f"a self-draft in {dtype} is not below this target's {lm.weight_format} "
                          "weights, so it would cost as much as the target: "
                          + (f"use dtype={' or '.join(lower)}" if lower else
                             "load the target in float32 or int8 for a self-draft" if own is None
-                            or own <= _PRECISION["int4"] or vnni_kernel()[0] is not None else
-                            "no lower precision runs on this CPU (int4 needs the AVX512-VNNI "
-                            "kernel): use layer-skip or self (no second model) instead"))
-    if dtype == "int4" and vnni_kernel()[0] is None:  # said here: load() would say "use int8"
-        raise ValueError(f"a self-draft in int4 needs the AVX512-VNNI kernel, which is not in use "
-                         f"here ({vnni_kernel()[1]}): " + (
+                            or own <= _PRECISION["int4"] or q4k_kernel()[0] is not None else
+                            "no lower precision runs on this CPU (int4 needs the AVX512-VNNI or "
+                            "the AVX2 kernel): use layer-skip or self (no second model) instead"))
+    if dtype == "int4" and q4k_kernel()[0] is None:  # said here: load() would say "use int8"
+        raise ValueError(f"a self-draft in int4 needs the AVX512-VNNI or the AVX2 kernel, neither of "
+                         f"which is in use here ({q4k_kernel()[1]}): " + (
                              "use self-draft:dtype=int8" if own > _PRECISION["int8"] else
                              f"int8 is no lower than this target's {lm.weight_format}, so on this "
                              "CPU use layer-skip or self (no second model) instead"))
@@ -609,8 +609,9 @@ def cannot_run(method: "Method", target: LoadedModel) -> str | None:
         if own is None or own <= _PRECISION["int4"]:
             return (f"its int4 self-draft is not below this target's {lm.weight_format} weights "
                     "(load the target in float32 or int8)")
-        if vnni_kernel()[0] is None:
-            return f"its int4 self-draft needs the AVX512-VNNI kernel, which is not in use here ({vnni_kernel()[1]})"
+        if q4k_kernel()[0] is None:
+            return (f"its int4 self-draft needs the AVX512-VNNI or the AVX2 kernel, neither of which "
+                    f"is in use here ({q4k_kernel()[1]})")
         return None
     try:
         SkipProfile.load(default_profile_path(target), lm.args.n_layers)

@@ -42,8 +42,8 @@ methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=
 {ours}
   (every one takes rule=gumbel|rejection, its acceptance rule, in a sampled run
   (--temperature); each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
-  model dtype={"|".join(DTYPE_NAMES)}, the draft's dtype, default auto (int4 on an AVX512-VNNI
-  CPU, else int8),
+  model dtype={"|".join(DTYPE_NAMES)}, the draft's dtype, default auto (int4 on an x86 CPU with
+  AVX512-VNNI or AVX2, else int8),
   backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
   draft:backend=llama.cpp, and model=NAME|DIR, another draft than --draft, e.g. a distilled
   one beside the original: draft,draft:model=distilled)
@@ -85,7 +85,7 @@ def add_parser(sub) -> None:
                         "token for token against ar")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="our target's dtype for every method of ours (default auto: q4 for "
-                        "a GGUF target on an AVX512-VNNI CPU, else int8); the "
+                        "a GGUF target on an x86 CPU with AVX512-VNNI or AVX2, else int8); the "
                         "transformers peers run float32 (bfloat16 when this is bfloat16)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="whose forward passes run our target in every method of ours (default "

@@ -142,7 +142,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
                         f"self-draft:dtype=int8|int4. Default: {default_method.value}")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="target weights. auto (default): q4 for a known model or a .gguf file on "
-                        "an AVX512-VNNI CPU, else int8. q4: the GGUF file's own Q4_K blocks, the "
+                        "an x86 CPU with AVX512-VNNI or AVX2, else int8. q4: the GGUF file's own Q4_K blocks, the "
                         "rest int8; int8: int8 weights; int4: 4-bit blocks quantized here (not the "
                         "GGUF's model). All take int8 activations per token, so "
                         "verify passes equal one-token passes bit for bit; quantized once and "
@@ -151,7 +151,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
     p.add_argument("--draft-dtype", default=None, choices=DTYPE_NAMES,
                    help="draft weights; never changes the output, only speed and acceptance "
                         "(default auto: int4, every linear in 4-bit Q4_K blocks quantized here, on "
-                        "an AVX512-VNNI CPU; else int8)")
+                        "an x86 CPU with AVX512-VNNI or AVX2; else int8)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="whose forward passes run the target: auto (default: native, our "
                         "runtime, where the architecture allows; else transformers), native, "

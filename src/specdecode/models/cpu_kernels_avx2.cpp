@@ -11,6 +11,7 @@
 //   thread in one fixed order that depends only on its own query, keys and values;
 //   sd_attend_slots the same over a list of slots a query (a draft tree node).
 // sd_silu_mul: silu(gate) * up, element-wise.
+// sd_q4k_linear_x: the Q4_K linear of quant.Q4KLinear, the AVX512 kernel's bits.
 // sd_rmsnorm, sd_layers_nk: RMSNorm, and the decoder layer stack in one call (cpu_layers.h).
 
 #include <immintrin.h>
@@ -117,23 +118,13 @@ extern "C" void sd_int8_mm_nk(const int8_t* x, int64_t rows, int64_t k, const in
 
 namespace {
 thread_local std::vector<int8_t> xq_scratch;
-thread_local std::vector<float> xs_scratch;
-thread_local std::vector<int32_t> acc_scratch;
-}  // namespace
+thread_local std::vector<float> xs_scratch, xpad_scratch;
+thread_local std::vector<int32_t> acc_scratch, gsum_scratch;
 
-// The W8A8 linear in one call from fp32 x [M, K]: each row quantized alone as
-// quant.quantize_rows does (max|x| / 127, x / s rounded half to even, clamped to +-127; the
-// same IEEE steps, so the same bits), the exact product with w [N, K] int8, then
-// y = acc * xs[m] * ws[n] (+ bias[n]) in fp32 in that order, as Int8Linear's torch path.
-extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const int8_t* w,
-                                    const float* ws, const float* bias, int64_t N, float* y) {
-    xq_scratch.resize(M * K);
-    xs_scratch.resize(M);
-    acc_scratch.resize(M * N);
-    // the caller's scratch (thread_local: the OpenMP threads below would see their own)
-    int8_t* xq = xq_scratch.data();
-    float* xs = xs_scratch.data();
-    int32_t* acc = acc_scratch.data();
+// Each row of x [M, K] quantized alone as quant.quantize_rows does (max|x| / 127, x / s
+// rounded half to even, clamped to +-127; the same IEEE steps, so the same bits) into xq,
+// xs; gsum, if not null, gets [M, K / 32] sums of xq over groups of 32 (K % 32 == 0).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs, int32_t* gsum) {
     const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     #pragma omp parallel for schedule(static) if (M >= 16)
@@ -162,7 +153,29 @@ extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const 
             v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
             q[k] = (int8_t)nearbyintf(v);
         }
+        if (gsum)
+            for (int64_t g = 0; g < K / 32; g++) {
+                int32_t s = 0;
+                for (int b = 0; b < 32; b++) s += q[32 * g + b];
+                gsum[m * (K / 32) + g] = s;
+            }
     }
+}
+}  // namespace
+
+// The W8A8 linear in one call from fp32 x [M, K]: each row quantized alone (quantize_rows),
+// the exact product with w [N, K] int8, then y = acc * xs[m] * ws[n] (+ bias[n]) in fp32 in
+// that order, as Int8Linear's torch path.
+extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const int8_t* w,
+                                    const float* ws, const float* bias, int64_t N, float* y) {
+    xq_scratch.resize(M * K);
+    xs_scratch.resize(M);
+    acc_scratch.resize(M * N);
+    // the caller's scratch (thread_local: the OpenMP threads below would see their own)
+    int8_t* xq = xq_scratch.data();
+    float* xs = xs_scratch.data();
+    int32_t* acc = acc_scratch.data();
+    quantize_rows(x, M, K, xq, xs, nullptr);
     sd_int8_mm_nk(xq, M, K, w, N, acc);
     #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++)
@@ -171,6 +184,108 @@ extern "C" void sd_int8_linear_nk_x(const float* x, int64_t M, int64_t K, const 
             v = v * ws[n];
             y[m * N + n] = bias ? v + bias[n] : v;
         }
+}
+
+// Q4_K weights (quant.Q4KLinear): w = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit per
+// group of 32 inputs, d and dmin fp16 per 256, in the packing of the AVX512 kernel
+// (cpu_kernels.cpp, q4k_block): per block of 16 channels, wq [K/32][4][16][4] bytes, byte
+// (v, j, b) of group g holding q of k = 32 g + 8 v + b (low nibble) and k + 4 (high nibble)
+// of channel j; d, dmin [K/256][16] fp16; sc, mn [K/32][16] uint8. A group's sum of q * xq
+// per (row, channel) is exact: vpmaddubsw(q, xq) pairs are at most 2 * 15 * 127 = 3810, so
+// the 8 of a group (4 vectors, two nibbles) add up in int16 (<= 30480) before vpmaddwd
+// widens them, two multiplies per 32 products where the int8 product takes two per 32 and
+// row. The float steps are the AVX512 kernel's, in its order (A = d * sc, B = dmin * m;
+// f = (f + A * sum) - B * gsum; y = f * xs (+ bias)), so a q4 model's logits are the same
+// bits on both kernels.
+constexpr int64_t Q4K_PREFETCH = 1024;
+
+static void q4k_block16(const int8_t* xq, const float* xs, const int32_t* gsum, int64_t M,
+                        int64_t K, const uint8_t* wq, const uint16_t* d, const uint16_t* dmin,
+                        const uint8_t* sc, const uint8_t* mn, const float* bias, float* y,
+                        int64_t N, float* f) {
+    const int64_t groups = K / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < M * 16; i++) f[i] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int c = 0; c < 4; c++)
+            _mm_prefetch((const char*)(wq + g * 256 + Q4K_PREFETCH + 64 * c), _MM_HINT_T0);
+        __m256 a[2], bm[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + (g / 8) * 16 + 8 * h)));
+            const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dmin + (g / 8) * 16 + 8 * h)));
+            a[h] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const __m128i*)(sc + g * 16 + 8 * h)))));
+            bm[h] = _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const __m128i*)(mn + g * 16 + 8 * h)))));
+        }
+        __m256i wl[4][2], wh[4][2];  // half h: channels 8h..8h+7
+        for (int v = 0; v < 4; v++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(wq + (g * 4 + v) * 64 + 32 * h));
+                wl[v][h] = _mm256_and_si256(w, low);
+                wh[v][h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            }
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t* r = xq + m * K + g * 32;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                int32_t x0, x1;
+                memcpy(&x0, r + 8 * v, 4);
+                memcpy(&x1, r + 8 * v + 4, 4);
+                const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wl[v][0], b0));
+                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wh[v][0], b1));
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wl[v][1], b0));
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wh[v][1], b1));
+            }
+            const __m256 gs = _mm256_set1_ps((float)gsum[m * groups + g]);
+            const __m256i sum[2] = {_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)};
+            for (int h = 0; h < 2; h++) {
+                float* fm = f + m * 16 + 8 * h;
+                const __m256 t = _mm256_add_ps(_mm256_loadu_ps(fm), _mm256_mul_ps(a[h], _mm256_cvtepi32_ps(sum[h])));
+                _mm256_storeu_ps(fm, _mm256_sub_ps(t, _mm256_mul_ps(bm[h], gs)));
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(f + m * 16 + 8 * h), _mm256_set1_ps(xs[m]));
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+            _mm256_storeu_ps(y + m * N + 8 * h, v);
+        }
+}
+
+// y [M, N] = x [M, Kin] (fp32) through Q4_K weights covering K >= Kin inputs (K % 256 == 0;
+// the inputs past Kin meet zeros, which change neither a row's scale nor any sum), each row
+// quantized alone (quantize_rows); N % 16 == 0; bias may be null. The AVX512 kernel's
+// sd_q4k_linear_x, the same bits.
+extern "C" void sd_q4k_linear_x(const float* x, int64_t M, int64_t Kin, int64_t K,
+                                const uint8_t* wq, const uint16_t* d, const uint16_t* dmin,
+                                const uint8_t* sc, const uint8_t* mn, const float* bias,
+                                int64_t N, float* y) {
+    if (Kin != K) {
+        xpad_scratch.assign(M * K, 0.0f);
+        for (int64_t m = 0; m < M; m++) memcpy(xpad_scratch.data() + m * K, x + m * Kin, Kin * sizeof(float));
+        x = xpad_scratch.data();
+    }
+    xq_scratch.resize(M * K);
+    xs_scratch.resize(M);
+    gsum_scratch.resize(M * (K / 32));
+    const int8_t* xq = xq_scratch.data();
+    const float* xs = xs_scratch.data();
+    const int32_t* gs = gsum_scratch.data();
+    quantize_rows(x, M, K, xq_scratch.data(), xs_scratch.data(), gsum_scratch.data());
+    const int64_t nblocks = N / 16;
+    #pragma omp parallel
+    {
+        std::vector<float> f(M * 16);  // this thread's accumulators of one block
+        #pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++)
+            q4k_block16(xq, xs, gs, M, K, wq + nb * 16 * K / 2, d + nb * 16 * (K / 256),
+                        dmin + nb * 16 * (K / 256), sc + nb * 16 * (K / 32), mn + nb * 16 * (K / 32),
+                        bias ? bias + nb * 16 : nullptr, y + nb * 16, N, f.data());
+    }
 }
 
 namespace {
@@ -339,23 +454,38 @@ void sd_rmsnorm(const float* x, int64_t M, int64_t N, const float* w, float eps,
 
 #include "cpu_layers.h"
 
+namespace {
+
+// One linear of a layer: LINEAR_WORDS int64 words, {kind, in_padded, p0..p5}, as in
+// cpu_kernels.cpp: kind 0 an Int8Linear "nk" (p0 qweight, p1 wscale, p2 bias or 0), kind 1 a
+// Q4KLinear (in_padded its blocks' K; p0 qweight, p1 d, p2 dmin, p3 sc, p4 mn, p5 bias or 0).
+constexpr int64_t LINEAR_WORDS = 8;
+
+void linear(const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, float* out) {
+    if (p[0] == 0) {
+        sd_int8_linear_nk_x(in, m, k, (const int8_t*)p[2], (const float*)p[3], (const float*)p[4],
+                            n, out);
+    } else {
+        sd_q4k_linear_x(in, m, k, p[1], (const uint8_t*)p[2], (const uint16_t*)p[3],
+                        (const uint16_t*)p[4], (const uint8_t*)p[5], (const uint8_t*)p[6],
+                        (const float*)p[7], n, out);
+    }
+}
+
+}  // namespace
+
 extern "C" {
 
 // Run decoder layers which[0..nrun-1] over x [B*T, dim] in place: run_layers (cpu_layers.h)
-// with 3 words a linear: an int8 "nk" weight [out, in], its fp32 scale [out], fp32 bias [out]
-// or 0.
+// with LINEAR_WORDS a linear.
 void sd_layers_nk(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
                   const int64_t* cp, const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv,
                   int64_t D, int64_t F, int64_t L, float eps, const float* cos_tab,
                   const float* sin_tab, const int64_t* pos, const int64_t* slots,
                   const int64_t* lens, const int64_t* seen, int64_t S, const int64_t* hid,
                   float scale) {
-    auto lin = [](const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, float* out) {
-        sd_int8_linear_nk_x(in, m, k, (const int8_t*)p[0], (const float*)p[1],
-                            (const float*)p[2], n, out);
-    };
-    run_layers<3>(lin, x, B, T, dim, wp, cp, which, nrun, H, Hkv, D, F, L, eps, cos_tab,
-                  sin_tab, pos, slots, lens, seen, S, hid, scale);
+    run_layers<LINEAR_WORDS>(linear, x, B, T, dim, wp, cp, which, nrun, H, Hkv, D, F, L, eps,
+                             cos_tab, sin_tab, pos, slots, lens, seen, S, hid, scale);
 }
 
 }  // extern "C"

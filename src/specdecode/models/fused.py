@@ -12,7 +12,7 @@ subsets and hidden states.
 Two kernels: ``sd_layers`` (``cpu_kernels.cpp``, CPUs with AVX512-VNNI) for linears that
 are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (mixed
 freely: a q4 target's Q6_K tensors are int8); ``sd_layers_nk`` (``cpu_kernels_avx2.cpp``,
-AVX2 CPUs) for Int8Linear in the "nk" layout. Used by :meth:`native.Transformer.forward_rows`
+AVX2 CPUs) for Int8Linear in the "nk" layout and Q4KLinear, mixed alike. Used by :meth:`native.Transformer.forward_rows`
 for decode, verify and draft-tree passes (the :class:`native.Prefixes` attention), hidden
 states of chosen layers included, and prefill in passes of 64 tokens
 (:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
@@ -49,18 +49,13 @@ _INT8 = ("qweight", "wscale", "bias")
 _Q4K = (*quant.Q4K_BUFFERS, "bias")
 
 
-def _avx512_words(lin) -> tuple[list[int], tuple[str, ...], int]:
-    """For ``sd_layers`` (``LINEAR_WORDS`` in cpu_kernels.cpp): a linear's words before its
-    buffers' pointers (kind, padded inputs), its buffers' names, and its words in all (8:
-    the pointers padded with zeros)."""
+def _words(lin) -> tuple[list[int], tuple[str, ...], int]:
+    """For either kernel's stack (``LINEAR_WORDS`` in cpu_kernels.cpp and
+    cpu_kernels_avx2.cpp): a linear's words before its buffers' pointers (kind, padded
+    inputs), its buffers' names, and its words in all (8: the pointers padded with zeros)."""
     if isinstance(lin, quant.Q4KLinear):
         return [1, lin.padded_in], _Q4K, 8
     return [0, 0], _INT8, 8
-
-
-def _avx2_words(lin) -> tuple[list[int], tuple[str, ...], int]:
-    """For ``sd_layers_nk``: a linear's three pointers, no other word."""
-    return [], _INT8, 3
 
 
 class LayerStack:
@@ -122,7 +117,8 @@ def _avx512_fits(lin) -> bool:
 
 
 def _avx2_fits(lin) -> bool:
-    return isinstance(lin, quant.Int8Linear) and lin.layout == "nk" and lin.qweight.device.type == "cpu"
+    return (isinstance(lin, quant.Q4KLinear) or isinstance(lin, quant.Int8Linear)
+            and lin.layout == "nk") and lin.qweight.device.type == "cpu"
 
 
 def _kernel() -> tuple[object, object, object] | None:
@@ -130,10 +126,10 @@ def _kernel() -> tuple[object, object, object] | None:
     None."""
     lib = quant.vnni_kernel()[0]
     if lib is not None:
-        return lib.sd_layers, _avx512_words, _avx512_fits
+        return lib.sd_layers, _words, _avx512_fits
     lib = quant.avx2_kernel()
     if lib is not None:
-        return lib.sd_layers_nk, _avx2_words, _avx2_fits
+        return lib.sd_layers_nk, _words, _avx2_fits
     return None
 
 

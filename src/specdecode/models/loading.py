@@ -15,7 +15,7 @@ from . import llamacpp, registry
 from .base import CausalLM
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer, read_json
-from .quant import best_layout, has_q4k, quantize_linears, require_vnni
+from .quant import best_layout, has_q4k, q4k_kernel, quantize_linears, require_q4k
 from ..tokenmap import UnsupportedTokenizerError, pair_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,16 +108,17 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     speculative output equals its plain decoding only up to its batched-kernel rounding; as a
     draft it changes nothing: :class:`specdecode.models.llamacpp.LlamaCppLM`) or "auto"
     (native when the architecture allows). ``dtype``: auto (default: q4 for a
-    target from a GGUF file with Q4_K weights on a CPU with the VNNI kernel, the fastest
-    there; int4 for a draft on such a CPU; else int8), int8 (int8 weights and per-row int8
-    activations, whose verify-pass rows equal one-token passes bit for bit; quantized once
-    from the float files and cached), int4 (the native backend on a CPU with the VNNI
-    kernel: every linear in Q4_K blocks quantized here, per-row int8 activations, rows
-    independent as with int8), float32 (the reference), bfloat16 or float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
+    target from a GGUF file with Q4_K weights on an x86 CPU with the AVX512-VNNI or the AVX2
+    kernel, the fastest there; int4 for a draft on such a CPU; else int8), int8 (int8
+    weights and per-row int8 activations, whose verify-pass rows equal one-token passes bit
+    for bit; quantized once from the float files and cached), int4 (the native backend on a
+    CPU with either kernel: every linear in Q4_K blocks quantized here, per-row int8
+    activations, rows independent as with int8), float32 (the reference), bfloat16 or
+    float16. ``role``: "target" or "draft"; with int8 it picks the weight layout that is
     fastest for verify passes (target) or one-token steps (draft), which changes no output
     (:func:`specdecode.models.quant.best_layout`). ``q4`` (native backend, x86 CPUs with
-    AVX512-VNNI, a known model or a ``.gguf`` file): the file's Q4_K weights as they are,
-    with the same per-row int8 activations; the others int8.
+    either kernel, a known model or a ``.gguf`` file): the file's Q4_K weights as they are,
+    with the same per-row int8 activations, the same bits on both kernels; the others int8.
     Speculative decoding reproduces the plain decoding of the target in the dtype it was
     loaded with. Raises ValueError naming the bad value, MissingExtraError for the llama.cpp
     backend without its extra.
@@ -146,9 +147,10 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     gguf = None
     if dtype == "auto":
         source = _gguf_source(name_or_path, required=False)
-        if role == "target" and native and layout == "vnni" and source is not None and has_q4k(source):
+        q4k = native and q4k_kernel()[0] is not None
+        if role == "target" and q4k and source is not None and has_q4k(source):
             dtype, gguf = "q4", source
-        elif role == "draft" and native and layout == "vnni":
+        elif role == "draft" and q4k:
             dtype = "int4"  # 0.78x the int8 draft's step, at 2 points less acceptance: BENCHMARKS.md
         else:
             dtype = "int8"
@@ -161,7 +163,7 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         if not native:
             raise ValueError(f"dtype int4 runs on the native backend only (model types "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}); use dtype int8, or backend native")
-        require_vnni("dtype int4")
+        require_q4k("dtype int4")
     try:
         if backend == "transformers" or not native_ok:
             from transformers import AutoModelForCausalLM
@@ -203,9 +205,9 @@ def _load_llamacpp(name_or_path, dtype, tokenizer: bool) -> LoadedModel:
 
 def check_q4(name_or_path) -> Path:
     """The GGUF file whose Q4_K blocks dtype q4 would use for this model. Raises ValueError
-    when q4 cannot load it (no VNNI kernel, no GGUF file, no Q4_K weights in it), before
+    when q4 cannot load it (no kernel for Q4_K, no GGUF file, no Q4_K weights in it), before
     anything is loaded."""
-    require_vnni("dtype q4")
+    require_q4k("dtype q4")
     gguf = _gguf_source(name_or_path)
     if not has_q4k(gguf):
         raise ValueError(f"{gguf} has no Q4_K weights (dtype q4 keeps those as they are and "

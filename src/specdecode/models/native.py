@@ -1034,7 +1034,7 @@ class Transformer(nn.Module):
                 raise ValueError("dtype q4 reads the Q4_K blocks of the model's GGUF file: pass "
                                  "gguf=PATH (or load a known model or a .gguf file)")
         if dtype in ("q4", "int4"):
-            quant.require_vnni(f"dtype {dtype}")
+            quant.require_q4k(f"dtype {dtype}")
         int8 = dtype in ("int8", "q4", "int4")
         layout = layout or quant.best_layout("target")
         if int8 and layout not in quant.LAYOUTS:

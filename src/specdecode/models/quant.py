@@ -15,7 +15,8 @@ packed for ``vpdpbusd`` once for up to 8 rows, the shape of a verify pass, and o
 with AMX-INT8 runs passes of a few rows (int8 2+, Q4_K 9+) on the tile unit (the same integer
 sums, the same float steps: the same bits; :func:`set_amx`, ``SPECDECODE_AMX=0`` to keep to
 AVX512); on CPUs with AVX2 only, ``cpu_kernels_avx2.cpp`` (the same integer sums for the
-"nk" layout, :func:`avx2_kernel`); elsewhere ``torch._int_mm``. Set
+"nk" layout, and the Q4_K linears with the AVX512 kernel's bits, :func:`avx2_kernel`);
+elsewhere ``torch._int_mm`` (and no Q4_K: :func:`q4k_kernel`). Set
 ``SPECDECODE_INT8_KERNEL=torch`` to use the latter anyway.
 
 Long passes (prefill chunks: more than ``PREFILL_MIN_TOKENS`` tokens a row, never a verify
@@ -116,7 +117,7 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
 
 
 AVX2_SOURCE = Path(__file__).with_name("cpu_kernels_avx2.cpp")
-AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 def avx2_kernel() -> ctypes.CDLL | None:
@@ -129,13 +130,14 @@ def avx2_kernel() -> ctypes.CDLL | None:
 
 @functools.cache
 def avx2_library() -> ctypes.CDLL | None:
-    """The compiled ``cpu_kernels_avx2.cpp`` (the exact int8 product, attention and silu),
-    built and cached as :func:`vnni_kernel` is, on any x86-64 CPU with AVX2 and FMA; None on
+    """The compiled ``cpu_kernels_avx2.cpp`` (the exact int8 product, the Q4_K linear,
+    attention and silu), built and cached as :func:`vnni_kernel` is, on any x86-64 CPU with
+    AVX2, FMA and F16C (every AVX2 CPU from Intel and AMD has all three); None on
     other CPUs, without a C++ compiler, or when the build fails (said once on stderr)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     flags = cpu_flags()
-    if "avx2" not in flags or "fma" not in flags:
+    if "avx2" not in flags or "fma" not in flags or "f16c" not in flags:
         return None
     lib, why = _compiled(AVX2_SOURCE, (AVX2_FLAGS,))
     if lib is None:
@@ -147,6 +149,8 @@ def avx2_library() -> ctypes.CDLL | None:
     lib.sd_int8_mm_nk.restype = None
     lib.sd_int8_linear_nk_x.argtypes = [P, I, I, P, P, P, I, P]
     lib.sd_int8_linear_nk_x.restype = None
+    lib.sd_q4k_linear_x.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
+    lib.sd_q4k_linear_x.restype = None
     lib.sd_attend.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, ctypes.c_float, P]
     lib.sd_attend.restype = None
     lib.sd_attend_slots.argtypes = [P, I, I, I, I, I, I, I, P, P, I, I, P, P, I, ctypes.c_float, P]
@@ -272,12 +276,24 @@ def _build(cxx: str, out: Path, source: Path, flag_sets: tuple) -> str | None:
     return None
 
 
-def require_vnni(what: str) -> ctypes.CDLL:
-    """The kernel, or ValueError saying that ``what`` needs it and to use int8."""
+def q4k_kernel() -> tuple[ctypes.CDLL | None, str]:
+    """(the kernel library that runs Q4_K linears, q4 and int4: the AVX512-VNNI one, else the
+    AVX2 one, or None; why not, when None)."""
     lib, why = vnni_kernel()
     if lib is None:
-        raise ValueError(f"{what} needs the AVX512-VNNI kernel, which is not in use here "
-                         f"({why}); use dtype int8")
+        lib = avx2_kernel()
+        if lib is None:
+            why = f"{why}; and the AVX2 kernel is not in use either"
+    return lib, why
+
+
+def require_q4k(what: str) -> ctypes.CDLL:
+    """The kernel that runs Q4_K (:func:`q4k_kernel`), or ValueError saying that ``what``
+    needs it and to use int8."""
+    lib, why = q4k_kernel()
+    if lib is None:
+        raise ValueError(f"{what} needs the AVX512-VNNI or the AVX2 kernel, neither of which is in "
+                         f"use here ({why}); use dtype int8")
     return lib
 
 
@@ -457,7 +473,8 @@ class Int8Embedding(nn.Module):
 
 class Q4KLinear(nn.Module):
     """A linear whose weight is a GGUF file's Q4_K blocks, as they are, with per-row int8
-    activations (the VNNI kernel only; see ``cpu_kernels.cpp``, ``sd_q4k_linear``).
+    activations (the AVX512-VNNI or the AVX2 kernel, the same bits on both: ``sd_q4k_linear``
+    in ``cpu_kernels.cpp``, ``sd_q4k_linear_x`` in ``cpu_kernels_avx2.cpp``).
 
     w[n, k] = d * sc * q - dmin * m (q 4-bit, sc and m 6-bit per 32 inputs, d and dmin fp16
     per 256: llama.cpp's ``block_q4_K``), so the weights equal gguf-py's dequantization (and
@@ -469,8 +486,8 @@ class Q4KLinear(nn.Module):
     zeros there, which change neither its scale nor any sum. Buffers (per block of 16
     output channels): ``qweight`` uint8 [out/16, K/32, 4, 16, 4] (two 4-bit values a
     byte), ``d``, ``dmin`` int16 (fp16 bits) [out/16, K/256, 16], ``sc``, ``mn`` uint8
-    [out/16, K/32, 16], ``bias`` fp32 or None. Raises RuntimeError when run without the
-    VNNI kernel.
+    [out/16, K/32, 16], ``bias`` fp32 or None. Raises RuntimeError when run without either
+    kernel (:func:`q4k_kernel`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
@@ -492,13 +509,13 @@ class Q4KLinear(nn.Module):
         self.register_buffer("bias", buf((out_features,), torch.float32) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib, why = vnni_kernel()
+        lib, why = q4k_kernel()
         if lib is None:
-            raise RuntimeError(f"Q4_K weights need the AVX512-VNNI kernel, which is not in use "
-                               f"({why}); load the model with dtype int8")
+            raise RuntimeError(f"Q4_K weights need the AVX512-VNNI or the AVX2 kernel, neither of "
+                               f"which is in use ({why}); load the model with dtype int8")
         shape = x.shape
         n = self.out_features
-        if _long_pass(x, n, self.in_features):
+        if lib is vnni_kernel()[0] and _long_pass(x, n, self.in_features):
             return _bf16_linear(self, x, lambda xp, m, yp: lib.sd_q4k_linear_bf16(
                 xp, m, self.in_features, self.padded_in, *_pointers(self, (*Q4K_BUFFERS, "bias")), n, yp))
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
