@@ -122,12 +122,37 @@ def test_hf_adapter_matches_native(tmp_path):
     assert adapter.seq_len == 30
 
 
+def test_hf_adapter_rolls_back_past_a_sliding_window(tmp_path):
+    """A Gemma 3 with a 4-token sliding window: transformers' sliding cache layer cannot be
+    cropped once the window is full (every speculative method crashed past 512 tokens with
+    gemma3-270m), crop failed on a cache no forward had filled, and without a registered mask
+    function the window was not applied at all. Rollbacks past the window and to 0 before any
+    forward give the logits of one full pass of transformers' own attention."""
+    hf = hf_model_dir(tmp_path, "gemma3-sliding-window")
+    ids = torch.randint(0, TINY["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    lm = HFCausalLM(hf)
+    assert lm.row_exact_attention
+    lm.allocate(1, 64)
+    lm.rollback(0)
+    lm.forward(ids[:, :20], num_logits=0)
+    for start, size in [(14, 5), (6, 9), (15, 1), (16, 14)]:
+        lm.rollback(start)
+        out = lm.forward(ids[:, start:start + size])
+        assert (out - ref[:, start:start + size]).abs().max() <= TOL, (start, size)
+    assert lm.seq_len == 30
+    lm.rollback(0)
+    assert (lm.forward(ids) - ref).abs().max() <= TOL
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
-@pytest.mark.parametrize("name", ["qwen2-bias-tied", "llama-mha-head-dim"])
+@pytest.mark.parametrize("name", ["qwen2-bias-tied", "llama-mha-head-dim", "gemma3-sliding-window"])
 def test_hf_adapter_int8_verify_rows_equal_one_token_passes_bit_for_bit(tmp_path, monkeypatch, name, kernel):
     """The transformers backend with int8 linears: its attention function (rows_attention)
     gives each row of a verify pass the bits of the one-token pass there, so speculation
-    reproduces that backend's plain decoding (transformers' SDPA did not: logits moved)."""
+    reproduces that backend's plain decoding (transformers' SDPA did not: logits moved); in a
+    sliding-window layer too, with rows whose window starts at other positions."""
     from specdecode.models import native
 
     if not kernel:

@@ -148,11 +148,17 @@ CONFIGS = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
     "llama-mha-head-dim": (transformers.LlamaConfig, dict(num_key_value_heads=4, head_dim=32)),
 }
+# architectures only the transformers adapter runs
+HF_ONLY_CONFIGS = {
+    "gemma3-sliding-window": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+}
 
 
 def hf_model_dir(tmp_path, name):
-    """Save a random tiny transformers model of config ``name`` (CONFIGS) in ``tmp_path``; returns it."""
-    cls, extra = CONFIGS[name]
+    """Save a random tiny transformers model of config ``name`` (CONFIGS, HF_ONLY_CONFIGS) in
+    ``tmp_path``; returns it."""
+    cls, extra = {**CONFIGS, **HF_ONLY_CONFIGS}[name]
     torch.manual_seed(0)
     config = cls(**{**TINY, **extra})
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -16,47 +16,68 @@ def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
                    attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    is_causal: bool | None = None, **kwargs):
     """A ``transformers`` attention function (``AttentionInterface``) whose rows are the
-    one-token passes': each of the T new queries attends to its own prefix of the cache,
-    computed as the native decoder does (:func:`native.attend_rows` on the CPU in fp32, else
+    one-token passes': each of the T new queries attends to its own prefix of the cache (the
+    last ``sliding_window`` positions of it in a sliding-window layer), computed as the native
+    decoder does (:func:`native.attend_rows` on the CPU in fp32, else
     :func:`native.attend_prefixes`), so a verify pass gives every row the bits a one-token
     pass gives it. transformers' own SDPA runs all T rows in one masked product, whose
     reduction order changes with T: with int8 linears those last-bit differences became other
-    activation roundings and moved logits by up to 4.4 (SmolLM2-135M, 8 cached tokens).
+    activation roundings and moved logits by up to 4.4 (SmolLM2-135M, 8 cached tokens), and
+    past Gemma 3's 512-token window other greedy tokens.
 
-    query: [B, H, T, D], key/value: [B, H_kv, S, D] (S = cached + T, the new tokens last;
-    rows of one length, as this adapter runs them). Returns ([B, T, H, D], None). Prefill
-    (T > native.SDPA_MIN_TOKENS), dropout, a sliding window shorter than S, soft-capping and
-    position biases go to transformers' SDPA function unchanged (row-exactness is a decode
-    property; those models' verify rows may then differ from one-token passes in the last
-    bits).
+    query: [B, H, T, D], key/value: [B, H_kv, S, D] (S = cached + T, the new tokens last,
+    every position kept: :class:`HFCausalLM` gives sliding layers full caches; rows of one
+    length, as this adapter runs them). Returns ([B, T, H, D], None). Prefill
+    (T > native.SDPA_MIN_TOKENS), dropout, soft-capping and position biases go to
+    transformers' SDPA function with its mask (row-exactness is a decode property; those
+    models' verify rows may then differ from one-token passes in the last bits).
     """
     t, s = query.shape[2], key.shape[2]
-    window = kwargs.get("sliding_window")
-    if (t > native.SDPA_MIN_TOKENS or dropout or (window and window < s)
-            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
+    if (t > native.SDPA_MIN_TOKENS or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    b, h, _, d = query.shape
+    window = kwargs.get("sliding_window")
+    if not window or window >= s:
+        return _attend_prefixes(query, key, value, scaling), None
+    # row i (position s - t + i) sees its last `window` keys: each row alone, as its one-token
+    # pass runs it
+    rows = [_attend_prefixes(query[:, :, i:i + 1], key[:, :, max(0, p - window + 1):p + 1],
+                             value[:, :, max(0, p - window + 1):p + 1], scaling)
+            for i, p in enumerate(range(s - t, s))]
+    return torch.cat(rows, dim=1), None
+
+
+def _attend_prefixes(query, key, value, scaling):
+    """Query i of T over keys 0..S-T+i; [B, H, T, D], [B, H_kv, S, D] -> [B, T, H, D]."""
+    (b, h, t, d), s = query.shape, key.shape[2]
     lib = native.attention_kernel_for(query.device, query.dtype, d, h // key.shape[1])
     if lib is not None:
         lens = torch.arange(s - t + 1, s + 1).expand(b, t).contiguous()
         cache = SimpleNamespace(k=key.contiguous(), v=value.contiguous())
-        return native.attend_rows(native.Prefixes(lib, lens), query, cache, scaling), None
-    y = native.attend_prefixes(query, key, value, s - t, scaling)
-    return y.transpose(1, 2).contiguous(), None
+        return native.attend_rows(native.Prefixes(lib, lens), query, cache, scaling)
+    return native.attend_prefixes(query, key, value, s - t, scaling).transpose(1, 2).contiguous()
 
 
 @functools.cache
 def _register() -> None:
     from transformers import AttentionInterface  # here: importing specdecode stays light
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ROWS_ATTENTION, rows_attention)
+    # without a mask function transformers passes no mask at all, and the SDPA fallback of a
+    # sliding-window layer attended to the whole prefix (Gemma 3 gave other logits)
+    AttentionMaskInterface.register(ROWS_ATTENTION, sdpa_mask)
 
 
 class HFCausalLM:
     """Adapter over a ``transformers`` causal LM; rollback uses ``DynamicCache.crop``.
+
+    Sliding-window layers (Gemma 2/3, Mistral) get full cache layers: transformers' sliding
+    layer keeps only the window and cannot be cropped once it is full, which a speculative
+    rollback needs at any length; the sliding mask still limits what each query sees.
 
     Serves every architecture the native decoder does not cover (slower, and no draft-tree
     masks or layer skipping, which later methods need). Models that take an attention
@@ -82,12 +103,19 @@ class HFCausalLM:
         self._cache = None
 
     def allocate(self, batch: int, max_len: int) -> None:
-        from transformers import DynamicCache
-
         if max_len > self.max_context:
             raise ValueError(f"max_len={max_len} exceeds the model's context of {self.max_context} tokens")
-        self._cache = DynamicCache(config=self.hf.config)
+        self._cache = self._new_cache()
         self.seq_len = 0
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.hf.config)
+        cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer
+                        for layer in cache.layers]
+        return cache
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
@@ -104,5 +132,8 @@ class HFCausalLM:
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.seq_len} positions")
-        self._cache.crop(length - self.seq_len)  # transformers 5: a negative count to remove
+        if length == 0:  # also before the first forward, whose layers crop cannot cut yet
+            self._cache = self._new_cache()
+        elif length < self.seq_len:
+            self._cache.crop(length - self.seq_len)  # transformers 5: a negative count to remove
         self.seq_len = length
