@@ -297,6 +297,64 @@ def test_k_zero_is_an_argparse_error(capsys, dirs):
         assert "argument --max-k: must be an integer 1..64" in err and bad in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "medusa", "--out", "{file}"],
+    ["train", "eagle3", "--out", ""],  # was: silently the default head in the cache
+    ["train", "draft", "--out", "{file}/sub"],
+    ["train", "eagle3", "--features", "{file}"],
+    ["tune-skip", "--out", "{dir}"],
+    ["tune-skip", "--out", "{file}/skip.json"],  # was: a traceback after the whole tuning run
+    ["bench", "--out", "{file}"],
+    ["bench-serve", "--out", "{file}"],
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(capsys, tmp_path, monkeypatch, argv):
+    """Options naming where a run's output goes are checked as arguments (exit 2, one line
+    naming the path), before models load or training / tuning runs."""
+    import specdecode.cli.train as train_cli
+    import specdecode.cli.tune_skip as tune_cli
+
+    def no_work(*a, **k):
+        raise AssertionError("work started")
+    monkeypatch.setattr(train_cli, "load", no_work)
+    monkeypatch.setattr(tune_cli, "load", no_work)
+    (tmp_path / "a-file").write_text("x")
+    argv = [a.format(file=tmp_path / "a-file", dir=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --" in err and ("a-file" in err or str(tmp_path) in err or "empty" in err), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("what, paths", [("vllm", ["{file}"]), ("eagle3", ["{dir}", "{file}"]),
+                                         ("medusa", ["{dir}", "{file}/x"])])
+def test_export_to_a_file_is_a_one_line_error(capsys, tmp_path, monkeypatch, what, paths):
+    import specdecode.cli.export as export_cli
+
+    monkeypatch.setattr(export_cli, "resolve_model_path", lambda *a: (_ for _ in ()).throw(AssertionError))
+    (tmp_path / "a-file").write_text("x")
+    code, out, err = run(capsys, "export", what, *[p.format(file=tmp_path / "a-file", dir=tmp_path) for p in paths])
+    assert code == 2 and err.startswith("error:") and "a-file" in err and "is a file" in err, err
+
+
+def test_check_output():
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        (d / "f").write_text("x")
+        assert common.check_output(str(d / "new" / "deeper"), directory=True) == d / "new" / "deeper"
+        assert common.check_output(str(d / "f"), directory=False) == d / "f"  # overwritten
+        assert common.check_output(str(d), directory=True) == d
+        for path, directory, words in [("", True, "empty"), (" ", False, "empty"),
+                                       (d / "f", True, "is a file"), (d, False, "is a directory"),
+                                       (d / "f" / "x" / "y", True, "cannot be created")]:
+            with pytest.raises(ValueError, match=words):
+                common.check_output(str(path), directory)
+
+
 def test_a_draft_of_another_tokenizer_needs_no_option(capsys, dirs):
     """The CLI pairs a draft of another tokenizer through text, says so once on stderr, and
     prints plain decoding's output."""

@@ -17,7 +17,8 @@ from ..methods import METHOD_OPTIONS, METHODS
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
 from ..train.run import KINDS as HEAD_KINDS, ensure_default_head
-from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command, usable_cores
+from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, output_dir_argument, run_command,
+                     usable_cores)
 
 
 def _help() -> str:
@@ -97,7 +98,7 @@ def add_parser(sub) -> None:
                    help="after the timed run, measure each method's peak resident memory in a "
                         "process of its own (its models, one generation of the longest prompt; "
                         "some seconds per method; default on)")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", type=output_dir_argument, default=None, metavar="DIR",
                    help="write results.json, report.md and speedup.png here; every finished "
                         "prompt is also appended to records.jsonl as the run goes")
     p.add_argument("--resume", action="store_true",

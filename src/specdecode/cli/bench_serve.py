@@ -17,7 +17,7 @@ from ..methods import METHODS, Method
 from ..server import Metrics, Worker, create_app, serve_in_thread
 from .serve import load_served
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     model_name, run_command)
+                     model_name, output_dir_argument, run_command)
 
 HELP = """\
 Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
@@ -74,7 +74,8 @@ def add_parser(sub) -> None:
                         "concurrency 1's requests again, each through the server then through "
                         "the library alone as `specdecode generate` runs it (the started "
                         "server only)")
-    p.add_argument("--out", default=None, help="write results.json and report.md here")
+    p.add_argument("--out", type=output_dir_argument, default=None, metavar="DIR",
+                   help="write results.json and report.md here")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_bench_serve, args))
 

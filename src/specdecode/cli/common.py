@@ -1,4 +1,4 @@
-"""What every subcommand shares: the --threads option, K arguments, and one rule for exit
+"""What every subcommand shares: the --threads option, K and output-path arguments, and one rule for exit
 codes (0 ok; 2 bad input, with one "error: ..." line on stderr; 1 a job that failed, e.g. a
 model that could not be fetched; 130 interrupted)."""
 
@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -56,6 +57,44 @@ def max_k_argument(value: str) -> int:
         return check_k("--max-k", int(value))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer 1..{MAX_K}, got {value!r}") from None
+
+
+def check_output(path: str, directory: bool) -> Path:
+    """``path`` as a Path if a run can write its output there: a directory (``directory``) or
+    a file that is missing or of that kind, under a directory that exists or can be made. Else
+    ValueError saying what is wrong, so that a long run (training, tuning) does not end in a
+    traceback with its work lost."""
+    what = "directory" if directory else "file"
+    if not str(path).strip():
+        raise ValueError(f"the output path is empty: give a {what}")
+    out = Path(path).expanduser()
+    if out.exists() and out.is_dir() != directory:
+        raise ValueError(f"{out} is a {'file' if directory else 'directory'}: give a {what} path"
+                         + ("" if directory else f", e.g. {out / 'profile.json'}"))
+    up = out.parent
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise ValueError(f"{up} is a file, so {out} cannot be created: give a {what} path in a directory")
+    if not os.access(up, os.W_OK):
+        raise ValueError(f"cannot write in {up} (permission denied): give a {what} path you can write")
+    return out
+
+
+def output_dir_argument(value: str) -> Path:
+    """argparse type of an output directory option (:func:`check_output`)."""
+    try:
+        return check_output(value, directory=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def output_file_argument(value: str) -> Path:
+    """argparse type of an output file option (:func:`check_output`)."""
+    try:
+        return check_output(value, directory=False)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from ..export import ENGINES, HEAD_KINDS, SELF_SPECULATIVE, export, export_head
 from ..methods import Method
 from ..models import registry
 from ..models.loading import resolve_model_path
-from .common import EXIT_CODES_HELP, k_argument, run_command
+from .common import EXIT_CODES_HELP, check_output, k_argument, run_command
 
 EXPORT_HELP = """\
 Write what vLLM or SGLang load to run this speculation at scale.
@@ -81,6 +81,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ValueError(f"--draft is for the draft and hybrid methods; {method.value} has no draft model")
     if not 2 <= args.max_ngram <= 64:
         raise ValueError(f"--max-ngram must be 2..64, got {args.max_ngram}")
+    check_output(args.paths[0], directory=True)
     name = args.target or registry.DEFAULT_TARGET
     target = resolve_model_path(name)
     draft = resolve_model_path(args.draft or registry.DEFAULT_DRAFT) if needs_draft else None
@@ -103,7 +104,7 @@ def _export_head(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(wrong)} are for draft model exports (export vllm|sglang DIR), not heads")
     if isinstance(args.k, str):
         raise ValueError(f"--k {args.k}: vLLM and SGLang take a fixed K for heads; give a number")
-    head, out = Path(args.paths[0]), args.paths[1]
+    head, out = Path(args.paths[0]), check_output(args.paths[1], directory=True)
     name = args.target
     if name is None:
         try:

@@ -13,7 +13,8 @@ from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load, resolve_model_pat
 from ..train.data import parse_sources
 from ..train.run import (DEFAULT_RECIPE as DEFAULTS, KINDS, HeadRecipe, check_out, default_draft_dir,
                          draft_out_files, train_draft, train_head)
-from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED, add_threads_argument, apply_threads, run_command
+from .common import (EXIT_CODES_HELP, EXIT_INTERRUPTED, add_threads_argument, apply_threads,
+                     output_dir_argument, run_command)
 
 TRAIN_HELP = """\
 Train a draft head that reads the target's own hidden states, by self-distillation, or
@@ -76,7 +77,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="the target's weights while it writes the answers; use the dtype you will "
                         "serve with (default auto)")
-    p.add_argument("--out", default=None, metavar="DIR",
+    p.add_argument("--out", type=output_dir_argument, default=None, metavar="DIR",
                    help="where the head (and the run's state) go (default: the target's default head, "
                         "<specdecode cache>/heads/TARGET-KIND, which the methods read without head=)")
     p.add_argument("--data", default="stdlib,sharegpt",
@@ -86,7 +87,7 @@ def add_parser(sub) -> None:
                         "step 2 grows with it)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, metavar="N",
                    help=f"answer length cap in tokens (default {DEFAULTS.max_new_tokens})")
-    p.add_argument("--features", default=None, metavar="DIR",
+    p.add_argument("--features", type=output_dir_argument, default=None, metavar="DIR",
                    help="where the recorded answers and states go (default OUT/features); share "
                         "it between runs on the same target and answer length")
     p.add_argument("--epochs", type=int, default=DEFAULTS.epochs, metavar="N",

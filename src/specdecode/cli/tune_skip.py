@@ -8,7 +8,7 @@ import sys
 from ..layer_skip import CALIBRATION_PROMPTS, default_profile_path, tune_skip
 from ..models import registry
 from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load
-from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, run_command
+from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, output_file_argument, run_command
 
 TUNE_HELP = f"""\
 Find which of the target's decoder layers its own draft can skip (--method layer-skip): the
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                         f"{registry.DEFAULT_TARGET})")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="the target's weights, as `specdecode generate --dtype` (default auto)")
-    p.add_argument("--out", default=None, metavar="FILE",
+    p.add_argument("--out", type=output_file_argument, default=None, metavar="FILE",
                    help="write the profile here (default: the target's cached default profile)")
     p.add_argument("--max-new-tokens", type=int, default=32,
                    help="tokens of each calibration prompt's continuation measured (default 32)")
