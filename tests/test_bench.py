@@ -211,6 +211,10 @@ def test_parse_methods():
         runners.parse_methods("draft:4")
     with pytest.raises(ValueError, match="twice"):
         runners.parse_methods("ar,ar")
+    with pytest.raises(ValueError, match="k= is given twice"):
+        runners.parse_methods("draft:k=4:k=5")
+    with pytest.raises(ValueError, match="no value"):
+        runners.parse_methods("draft:k=")
 
 
 def test_speculative_method_options():

@@ -264,6 +264,18 @@ def test_method_strings_carry_their_own_options():
         split_method("early-exit:layers=2")
     with pytest.raises(ValueError, match="allowed: layer indices joined by"):
         split_method("layer-skip:layers=a")
+    # were accepted as "skip nothing", or the last of two values
+    for text, words in [("layer-skip:layers=5-3", "A <= B"), ("layer-skip:layers=+", "layers='\\+'"),
+                        ("layer-skip:layers=", "no value; e.g. layers=3"), ("eagle3:head=", "no value"),
+                        ("layer-skip:layers=1:layers=2", "twice"), ("self:profile=", "no value")]:
+        with pytest.raises(ValueError, match=words):
+            split_method(text)
+    # a bench row's option names what gives it here
+    with pytest.raises(ValueError, match=r"k= is a bench row's option, here give num_speculative_tokens \(--k\)"):
+        split_method("draft:k=4")
+    for k in ("auto", "heuristic", 3):
+        with pytest.raises(ValueError, match="'ar' proposes nothing"):
+            speculative_config("ar", False, k)
     with pytest.raises(ValueError, match="int8, int4"):
         SpeculativeConfig("self-draft", self_draft_dtype="int2")
     with pytest.raises(ValueError, match="skip_layers or skip_profile"):

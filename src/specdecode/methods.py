@@ -420,9 +420,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculation length schedule {self.schedule!r} is invalid; allowed: "
                              f"{[s.value for s in KSchedule]}") from None
         spec = self.method.spec
-        if spec.proposer is None and self.num_speculative_tokens is not None:
+        if spec.proposer is None and (self.num_speculative_tokens is not None
+                                      or self.schedule is not KSchedule.FIXED):
+            k = self.num_speculative_tokens if self.num_speculative_tokens is not None else self.schedule.value
             raise ValueError(f"method {spec.name!r} proposes nothing: a speculation length K "
-                             f"(num_speculative_tokens={self.num_speculative_tokens!r}) does not apply")
+                             f"(num_speculative_tokens={k!r}) does not apply")
         object.__setattr__(self, "k_given", self.num_speculative_tokens is not None)
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", spec.default_k or 1)
@@ -484,10 +486,15 @@ def _layer_list(value: str) -> tuple[int, ...]:
     try:
         for part in filter(None, value.replace(",", "+").split("+")):
             lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
+            lo, hi = int(lo), int(hi or lo)
+            if hi < lo:
+                raise ValueError
+            out += range(lo, hi + 1)
     except ValueError:
+        out = []
+    if not out:
         raise ValueError(f"layers={value!r} is invalid; allowed: layer indices joined by '+', "
-                         "ranges as A-B, e.g. layers=3+5-8+12") from None
+                         "ranges as A-B with A <= B, e.g. layers=3+5-8+12") from None
     return tuple(out)
 
 
@@ -511,6 +518,17 @@ METHOD_OPTIONS = {
 }
 
 
+# the options a bench row adds to a method name (``specdecode bench --methods draft:k=4``),
+# and what gives each of them to generate and the API
+BENCH_ROW_OPTIONS = {
+    "k": "num_speculative_tokens (--k)", "max_k": "max_speculative_tokens (--max-k)",
+    "p_min": "draft_p_min (--draft-p-min)", "ngram": "max_matching_ngram_size (--max-ngram)",
+    "cache": "suffix_cache", "dtype": "a draft loaded with dtype= (--draft-dtype)",
+    "backend": "a draft loaded with backend= (--draft-backend)", "model": "draft= (--draft)",
+    "rule": "acceptance_rule (--acceptance-rule)",
+}
+
+
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
@@ -525,23 +543,38 @@ def method_options(method: str, opts: dict) -> dict:
     return out
 
 
-def split_method(text: str) -> tuple[str, dict]:
-    """"layer-skip:layers=3+5-8" -> ("layer-skip", {"skip_layers": (3, 5, 6, 7, 8)}): a method
-    name with its own options (:data:`METHOD_OPTIONS`). Raises ValueError naming an unknown
-    method, or an option it does not take."""
+def name_and_options(text: str) -> tuple[str, dict[str, str]]:
+    """"draft:k=4:tree=2" -> ("draft", {"k": "4", "tree": "2"}): the one syntax of a method
+    name with options (generate, the API, bench rows). Raises ValueError naming a part that
+    is not key=value, an empty value or a key given twice."""
     name, *parts = text.split(":")
-    Method.parse(name)
     opts = {}
     for part in parts:
         key, eq, value = part.partition("=")
         if not eq:
             raise ValueError(f"method option {part!r} in {text!r} must look like key=value")
+        if not value:
+            example = METHOD_OPTIONS[key][1] if key in METHOD_OPTIONS else "VALUE"
+            raise ValueError(f"method option {key}= in {text!r} has no value; e.g. {key}={example}")
+        if key in opts:
+            raise ValueError(f"method option {key}= is given twice in {text!r}; give it once")
         opts[key] = value
+    return name, opts
+
+
+def split_method(text: str) -> tuple[str, dict]:
+    """"layer-skip:layers=3+5-8" -> ("layer-skip", {"skip_layers": (3, 5, 6, 7, 8)}): a method
+    name with its own options (:data:`METHOD_OPTIONS`). Raises ValueError naming an unknown
+    method, or an option it does not take."""
+    name, opts = name_and_options(text)
+    Method.parse(name)
     fields = method_options(name, opts)
     if opts:
         mine = [k for k, (o, _, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
+        bench = [f"{k}= is a bench row's option, here give {BENCH_ROW_OPTIONS[k]}"
+                 for k in sorted(opts) if k in BENCH_ROW_OPTIONS]
         raise ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; "
-                         f"allowed: {', '.join(mine) or 'none'}")
+                         f"allowed: {', '.join(mine) or 'none'}" + "".join(f" ({b})" for b in bench))
     return name, fields
 
 

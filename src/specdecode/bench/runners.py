@@ -14,7 +14,8 @@ import torch
 
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
-from ..methods import METHODS, SpeculativeConfig, build_proposer, build_schedule, method_options
+from ..methods import (METHODS, SpeculativeConfig, build_proposer, build_schedule, method_options,
+                       name_and_options)
 from ..models import llamacpp
 from ..models.loading import (LoadedModel, check_compatible, default_eos_token_ids, load,
                               resolve_model_path)
@@ -278,16 +279,10 @@ def parse_methods(spec: str) -> list[tuple[str, str, dict]]:
     bad method or option."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, *opts = item.split(":")
+        name, options = name_and_options(item)
         if not is_ours(name) and name not in PEERS:
             raise ValueError(f"unknown method {name!r}; available: "
                              f"{', '.join([*METHODS, *CROSS_ROWS, *PEERS])}")
-        options = {}
-        for o in opts:
-            if "=" not in o:
-                raise ValueError(f"method option {o!r} in {item!r} must look like key=value")
-            key, value = o.split("=", 1)
-            options[key] = value
         out.append((item, name, options))
     if not out:
         raise ValueError("no methods given")
