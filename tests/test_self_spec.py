@@ -249,6 +249,20 @@ def test_skip_profile_errors_name_the_file_and_the_fix(tmp_path):
     (tmp_path / "g.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match="0..3"):
         SkipProfile.load(tmp_path / "g.json")
+    # malformed profiles: one line naming what is wrong (were KeyError / TypeError / AttributeError)
+    good_d = json.loads(json.dumps({**dataclasses.asdict(good), "format": d["format"]}))
+    for edit, words in [(lambda d: d.pop("skip"), "missing skip"), (lambda d: d.pop("format"), "not a profile"),
+                        (lambda d: d.update(extra=1), "unknown fields extra"),
+                        (lambda d: d.update(skip=3), "skip = 3 is not a list"),
+                        (lambda d: d.update(k="4"), "k = '4' is not a number")]:
+        d = json.loads(json.dumps(good_d))
+        edit(d)
+        (tmp_path / "m.json").write_text(json.dumps(d))
+        with pytest.raises(ValueError, match=f"m.json: .*{words}.*tune-skip"):
+            SkipProfile.load(tmp_path / "m.json")
+    (tmp_path / "m.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a profile.*a JSON list"):
+        SkipProfile.load(tmp_path / "m.json")
 
 
 # -- the methods' options

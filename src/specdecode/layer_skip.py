@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -93,15 +93,33 @@ class SkipProfile:
     @classmethod
     def load(cls, path: str | Path, n_layers: int | None = None) -> "SkipProfile":
         """Read a profile ``tune-skip`` wrote. Raises ValueError naming the file and what is
-        wrong (unreadable, another format, layers outside the model's 0..n_layers-1)."""
+        wrong (unreadable, another format, missing or unknown fields, a field of another type,
+        layers outside the model's 0..n_layers-1)."""
+        make = "make one with `specdecode tune-skip --target NAME --out FILE`"
         try:
             d = json.loads(Path(path).read_text())
-            if d.pop("format") != PROFILE_FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, expected {PROFILE_FORMAT}")
-            p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ()))})
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"layer-skip profile {path}: cannot be read ({type(e).__name__}: {e}); "
-                             "make one with `specdecode tune-skip --target NAME --out FILE`") from None
+        except (OSError, ValueError) as e:
+            raise ValueError(f"layer-skip profile {path}: cannot be read ({e}); {make}") from None
+        if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+            found = d.get("format") if isinstance(d, dict) else f"a JSON {type(d).__name__}"
+            raise ValueError(f"layer-skip profile {path}: not a profile (format {found!r}, expected "
+                             f"{PROFILE_FORMAT!r}); {make}")
+        d = {k: v for k, v in d.items() if k != "format"}
+        names = {f.name: f for f in fields(cls)}
+        missing = [n for n, f in names.items() if f.default is MISSING and n not in d]
+        unknown = sorted(set(d) - set(names))
+        if missing or unknown:
+            raise ValueError(f"layer-skip profile {path}: " + "; ".join(
+                filter(None, [missing and f"missing {', '.join(missing)}", unknown and f"unknown fields "
+                              f"{', '.join(unknown)}"])) + f"; {make}")
+        types = {"skip": list, "k": int, "n_layers": int, "acceptance": (int, float), "draft_cost": (int, float),
+                 "predicted_speedup": (int, float), "search": list}
+        wrong = [n for n, t in types.items() if n in d and (not isinstance(d[n], t) or isinstance(d[n], bool))]
+        if wrong:
+            raise ValueError(f"layer-skip profile {path}: " + ", ".join(
+                f"{n} = {d[n]!r} is not {'a list' if types[n] is list else 'a number'}" for n in wrong)
+                + f"; {make}")
+        p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ()))})
         if n_layers is not None and p.n_layers != n_layers:
             raise ValueError(f"layer-skip profile {path} was made for a model of {p.n_layers} layers, "
                              f"this target has {n_layers}: run `specdecode tune-skip` for it")
