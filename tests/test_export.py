@@ -29,7 +29,6 @@ CASES = [
     ("vllm-hybrid-auto", "vllm", "target", "draft", Method.HYBRID, "auto"),
     ("sglang-draft-cut", "sglang", "target", "wide_draft", Method.DRAFT, None),
     ("sglang-prompt-lookup", "sglang", "target", None, Method.PROMPT_LOOKUP, None),
-    ("sglang-suffix", "sglang", "target", None, Method.SUFFIX, None),
 ]
 
 
@@ -89,9 +88,10 @@ def test_export_refuses_what_the_engines_cannot_load(tmp_path, dirs, capsys):
         export("vllm", tmp_path / "a", dirs["target"], dirs["foreign"], Method.DRAFT, progress=False)
     with pytest.raises(ValueError, match="nothing to export"):
         export("vllm", tmp_path / "b", dirs["target"], None, Method.AR, progress=False)
-    for method in (Method.LAYER_SKIP, Method.SELF, Method.SELF_DRAFT, Method.EARLY_EXIT):
+    for method in (Method.LAYER_SKIP, Method.SELF, Method.SELF_DRAFT, Method.EARLY_EXIT, Method.SUFFIX):
         with pytest.raises(ValueError, match="nothing reproduces it there"):
             export("sglang", tmp_path / "s", dirs["target"], None, method, progress=False)
+        assert not (tmp_path / "s").exists()  # nothing half-written
     with pytest.raises(ValueError, match="tgi"):
         export("tgi", tmp_path / "c", dirs["target"], None, Method.SUFFIX, progress=False)
     (tmp_path / "full").mkdir()
@@ -107,6 +107,15 @@ def test_export_refuses_what_the_engines_cannot_load(tmp_path, dirs, capsys):
     assert code == 0 and "STANDALONE" in capsys.readouterr().out
     assert (tmp_path / "e" / "target" / "model.safetensors").exists()
     assert 'TARGET="${TARGET:-$HERE/target}"' in (tmp_path / "e" / "launch.sh").read_text()
+    # --max-ngram as generate takes it (1..32, the shortest n-gram min(2, it); prompt lookup only)
+    for args, words in [(["--max-ngram", "40"], "1..32"), (["--method", "draft", "--max-ngram", "3"], "'draft'")]:
+        code = cli.main(["export", "vllm", str(tmp_path / "f"), "--target", str(dirs["target"]),
+                         "--method", "prompt-lookup", *args])
+        assert code == 2 and words in capsys.readouterr().err
+    code = cli.main(["export", "vllm", str(tmp_path / "g"), "--target", str(dirs["target"]),
+                     "--method", "prompt-lookup", "--max-ngram", "1"])
+    config = json.loads((tmp_path / "g" / "speculative_config.json").read_text())
+    assert code == 0 and (config["prompt_lookup_min"], config["prompt_lookup_max"]) == (1, 1)
 
 
 def test_the_exported_directory_can_be_moved_and_launched(tmp_path, dirs):

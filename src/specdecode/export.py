@@ -139,7 +139,8 @@ SELF_SPECULATIVE = (Method.LAYER_SKIP, Method.EARLY_EXIT, Method.SELF_DRAFT, Met
 def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir: Path | None,
                     max_ngram: int, min_ngram: int) -> tuple[str | None, dict | None, list[str], list[str]]:
     """(the engine's method, vLLM's speculative config or None, SGLang's flags, notes) that
-    reproduce ``method`` with speculation length ``k`` where the engine has an equivalent."""
+    reproduce ``method`` with speculation length ``k``. Raises ValueError where the engine has
+    no equivalent."""
     notes = []
     if isinstance(k, str):  # heuristic / auto: chosen each round here; neither engine does
         notes.append(f"`k={k}` chooses K each round from measured costs; {engine} takes a fixed "
@@ -178,9 +179,8 @@ def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir:
                      "so far, as prompt lookup does.")
         return "NGRAM", None, ["--speculative-algorithm", "NGRAM",
                                "--speculative-num-draft-tokens", str(k)], notes
-    notes.append("SGLang has no suffix decoding: nothing reproduces this method there; its "
-                 "NGRAM (prompt lookup) is the nearest.")
-    return None, None, [], notes
+    raise ValueError("SGLang has no suffix decoding: nothing reproduces it there; export "
+                     "--method prompt-lookup (its NGRAM, the nearest), or suffix for vLLM")
 
 
 def export(engine: str, out: str | Path, target: Path, draft: Path | None, method: Method,
@@ -203,9 +203,9 @@ def export(engine: str, out: str | Path, target: Path, draft: Path | None, metho
         raise ValueError(f"method {method.value} needs a draft model to export (--draft)")
     if uses_draft:
         _check_same_tokenizer(target, draft)
-    out.mkdir(parents=True, exist_ok=True)
     draft_dir = out / "draft" if uses_draft else None
     name, config, flags, notes = engine_settings(engine, method, k, draft_dir, max_ngram, min_ngram)
+    out.mkdir(parents=True, exist_ok=True)
     vocab = "same"
     target_vocab = _config(target).get("vocab_size")
     if uses_draft:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..export import ENGINES, HEAD_KINDS, SELF_SPECULATIVE, export, export_head
-from ..methods import Method
+from ..methods import Method, speculative_config
 from ..models import registry
 from ..models.loading import resolve_model_path
 from .common import EXIT_CODES_HELP, check_output, k_argument, run_command
@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
                    help="the specdecode method to reproduce (default draft; heads: export eagle3|medusa HEAD)")
     p.add_argument("--k", type=k_argument, default=None,
                    help="speculation length K (default: the method's; Medusa: its number of heads)")
-    p.add_argument("--max-ngram", type=int, default=5, help="prompt lookup: longest n-gram (default 5)")
+    p.add_argument("--max-ngram", type=int, default=None,
+                   help="prompt lookup: longest n-gram matched, as in generate (default 5; shortest 2)")
     p.add_argument("--with-target", action="store_true",
                    help="also write the target (bf16) as DIR/target, served by launch.sh")
     p.set_defaults(func=lambda args: run_command(cmd_export, args), intermixed="paths")
@@ -79,13 +80,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     needs_draft = method in (Method.DRAFT, Method.HYBRID)
     if args.draft is not None and not needs_draft:
         raise ValueError(f"--draft is for the draft and hybrid methods; {method.value} has no draft model")
-    if not 2 <= args.max_ngram <= 64:
-        raise ValueError(f"--max-ngram must be 2..64, got {args.max_ngram}")
+    spec = speculative_config(method, needs_draft, max_ngram=args.max_ngram)  # generate's checks
     check_output(args.paths[0], directory=True)
     name = args.target or registry.DEFAULT_TARGET
     target = resolve_model_path(name)
     draft = resolve_model_path(args.draft or registry.DEFAULT_DRAFT) if needs_draft else None
-    r = export(args.what, args.paths[0], target, draft, method, args.k, args.max_ngram, 2,
+    r = export(args.what, args.paths[0], target, draft, method, args.k, spec.max_ngram, spec.min_ngram,
                args.with_target, name)
     print(f"wrote {r.out}: {r.engine} method {r.method or 'none'}"
           + (f", draft vocabulary {r.vocab}" if needs_draft else "") + "; see NOTES.md, run launch.sh")
