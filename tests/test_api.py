@@ -804,6 +804,13 @@ def test_bad_prompts(target, tok):
         specdecode.generate(target, PROMPT, method="draft")
     with pytest.raises(ValueError, match="needs a draft"):
         specdecode.stream(target, PROMPT, method="draft").__next__()
+    # a list of prompts: the error names the bad entry (was: the first prompt, or no index)
+    for prompts, words in [([PROMPT, 5], r"prompt\[1\] is of type int"),
+                           ([PROMPT, ""], r"prompt\[1\] is empty"),
+                           ([PROMPT, [{"role": "user"}]], r"prompt\[1\]: chat message"),
+                           ([{"role": "user", "content": "x"}, PROMPT], r"prompt\[0\] is of type dict")]:
+        with pytest.raises(ValueError, match=words):
+            specdecode.generate(target, prompts, max_new_tokens=3)
 
 
 def test_text_that_is_not_utf8_is_refused_naming_the_character(target, tok):

@@ -283,7 +283,12 @@ def generate(target, prompt=None, *, max_batch: int = 8, **kwargs) -> Generation
     if isinstance(prompt, list) and not prompt:
         raise ValueError("prompt is an empty list: give a prompt, a list of chat messages, or a "
                          "list of prompts")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+        for i, p in enumerate(prompt):
+            if not isinstance(p, (str, list)):
+                raise ValueError(f"prompt[{i}] is of type {type(p).__name__}: a list of prompts holds "
+                                 "strings or chat-message lists (one chat is a list of message "
+                                 "dicts only)")
         return _generate_batch(target, prompt, max_batch, kwargs)
     for chunk in stream(target, prompt, **kwargs):
         if chunk.result is not None:
@@ -297,7 +302,14 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     if not (isinstance(max_batch, int) and max_batch >= 1):
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     tgt = _as_model(target, kwargs.get("dtype", DEFAULT_DTYPE))
-    ids = [_prompt_ids(tgt, p, None, kwargs.get("chat", False)) for p in prompts]
+    ids = []
+    for i, p in enumerate(prompts):
+        try:
+            ids.append(_prompt_ids(tgt, p, None, kwargs.get("chat", False)))
+        except ValueError as e:
+            raise ValueError(f"prompt[{i}]: {e}") from None
+        if not ids[-1]:
+            raise ValueError(f"prompt[{i}] is empty: give at least one token")
     new = kwargs.get("max_new_tokens", 128)
     max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
     method = kwargs.get("method")
