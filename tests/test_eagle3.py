@@ -14,7 +14,7 @@ import specdecode
 from helpers import KERNEL_SHAPES, PROMPTS, run, tiny_model
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.methods import speculative_config, tree_size
+from specdecode.methods import SpeculativeConfig, speculative_config, tree_size
 from specdecode.export import check_head_tensors, head_tensor_table
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, draft_vocabulary
 from specdecode.models.native import ModelArgs
@@ -242,8 +242,13 @@ def test_the_dynamic_tree_keeps_the_most_likely_paths_of_the_heads_own_steps():
     assert (spec.tree_nodes, spec.draft_tree_width) == (6, 3)
     with pytest.raises(ValueError, match="nodes"):
         speculative_config("draft:nodes=6", True)
-    with pytest.raises(ValueError, match="tree_nodes = 65 is invalid"):
+    # the option as the user wrote it (was draft_tree_width / tree_nodes in the error)
+    with pytest.raises(ValueError, match="nodes='65' is invalid; allowed: an integer 1..64"):
         speculative_config("eagle3:nodes=65", False)
+    with pytest.raises(ValueError, match="tree='9' is invalid; allowed: an integer 1..8"):
+        speculative_config("eagle3:tree=9", False)
+    with pytest.raises(ValueError, match="tree_nodes = 65 is invalid"):
+        SpeculativeConfig("eagle3", tree_nodes=65)
     assert speculative_config("eagle3:nodes=auto", False).tree_nodes == "auto"
 
 

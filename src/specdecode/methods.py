@@ -27,7 +27,7 @@ from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridPropos
                         Eagle3Proposer, MedusaProposer, PromptLookupProposer, Proposer, SuffixProposer)
 from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
-from .tree import MAX_NODES
+from .tree import MAX_NODES, MAX_TREE_WIDTH
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
@@ -453,8 +453,8 @@ class SpeculativeConfig:
         if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
             raise ValueError(f"exit_layer = {e!r} is invalid; allowed: an integer >= 1")
         w = self.draft_tree_width
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 8:
-            raise ValueError(f"draft_tree_width = {w!r} is invalid; allowed: an integer in 1..8 "
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_TREE_WIDTH:
+            raise ValueError(f"draft_tree_width = {w!r} is invalid; allowed: an integer in 1..{MAX_TREE_WIDTH} "
                              "(1: no tree)")
         n = self.tree_nodes
         if n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int)
@@ -498,11 +498,16 @@ def _layer_list(value: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _positive(key: str, value: str) -> int:
+def _positive(key: str, value: str, most: int | None = None) -> int:
+    """A method option's integer 1..most (the option's own name in the error)."""
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
-        raise ValueError(f"{key}={value!r} is invalid; allowed: an integer") from None
+        n = 0
+    if not 1 <= n <= (most or n):
+        raise ValueError(f"{key}={value!r} is invalid; allowed: an integer "
+                         + (f"1..{most}" if most else ">= 1")) from None
+    return n
 
 
 # the options a method name may carry ("layer-skip:layers=3+5-8"): key -> (its registry
@@ -512,8 +517,8 @@ METHOD_OPTIONS = {
     "profile": ("skip", "FILE", lambda v: {"skip_profile": v}),
     "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": v}),
-    "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v)}),
-    "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v)}),
+    "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v, MAX_TREE_WIDTH)}),
+    "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES)}),
     "head": ("head", "DIR", lambda v: {"head_dir": v}),
 }
 

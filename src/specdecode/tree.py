@@ -24,6 +24,7 @@ import torch
 # The most nodes a tree pass verifies: a pass of MAX_NODES + 1 rows is the longest the exact
 # attention kernel runs (native.SDPA_MIN_TOKENS); the engine prunes bigger trees.
 MAX_NODES = 64
+MAX_TREE_WIDTH = 8  # the widest draft tree: candidates kept per node (draft_tree_width, tree=W)
 
 
 @dataclass(frozen=True, eq=False)
