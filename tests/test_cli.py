@@ -390,6 +390,26 @@ def test_check_pair_reports_the_mode_and_why(capsys, dirs, tmp_path):
     assert code == 2 and "mode    refused:" in out and "WordPiece" in out
     code, out, err = run(capsys, "check-pair", dirs["target"], tmp_path / "missing")
     assert code == 2 and "not found" in err
+    # a model directory without tokenizer files: said so (was a message about sentencepiece)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(dirs["foreign"] / "config.json", bare)
+    code, out, err = run(capsys, "check-pair", dirs["target"], bare)
+    assert code == 2 and "has no tokenizer" in err and str(bare) in err
+
+
+def test_check_pair_reads_a_gguf_file_without_converting_it(capsys, dirs, tmp_path, monkeypatch):
+    """The tokenizer and config come from the file's metadata: nothing is dequantized or
+    written to the cache (was: the whole file converted first)."""
+    from specdecode.models import registry as reg
+    from tiny_dirs import write_tiny_gguf
+
+    write_tiny_gguf(dirs["target"], tmp_path / "t.gguf")
+    monkeypatch.setattr(reg, "_convert_into", lambda *a: pytest.fail("converted"))
+    code, out, _ = run(capsys, "check-pair", tmp_path / "t.gguf", dirs["target"], "--json")
+    report = json.loads(out)
+    assert code == 0 and report["mode"] == "same" and report["target"]["vocab_rows"] == VOCAB
+    assert report["target"]["model_type"] == "llama"
 
 
 def test_non_native_draft_with_default_int8(capsys, dirs):

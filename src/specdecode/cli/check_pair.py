@@ -4,6 +4,7 @@ read from their tokenizers and configs (no weights loaded)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..models.loading import resolve_model_path
 from ..models.native import read_json
@@ -11,13 +12,34 @@ from ..tokenmap import compare_tokenizers
 from .common import EXIT_CODES_HELP, run_command
 
 
-def _side(name: str) -> tuple[object, dict]:
-    from transformers import AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-    path = resolve_model_path(name)
-    config = read_json(path / "config.json")
+
+def _side(name: str) -> tuple[object, dict]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf = Path(name).expanduser()
+    if gguf.is_file() and gguf.suffix.lower() == ".gguf":
+        # the tokenizer and config from the file's metadata, as its conversion reads them,
+        # without converting (dequantizing) every weight
+        path = gguf
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        except Exception as e:  # noqa: BLE001 - re-raised with what it concerns
+            raise ValueError(f"cannot read the tokenizer of {gguf} ({type(e).__name__}: {e})") from None
+    else:
+        path = resolve_model_path(name)
+        if not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise ValueError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): check-pair compares "
+                             "tokenizers; give the model directory with its tokenizer files")
+        config = read_json(path / "config.json")
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - re-raised with what it concerns
+            raise ValueError(f"cannot load the tokenizer in {path} ({type(e).__name__}: {e})") from None
     config = config.get("text_config", config)  # multimodal configs nest the decoder's
-    return AutoTokenizer.from_pretrained(path), {
+    return tok, {
         "path": str(path), "model_type": config.get("model_type"),
         "vocab_rows": config.get("vocab_size"),
         "max_context": config.get("max_position_embeddings")}
