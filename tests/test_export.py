@@ -47,6 +47,9 @@ def test_exported_settings_equal_the_golden_files(tmp_path, dirs, case, engine, 
     r = export(engine, out, dirs[target], dirs[draft] if draft else None, method, k, progress=False)
     written = sorted(p.name for p in out.iterdir())
     assert (out / "launch.sh").stat().st_mode & 0o111
+    umask = os.umask(0)
+    os.umask(umask)  # every file readable as any new file is (safetensors alone writes 0600)
+    assert all(f.stat().st_mode & 0o444 == 0o444 & ~umask for f in out.rglob("*") if f.is_file())
     for name in FILES:
         golden = GOLDEN / case / name
         if not (out / name).exists():

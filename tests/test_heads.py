@@ -5,6 +5,7 @@ trees on the real kernels."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -51,6 +52,9 @@ def test_save_writes_vllm_medusa_format_and_load_reads_it_back(tmp_path, shared)
     assert config["num_heads"] == 3 and config["hidden_size"] == model.args.dim
     assert config["original_lm_head"] is shared and config["trained_on"] == "test"
     names = set(load_file(str(out / "model.safetensors")))
+    umask = os.umask(0)
+    os.umask(umask)  # readable as any new file (safetensors alone writes 0600: a vLLM container cannot read it)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     blocks = {f"blocks.{i}.layers.0.{k}" for i in range(3) for k in ("weight", "bias")}
     assert names == blocks | ({"lm_heads.0.weight"} if shared else {f"lm_heads.{i}.weight" for i in range(3)})
     back = MedusaHeads.load(out)

@@ -364,6 +364,18 @@ def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
     assert main(["train", "eagle3", "--out", str(tmp_path / "h")]) == 2
     assert "holds files of something else (notes.txt)" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "h").iterdir()] == ["notes.txt"]
+    # another kind's run: refused before anything loads (was: its checkpoint resumed)
+    from specdecode.heads import HEAD_ARCHS
+
+    for kind, arch in HEAD_ARCHS.items():
+        other = "eagle3" if kind == "medusa" else "medusa"
+        d = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        for wrong in (other, "draft"):
+            assert main(["train", wrong, "--out", str(d)]) == 2
+            err = capsys.readouterr().err
+            assert f"holds {'Medusa heads' if kind == 'medusa' else 'an EAGLE-3 head'} from an earlier run" in err
 
 
 @pytest.mark.parametrize("bad, message", [

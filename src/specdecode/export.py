@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .heads import HEAD_ARCHS, read_head_dir
 from .methods import METHODS, Method
+from .models.loading import save_tensors
 
 ENGINES = ("vllm", "sglang")
 HEAD_KINDS = ("eagle3", "medusa")  # exported by export_head, from a trained head's directory
@@ -115,8 +115,7 @@ def write_hf_dir(src: Path, dst: Path, vocab_size: int | None = None,
                 [t, t.new_zeros(vocab_size - t.shape[0], *t.shape[1:])])
         tensors[name] = t.contiguous()
     del handles, names
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "model.safetensors").chmod(0o644)  # as the other files: readable by the server's user
+    save_tensors(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     rope = config.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
@@ -392,8 +391,7 @@ def export_head(kind: str, head: str | Path, engine: str, out: str | Path, targe
         raise ValueError(f"{out} exists and is not empty: give a new directory")
     name, spec, flags, notes = head_settings(kind, engine, k, out / "draft")
     (out / "draft").mkdir(parents=True)
-    save_file(tensors, str(out / "draft" / "model.safetensors"), metadata={"format": "pt"})
-    (out / "draft" / "model.safetensors").chmod(0o644)
+    save_tensors(tensors, out / "draft" / "model.safetensors", metadata={"format": "pt"})
     (out / "draft" / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=2) + "\n")
     result = ExportResult(out, engine, name, spec, flags, "same", notes)
     if spec is not None:

@@ -21,11 +21,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .models import registry
 from .models.base import module_device
+from .models.loading import save_tensors
 from .models.native import ModelArgs, apply_rope, rope_inv_freq
 from .models.quant import quantize_linears
 
@@ -157,7 +158,7 @@ class MedusaHeads(nn.Module):
         else:
             tensors.update({f"lm_heads.{i}.weight": h.weight.detach().to(dtype).contiguous()
                             for i, h in enumerate(self.lm_heads)})
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
         config = {"architectures": [MEDUSA_ARCH], "model_type": "medusa", "hidden_size": self.dim,
                   "vocab_size": self.vocab_size, "truncated_vocab_size": self.vocab_size,
                   "num_heads": self.num_heads, "num_hidden_layers": self.num_layers,
@@ -368,7 +369,7 @@ class Eagle3Head(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
                    for k, t in self.state_dict().items()}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(self.config(dtype, **extra), indent=2) + "\n")
         return out
 

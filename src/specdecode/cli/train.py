@@ -125,7 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.kind == "draft":
         return _train_draft(args, recipe)
     out = args.out or default_head_dir(args.target, args.kind)
-    check_out(out)
+    check_out(out, args.kind)
     if args.out is None:
         print(f"the default {args.kind} head of {args.target} goes to {out} (the methods read it "
               "without head=)", file=sys.stderr)
@@ -149,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
     source = resolve_model_path(args.draft)
     out = Path(args.out) if args.out else default_draft_dir(args.target, args.draft)
-    check_out(out, draft_out_files(source))
+    check_out(out, "draft", draft_out_files(source))
     if args.out is None:
         print(f"the distilled draft goes to {out}", file=sys.stderr)
     target = load(args.target, dtype=args.dtype, backend="native")

@@ -4,6 +4,7 @@ the one check that a draft can serve a target.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,6 +315,24 @@ def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT
     if drf is not None:
         check_compatible(tgt, drf)
     return tgt, drf
+
+
+def usual_mode(path: str | Path) -> None:
+    """Give the file ``path`` the mode a new file gets under the process's umask (0644 under
+    the usual 022): safetensors' writer (``save_file``, and ``save_pretrained`` through it)
+    creates owner-only files (0600), which a server running as another user (a vLLM or
+    SGLang container reading an export or a trained head) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    Path(path).chmod(0o666 & ~umask)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file`` with the usual file mode (:func:`usual_mode`)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    usual_mode(path)
 
 
 def checkpoint_tensor(model: LoadedModel, name: str) -> torch.Tensor:

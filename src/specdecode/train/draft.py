@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .features import Sequence
+from ..models.loading import usual_mode
 from .loop import Task
 
 DISTILL_FILE = "distillation.json"
@@ -133,6 +134,8 @@ def draft_task(model, source: str | Path, train_seqs: list[Sequence], held_seqs:
 
     def save(module: Distillation, out: Path, summary: dict) -> None:
         module.model.save_pretrained(out)
+        for weights in out.glob("*.safetensors"):
+            usual_mode(weights)
         for name in _copied_files(source):
             shutil.copy2(source / name, out / name)
         (out / DISTILL_FILE).write_text(json.dumps(summary, indent=1) + "\n")

@@ -93,15 +93,25 @@ class HeadRecipe:
 DEFAULT_RECIPE = HeadRecipe()
 
 
-def check_out(out: str | Path, own: tuple[str, ...] = OWN_FILES) -> None:
-    """Raises ValueError when the directory ``out`` holds files a training run did not write
-    (``own``: the names it writes; an earlier run's directory is resumed; anything else is
-    the user's, never mixed in)."""
+def check_out(out: str | Path, kind: str, own: tuple[str, ...] = OWN_FILES) -> None:
+    """Raises ValueError when the directory ``out`` holds files a ``kind`` ("medusa",
+    "eagle3" or "draft") training run did not write (``own``: the names it writes; an earlier
+    run's directory is resumed; anything else is the user's, never mixed in), or another
+    kind's model (a run of another kind would resume its checkpoint)."""
     out = Path(out)
     foreign = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
     if foreign:
         raise ValueError(f"--out {out} holds files of something else ({', '.join(foreign[:3])}): "
                          "give a new directory, or the --out of an earlier training run to resume it")
+    try:
+        archs = json.loads((out / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return  # no model there yet (or not one of ours: the run overwrites it)
+    holds = next((k for k, a in HEAD_ARCHS.items() if archs == [a]), "draft")
+    if holds != kind:
+        what = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head", "draft": "a draft model"}
+        raise ValueError(f"--out {out} holds {what[holds]} from an earlier run, not {what[kind]}: "
+                         "give a new directory")
 
 
 def is_trained(out: str | Path) -> bool:
@@ -149,7 +159,7 @@ def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadReci
     recipe = recipe or DEFAULT_RECIPE
     recipe.check()
     out = Path(out)
-    check_out(out)
+    check_out(out, kind)
     lm = target.lm
     if kind == "eagle3" and not aux_layers(getattr(getattr(lm, "args", None), "n_layers", 0)):
         raise ValueError(f"EAGLE-3 fuses three target layers; {target.name} has "
@@ -236,7 +246,7 @@ def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe:
     recipe.check()
     out = Path(out)
     source = resolve_model_path(draft)
-    check_out(out, draft_out_files(source))
+    check_out(out, "draft", draft_out_files(source))
     tokenizer = AutoTokenizer.from_pretrained(source)
     if target.tokenizer is not None and pair_mode(target.tokenizer, tokenizer) != "same":
         raise ValueError(f"draft {draft!r} has another tokenizer than target {target.name!r}: distillation "
