@@ -942,39 +942,14 @@ void sd_rmsnorm(const float* x, int64_t M, int64_t N, const float* w, float eps,
 
 }  // extern "C"
 
-#include "cpu_layers.h"
-
 namespace {
 
-// One linear of a layer: LINEAR_WORDS int64 words, {kind, in_padded, p0..p5}: kind 0 an
-// Int8Linear "vnni" (p0 qweight, p1 wscale, p2 bias or 0), kind 1 a Q4KLinear (in_padded its
-// blocks' K; p0 qweight, p1 d, p2 dmin, p3 sc, p4 mn, p5 bias or 0).
-constexpr int64_t LINEAR_WORDS = 8;
-
-void linear(const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, float* out) {
-    if (p[0] == 0) {
-        sd_int8_linear_x(in, m, k, (const uint8_t*)p[2], (const float*)p[3], (const float*)p[4],
-                         n, out);
-    } else {
-        sd_q4k_linear_x(in, m, k, p[1], (const uint8_t*)p[2], (const uint16_t*)p[3],
-                        (const uint16_t*)p[4], (const uint8_t*)p[5], (const uint8_t*)p[6],
-                        (const float*)p[7], n, out);
-    }
+// kind 0 of cpu_layers.h's linears: an Int8Linear "vnni" (p0 qweight, p1 wscale, p2 bias or 0)
+inline void int8_linear_x(const float* in, int64_t m, int64_t k, const int64_t* p, int64_t n,
+                          float* out) {
+    sd_int8_linear_x(in, m, k, (const uint8_t*)p[0], (const float*)p[1], (const float*)p[2], n, out);
 }
 
 }  // namespace
 
-extern "C" {
-
-// Run decoder layers which[0..nrun-1] over x [B*T, dim] in place: run_layers (cpu_layers.h)
-// with LINEAR_WORDS a linear.
-void sd_layers(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp, const int64_t* cp,
-               const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv, int64_t D, int64_t F,
-               int64_t L, float eps, const float* cos_tab, const float* sin_tab,
-               const int64_t* pos, const int64_t* slots, const int64_t* lens,
-               const int64_t* seen, int64_t S, const int64_t* hid, float scale) {
-    run_layers<LINEAR_WORDS>(linear, x, B, T, dim, wp, cp, which, nrun, H, Hkv, D, F, L, eps,
-                             cos_tab, sin_tab, pos, slots, lens, seen, S, hid, scale);
-}
-
-}  // extern "C"
+#include "cpu_layers.h"

@@ -1,6 +1,6 @@
-// The decoder layer stack in one call, shared by cpu_kernels.cpp (AVX512) and
-// cpu_kernels_avx2.cpp, each of which includes it after its own sd_rmsnorm, sd_attend_slots and
-// sd_silu_mul (models/fused.py).
+// The decoder layer stack in one call (sd_layers), shared by cpu_kernels.cpp (AVX512) and
+// cpu_kernels_avx2.cpp, each of which includes it after its own sd_rmsnorm, sd_attend_slots,
+// sd_silu_mul, sd_q4k_linear_x and int8_linear_x (its int8 layout's linear) (models/fused.py).
 //
 // Each step calls those functions or does IEEE operations in the order of the PyTorch modules
 // (native.py: RMSNorm, Attention, MLP, DecoderLayer; their RMSNorm calls the same
@@ -39,17 +39,31 @@ void rope(float* x, int64_t M, int64_t heads, int64_t D, const float* cos_tab,
 
 thread_local std::vector<float> fh, fq, fk, fv, fa, fo, fg, fu;
 
+// One linear of a layer: LW int64 words, {kind, in_padded, p0..p5}: kind 0 an Int8Linear of
+// the including file's layout (p0 qweight, p1 wscale, p2 bias or 0), kind 1 a Q4KLinear
+// (in_padded its blocks' K; p0 qweight, p1 d, p2 dmin, p3 sc, p4 mn, p5 bias or 0).
+constexpr int64_t LW = 8;
+
+void linear(const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, float* out) {
+    if (p[0] == 0) {
+        int8_linear_x(in, m, k, p + 2, n, out);
+    } else {
+        sd_q4k_linear_x(in, m, k, p[1], (const uint8_t*)p[2], (const uint16_t*)p[3],
+                        (const uint16_t*)p[4], (const uint8_t*)p[5], (const uint8_t*)p[6],
+                        (const float*)p[7], n, out);
+    }
+}
+
 // Run decoder layers which[0..nrun-1] over x [B*T, dim] in place (B rows of T new tokens).
 // wp: 2 + 7 * LW int64 a layer: the input_layernorm and post_attention_layernorm weights,
-// then LW words for each of the linears q, k, v, o, gate, up, down, which
-// linear(words, in [m, k], m, k, n, out [m, n]) runs. cp: the layer's cache k, v
+// then LW words for each of the linears q, k, v, o, gate, up, down (linear(words, in [m, k],
+// m, k, n, out [m, n])). cp: the layer's cache k, v
 // [B, Hkv, L, D] (2 pointers a layer). pos: the RoPE position of each token [B*T]; slots: its
 // cache slot, or -1 for padding (computed, not cached); lens [B*T]: how many slots each query
 // sees: 0..lens-1, or with `seen` (a draft tree, [B*T, S]) seen[b*T+t, 0..lens-1]
 // (sd_attend_slots). F: the MLP width. hid: null, or nrun pointers (0 for none) to [B*T, dim]
 // floats that get x after that layer (the hidden states asked for).
-template <int64_t LW, class Linear>
-void run_layers(Linear linear, float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
+void run_layers(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
                 const int64_t* cp, const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv,
                 int64_t D, int64_t F, int64_t L, float eps, const float* cos_tab,
                 const float* sin_tab, const int64_t* pos, const int64_t* slots,
@@ -93,3 +107,17 @@ void run_layers(Linear linear, float* x, int64_t B, int64_t T, int64_t dim, cons
 }
 
 }  // namespace
+
+extern "C" {
+
+// Run decoder layers which[0..nrun-1] over x [B*T, dim] in place: run_layers.
+void sd_layers(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp, const int64_t* cp,
+               const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv, int64_t D, int64_t F,
+               int64_t L, float eps, const float* cos_tab, const float* sin_tab,
+               const int64_t* pos, const int64_t* slots, const int64_t* lens,
+               const int64_t* seen, int64_t S, const int64_t* hid, float scale) {
+    run_layers(x, B, T, dim, wp, cp, which, nrun, H, Hkv, D, F, L, eps, cos_tab, sin_tab, pos,
+               slots, lens, seen, S, hid, scale);
+}
+
+}  // extern "C"

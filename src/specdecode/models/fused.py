@@ -9,10 +9,10 @@ writes, attention, SiLU, residual adds) in one call, through the same kernel fun
 tested in ``tests/test_fused.py``, row by row, with rows of their own lengths, trees, layer
 subsets and hidden states.
 
-Two kernels: ``sd_layers`` (``cpu_kernels.cpp``, CPUs with AVX512-VNNI) for linears that
-are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (mixed
-freely: a q4 target's Q6_K tensors are int8); ``sd_layers_nk`` (``cpu_kernels_avx2.cpp``,
-AVX2 CPUs) for Int8Linear in the "nk" layout and Q4KLinear, mixed alike. Used by :meth:`native.Transformer.forward_rows`
+Both kernels have it, ``sd_layers``: ``cpu_kernels.cpp`` (CPUs with AVX512-VNNI) for linears
+that are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (mixed
+freely: a q4 target's Q6_K tensors are int8), ``cpu_kernels_avx2.cpp`` (AVX2 CPUs) for
+Int8Linear in the "nk" layout and Q4KLinear, mixed alike. Used by :meth:`native.Transformer.forward_rows`
 for decode, verify and draft-tree passes (the :class:`native.Prefixes` attention), hidden
 states of chosen layers included, and prefill in passes of 64 tokens
 (:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
@@ -50,9 +50,9 @@ _Q4K = (*quant.Q4K_BUFFERS, "bias")
 
 
 def _words(lin) -> tuple[list[int], tuple[str, ...], int]:
-    """For either kernel's stack (``LINEAR_WORDS`` in cpu_kernels.cpp and
-    cpu_kernels_avx2.cpp): a linear's words before its buffers' pointers (kind, padded
-    inputs), its buffers' names, and its words in all (8: the pointers padded with zeros)."""
+    """A linear's words for the stack (``LW`` in cpu_layers.h): the words before its
+    buffers' pointers (kind, padded inputs), its buffers' names, and its words in all (8: the
+    pointers padded with zeros)."""
     if isinstance(lin, quant.Q4KLinear):
         return [1, lin.padded_in], _Q4K, 8
     return [0, 0], _INT8, 8
@@ -66,7 +66,7 @@ class LayerStack:
     pointers: int64 [n_layers, 2 + 7 * words a linear]; fn: the kernel's stack function.
     """
 
-    def __init__(self, layers, fn, words):
+    def __init__(self, layers, fn):
         rows, refs = [], []
         for layer in layers:
             row = []
@@ -78,7 +78,7 @@ class LayerStack:
                 holder = layer._modules[parent]
                 lin = holder._modules[name]
                 refs += [(layer._modules, parent, holder), (holder._modules, name, lin)]
-                head, names, width = words(lin)
+                head, names, width = _words(lin)
                 for key in names:
                     t = lin._buffers.get(key)
                     head.append(0 if t is None else t.data_ptr())
@@ -111,25 +111,19 @@ def _norms_fit(layer, norm_type: type) -> bool:
                for n in (layer.input_layernorm, layer.post_attention_layernorm))
 
 
-def _avx512_fits(lin) -> bool:
+def _fits(lin, layout: str) -> bool:
     return (isinstance(lin, quant.Q4KLinear) or isinstance(lin, quant.Int8Linear)
-            and lin.layout == "vnni") and lin.qweight.device.type == "cpu"
+            and lin.layout == layout) and lin.qweight.device.type == "cpu"
 
 
-def _avx2_fits(lin) -> bool:
-    return (isinstance(lin, quant.Q4KLinear) or isinstance(lin, quant.Int8Linear)
-            and lin.layout == "nk") and lin.qweight.device.type == "cpu"
-
-
-def _kernel() -> tuple[object, object, object] | None:
-    """(the stack function, a linear's words, whether a linear fits) of the kernel in use, or
-    None."""
+def _kernel() -> tuple[object, str] | None:
+    """(the stack function, the int8 layout it runs) of the kernel in use, or None."""
     lib = quant.vnni_kernel()[0]
     if lib is not None:
-        return lib.sd_layers, _words, _avx512_fits
+        return lib.sd_layers, "vnni"
     lib = quant.avx2_kernel()
     if lib is not None:
-        return lib.sd_layers_nk, _words, _avx2_fits
+        return lib.sd_layers, "nk"
     return None
 
 
@@ -141,16 +135,16 @@ def stack(model) -> LayerStack | None:
     kernel = _kernel()
     if kernel is None:
         return None
-    fn, words, fits = kernel
+    fn, layout = kernel
     layers = model.model.layers
     held = model.__dict__.get("_layer_stack")
     if held is not None and held.fn is fn and held.current(layers):
         return held
     norm_type = type(model.model.norm)
     ok = model.caches[0].k.dtype == torch.float32 and all(
-        _norms_fit(layer, norm_type) and all(fits(getattr(getattr(layer, p), n)) for p, n in _LINEARS)
+        _norms_fit(layer, norm_type) and all(_fits(getattr(getattr(layer, p), n), layout) for p, n in _LINEARS)
         for layer in layers)
-    built = LayerStack(layers, fn, words) if ok else None
+    built = LayerStack(layers, fn) if ok else None
     model.__dict__["_layer_stack"] = built
     return built
 

@@ -157,7 +157,7 @@ def avx2_library() -> ctypes.CDLL | None:
     lib.sd_attend_slots.restype = None
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
-    _layer_argtypes(lib, "sd_layers_nk")
+    _layer_argtypes(lib, "sd_layers")
     return lib
 
 
