@@ -31,6 +31,29 @@ def test_smollm2_plain_decoding_equals_transformers_generate():
     assert ours.token_ids == out[0, len(prompt_ids):].tolist()
 
 
+def test_gemma3_past_its_sliding_window():
+    """Gemma 3 (the transformers adapter) past its 512-token window: plain decoding in fp32
+    equals transformers' own generate (the window was not applied before), and the lookup
+    methods, whose rollbacks crashed on the sliding cache, equal plain decoding in int8."""
+    text = "".join(f"Item {i}: the {'red' if i % 3 else 'blue'} box holds {i * 7 % 13} apples.\n"
+                   for i in range(90))
+    fp32 = specdecode.load("gemma3-270m", dtype="float32")
+    ids = fp32.tokenizer.encode(text)
+    assert len(ids) > 700
+    ours = specdecode.generate(fp32, input_ids=ids, method="ar", max_new_tokens=24, eos_token_id=[])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(fp32.path, dtype=torch.float32)
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    assert ours.token_ids == out[0, len(ids):].tolist()
+    q = specdecode.load("gemma3-270m")
+    ar = specdecode.generate(q, input_ids=ids, method="ar", max_new_tokens=32, eos_token_id=[])
+    for method in ("prompt-lookup", "suffix"):
+        spec = specdecode.generate(q, input_ids=ids, method=method, max_new_tokens=32, eos_token_id=[])
+        assert spec.token_ids == ar.token_ids, method
+        stats = spec.stats  # tokens accepted, and rejected ones rolled back past the window
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, method
+
+
 @pytest.mark.parametrize("k", [3, 8])
 def test_smollm2_as_its_own_draft(smollm2, k):
     prompt = "Write a short story about a robot who learns to paint."
