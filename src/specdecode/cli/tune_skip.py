@@ -55,8 +55,7 @@ def cmd_tune_skip(args: argparse.Namespace) -> int:
     target = load(args.target, dtype=args.dtype, backend="native")
     profile = tune_skip(target, max_new_tokens=args.max_new_tokens)
     out = args.out or default_profile_path(target)
-    if args.out is None:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # (check_output: it can be made)
     profile.save(out)
     print(f"{len(profile.search)} candidates evaluated; best: skip {len(profile.skip)} of "
           f"{profile.n_layers} layers {list(profile.skip)}, K = {profile.k}, agreement "
