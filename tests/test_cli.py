@@ -350,7 +350,8 @@ def test_check_output():
         assert common.check_output(str(d), directory=True) == d
         for path, directory, words in [("", True, "empty"), (" ", False, "empty"),
                                        (d / "f", True, "is a file"), (d, False, "is a directory"),
-                                       (d / "f" / "x" / "y", True, "cannot be created")]:
+                                       (d / "f" / "x" / "y", True, "cannot be created"),
+                                       (f"{d / 'f'}/", False, "ends with a slash")]:  # was: f overwritten
             with pytest.raises(ValueError, match=words):
                 common.check_output(str(path), directory)
 

@@ -254,14 +254,16 @@ def test_skip_profile_errors_name_the_file_and_the_fix(tmp_path):
     for edit, words in [(lambda d: d.pop("skip"), "missing skip"), (lambda d: d.pop("format"), "not a profile"),
                         (lambda d: d.update(extra=1), "unknown fields extra"),
                         (lambda d: d.update(skip=3), "skip = 3 is not a list"),
-                        (lambda d: d.update(k="4"), "k = '4' is not a number")]:
+                        (lambda d: d.update(k="4"), "k = '4' is not a number"),
+                        (lambda d: d.update(k=0), "k = 0 is invalid; allowed 1..64"),
+                        (lambda d: d.update(skip=[1, "2"]), "skipped layers")]:
         d = json.loads(json.dumps(good_d))
         edit(d)
         (tmp_path / "m.json").write_text(json.dumps(d))
         with pytest.raises(ValueError, match=f"m.json: .*{words}.*tune-skip"):
             SkipProfile.load(tmp_path / "m.json")
     (tmp_path / "m.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a profile.*a JSON list"):
+    with pytest.raises(ValueError, match="not a profile \\(a JSON list; a profile is a JSON object"):
         SkipProfile.load(tmp_path / "m.json")
 
 
@@ -279,7 +281,7 @@ def test_method_strings_carry_their_own_options():
     with pytest.raises(ValueError, match="allowed: layer indices joined by"):
         split_method("layer-skip:layers=a")
     # were accepted as "skip nothing", or the last of two values
-    for text, words in [("layer-skip:layers=5-3", "A <= B"), ("layer-skip:layers=+", "layers='\\+'"),
+    for text, words in [("layer-skip:layers=5-3", "A <= B"), ("layer-skip:layers=3-", "layers='3-'"), ("layer-skip:layers=+", "layers='\\+'"),
                         ("layer-skip:layers=", "no value; e.g. layers=3"), ("eagle3:head=", "no value"),
                         ("layer-skip:layers=1:layers=2", "twice"), ("self:profile=", "no value")]:
         with pytest.raises(ValueError, match=words):

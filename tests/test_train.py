@@ -376,6 +376,10 @@ def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
             assert main(["train", wrong, "--out", str(d)]) == 2
             err = capsys.readouterr().err
             assert f"holds {'Medusa heads' if kind == 'medusa' else 'an EAGLE-3 head'} from an earlier run" in err
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "config.json").write_text("not json")
+    assert main(["train", "medusa", "--out", str(tmp_path / "junk")]) == 2
+    assert "holds a config.json that is not a model's" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from . import config
 from .models.base import busy_lock
 from .models.loading import LoadedModel
 from .profile import profile_path, verify_profile
@@ -101,9 +102,9 @@ class SkipProfile:
         except (OSError, ValueError) as e:
             raise ValueError(f"layer-skip profile {path}: cannot be read ({e}); {make}") from None
         if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
-            found = d.get("format") if isinstance(d, dict) else f"a JSON {type(d).__name__}"
-            raise ValueError(f"layer-skip profile {path}: not a profile (format {found!r}, expected "
-                             f"{PROFILE_FORMAT!r}); {make}")
+            found = f"format {d.get('format')!r}" if isinstance(d, dict) else f"a JSON {type(d).__name__}"
+            raise ValueError(f"layer-skip profile {path}: not a profile ({found}; a profile is a JSON "
+                             f"object with format {PROFILE_FORMAT!r}); {make}")
         d = {k: v for k, v in d.items() if k != "format"}
         names = {f.name: f for f in fields(cls)}
         missing = [n for n, f in names.items() if f.default is MISSING and n not in d]
@@ -119,11 +120,16 @@ class SkipProfile:
             raise ValueError(f"layer-skip profile {path}: " + ", ".join(
                 f"{n} = {d[n]!r} is not {'a list' if types[n] is list else 'a number'}" for n in wrong)
                 + f"; {make}")
+        if not 1 <= d["k"] <= config.MAX_K:
+            raise ValueError(f"layer-skip profile {path}: k = {d['k']} is invalid; allowed 1..{config.MAX_K}; {make}")
         p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ()))})
         if n_layers is not None and p.n_layers != n_layers:
             raise ValueError(f"layer-skip profile {path} was made for a model of {p.n_layers} layers, "
                              f"this target has {n_layers}: run `specdecode tune-skip` for it")
-        check_skip(p.skip, p.n_layers)
+        try:
+            check_skip(p.skip, p.n_layers)
+        except ValueError as e:
+            raise ValueError(f"layer-skip profile {path}: {e}; {make}") from None
         return p
 
 

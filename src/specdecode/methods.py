@@ -21,6 +21,7 @@ from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head
 from .layer_skip import SkipProfile, check_skip, default_profile, default_profile_path
 from .models.base import module_device
 from .models.loading import LoadedModel, check_compatible, load
+from .models.native import SUPPORTED_MODEL_TYPES
 from .models.quant import best_layout, q4k_kernel
 from .profile import prefill_profile, verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
@@ -204,8 +205,9 @@ def _native(target: LoadedModel, method: str):
     lm = target.lm
     if not hasattr(lm, "self_draft"):
         raise ValueError(f"method {method!r} drafts with the target's own layers, which needs the "
-                         f"native runtime; this target is {type(lm).__name__} (load it with "
-                         "backend='native')")
+                         f"native runtime (model types {', '.join(SUPPORTED_MODEL_TYPES)}, backend "
+                         f"'native' or 'auto'); this target runs on {type(lm).__name__}: use a "
+                         "draft model or a lookup method for it")
     return lm
 
 
@@ -485,8 +487,8 @@ def _layer_list(value: str) -> tuple[int, ...]:
     out = []
     try:
         for part in filter(None, value.replace(",", "+").split("+")):
-            lo, _, hi = part.partition("-")
-            lo, hi = int(lo), int(hi or lo)
+            lo, dash, hi = part.partition("-")
+            lo, hi = int(lo), int(hi if dash else lo)
             if hi < lo:
                 raise ValueError
             out += range(lo, hi + 1)

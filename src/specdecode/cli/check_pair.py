@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..models import registry
 from ..models.loading import resolve_model_path
 from ..models.native import read_json
 from ..tokenmap import compare_tokenizers
@@ -19,9 +20,10 @@ def _side(name: str) -> tuple[object, dict]:
     from transformers import AutoConfig, AutoTokenizer
 
     gguf = Path(name).expanduser()
-    if gguf.is_file() and gguf.suffix.lower() == ".gguf":
+    if gguf.is_file() and gguf.suffix.lower() == ".gguf" and not registry.converted_path_for_gguf(gguf).is_dir():
         # the tokenizer and config from the file's metadata, as its conversion reads them,
-        # without converting (dequantizing) every weight
+        # without converting (dequantizing) every weight (tens of seconds for a large
+        # vocabulary; a converted file's directory is read instead)
         path = gguf
         try:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

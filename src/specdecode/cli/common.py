@@ -68,6 +68,9 @@ def check_output(path: str, directory: bool) -> Path:
     if not str(path).strip():
         raise ValueError(f"the output path is empty: give a {what}")
     out = Path(path).expanduser()
+    if not directory and str(path).endswith(("/", os.sep)):
+        raise ValueError(f"{path} ends with a slash, which names a directory: give a file path, "
+                         f"e.g. {out / 'profile.json'}")
     if out.exists() and out.is_dir() != directory:
         raise ValueError(f"{out} is a {'file' if directory else 'directory'}: give a {what} path"
                          + ("" if directory else f", e.g. {out / 'profile.json'}"))

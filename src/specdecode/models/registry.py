@@ -257,6 +257,15 @@ def fetch(name: str, *, progress: bool = True) -> Path:
     return final
 
 
+def converted_path_for_gguf(path: str | os.PathLike) -> Path:
+    """Where :func:`converted_dir_for_gguf` puts (or has put) the conversion of the existing
+    GGUF file ``path``, without converting it."""
+    path = Path(path).expanduser().resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "converted" / f"{path.stem}-{key}"
+
+
 def converted_dir_for_gguf(path: str | os.PathLike) -> Path:
     """Convert a user GGUF file once and return the converted model directory.
 
@@ -267,9 +276,7 @@ def converted_dir_for_gguf(path: str | os.PathLike) -> Path:
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelFetchError(f"GGUF file not found: {path}")
-    st = path.stat()
-    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    final = cache_dir() / "converted" / f"{path.stem}-{key}"
+    final = converted_path_for_gguf(path)
     if not final.is_dir():
         _convert_into(path, final)
     return final

@@ -103,10 +103,14 @@ def check_out(out: str | Path, kind: str, own: tuple[str, ...] = OWN_FILES) -> N
     if foreign:
         raise ValueError(f"--out {out} holds files of something else ({', '.join(foreign[:3])}): "
                          "give a new directory, or the --out of an earlier training run to resume it")
+    config = out / "config.json"
+    if not config.is_file():
+        return  # no model there yet
     try:
-        archs = json.loads((out / "config.json").read_text()).get("architectures")
+        archs = json.loads(config.read_text()).get("architectures")
     except (OSError, ValueError, AttributeError):
-        return  # no model there yet (or not one of ours: the run overwrites it)
+        raise ValueError(f"--out {out} holds a config.json that is not a model's: give a new "
+                         "directory") from None
     holds = next((k for k, a in HEAD_ARCHS.items() if archs == [a]), "draft")
     if holds != kind:
         what = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head", "draft": "a draft model"}
