@@ -84,20 +84,18 @@ def check_output(path: str, directory: bool) -> Path:
     return out
 
 
-def output_dir_argument(value: str) -> Path:
-    """argparse type of an output directory option (:func:`check_output`)."""
-    try:
-        return check_output(value, directory=True)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _output_argument(directory: bool) -> Callable[[str], Path]:
+    """The argparse type of an output directory or file option (:func:`check_output`)."""
+    def parse(value: str) -> Path:
+        try:
+            return check_output(value, directory)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
-def output_file_argument(value: str) -> Path:
-    """argparse type of an output file option (:func:`check_output`)."""
-    try:
-        return check_output(value, directory=False)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+output_dir_argument = _output_argument(directory=True)
+output_file_argument = _output_argument(directory=False)
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:

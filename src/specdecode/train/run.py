@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
+from ..heads import HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..tokenmap import pair_mode
@@ -113,7 +113,7 @@ def check_out(out: str | Path, kind: str, own: tuple[str, ...] = OWN_FILES) -> N
                          "directory") from None
     holds = next((k for k, a in HEAD_ARCHS.items() if archs == [a]), "draft")
     if holds != kind:
-        what = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head", "draft": "a draft model"}
+        what = {**HEAD_NAMES, "draft": "a draft model"}
         raise ValueError(f"--out {out} holds {what[holds]} from an earlier run, not {what[kind]}: "
                          "give a new directory")
 
