@@ -184,6 +184,9 @@ extern "C" {
 void sd_quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs,
                       int32_t* xsum, int32_t* gsum) {
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    // rows in parallel for a prefill chunk (each row's steps are its own: the same bits);
+    // done by one thread, it kept the other waiting for 3 % of a 1,024-token prefill
+#pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         const float* r = x + m * K;
         __m512 vmax = _mm512_setzero_ps();
@@ -655,7 +658,8 @@ void sd_attend_slots(const float* q, int64_t B, int64_t T, int64_t H, int64_t D,
                      float scale, float* out) {
     const int g = (int)(H / Hkv);
     const int64_t items = B * T * Hkv;
-#pragma omp parallel for schedule(static)
+    // round robin: a causal chunk's later rows see more slots, so halves would be unequal
+#pragma omp parallel for schedule(static, 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t b = it / (T * Hkv), t = it / Hkv % T, kv = it % Hkv;
         const int64_t n = lens[b * T + t];

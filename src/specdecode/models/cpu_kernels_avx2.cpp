@@ -384,7 +384,8 @@ void sd_attend_slots(const float* q, int64_t B, int64_t T, int64_t H, int64_t D,
                      float scale, float* out) {
     const int64_t g = H / Hkv;
     const int64_t items = B * T * H;
-#pragma omp parallel for schedule(static)
+    // round robin: a causal chunk's later rows see more slots, so halves would be unequal
+#pragma omp parallel for schedule(static, 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t b = it / (T * H), t = it / H % T, h = it % H, kv = h / g;
         const int64_t cache = (b * Hkv + kv) * L * D, n = lens[b * T + t];
