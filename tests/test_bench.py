@@ -488,3 +488,17 @@ def test_a_draft_row_can_run_another_draft_than_the_runs(tmp_path_factory, tmp_p
     summary = json.loads((out / "results.json").read_text())["summary"]
     itself = summary[f"draft:k=3:dtype=int8:model={dirs['target']}"]["overall"]
     assert itself["acceptance_rate"] == 1.0 > summary["draft:k=3"]["overall"]["acceptance_rate"]
+
+
+def test_bad_row_options_are_said_before_any_model_loads(tmp_path, capsys):
+    """k=0, a bad rule=, an unknown option: one line naming it, before the target is looked
+    for (a target that does not exist would be said first otherwise; they were said only
+    after its load, ~8 s for the default target)."""
+    missing = str(tmp_path / "no-such-model")
+    for methods, words in (("ar,draft:k=0", ["'draft:k=0'", "= 0 is invalid"]), ("ar,ar:k=3", ["'ar:k=3'", "unknown option", "k"]),
+                           ("ar,draft:bogus=1", ["bogus"]), ("ar,layer-skip:layers=+3", ["layers='+3'"]),
+                           ("ar,draft:rule=gumbel", ["rule=gumbel", "--temperature"])):
+        assert cli.main(["bench", "--no-memory", "--target", missing, "--methods", methods,
+                         "--workloads", "humaneval", "--limit", "1"]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words) and "no-such-model" not in err, (methods, err)

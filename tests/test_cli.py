@@ -351,9 +351,13 @@ def test_check_output():
         for path, directory, words in [("", True, "empty"), (" ", False, "empty"),
                                        (d / "f", True, "is a file"), (d, False, "is a directory"),
                                        (d / "f" / "x" / "y", True, "cannot be created"),
-                                       (f"{d / 'f'}/", False, "ends with a slash")]:  # was: f overwritten
+                                       (f"{d / 'f'}/", False, "ends with a slash"),  # was: f overwritten
+                                       # nobody writes in /proc, root included (os.access said yes to root)
+                                       ("/proc/specdecode-x/out", True, "cannot write in /proc"),
+                                       ("/proc/x.json", False, "cannot write in /proc")]:
             with pytest.raises(ValueError, match=words):
                 common.check_output(str(path), directory)
+        assert [p.name for p in d.iterdir()] == ["f"], "the write probe leaves nothing behind"
 
 
 def test_a_draft_of_another_tokenizer_needs_no_option(capsys, dirs):
@@ -407,9 +411,10 @@ def test_check_pair_reads_a_gguf_file_without_converting_it(capsys, dirs, tmp_pa
 
     write_tiny_gguf(dirs["target"], tmp_path / "t.gguf")
     monkeypatch.setattr(reg, "_convert_into", lambda *a: pytest.fail("converted"))
-    code, out, _ = run(capsys, "check-pair", tmp_path / "t.gguf", dirs["target"], "--json")
+    code, out, err = run(capsys, "check-pair", tmp_path / "t.gguf", dirs["target"], "--json")
     report = json.loads(out)
     assert code == 0 and report["mode"] == "same" and report["target"]["vocab_rows"] == VOCAB
+    assert "reading the tokenizer and config in t.gguf's metadata" in err  # ~1 min for Gemma 3: said first
     assert report["target"]["model_type"] == "llama"
 
 

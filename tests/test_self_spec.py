@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -229,8 +230,15 @@ def test_tune_skip_writes_a_profile_the_method_loads(tmp_path):
     profile.save(path)
     assert SkipProfile.load(path, LAYERS) == profile
     spec = speculative_config(f"layer-skip:profile={path}", False)
-    proposer = build_proposer(spec, target, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tuned for this very target: nothing to say
+        proposer = build_proposer(spec, target, None)
     assert proposer.draft.layers == profile.layers()
+    # the same layer count, another model: used (lossless either way), with a warning naming both
+    other = LoadedModel(lm=lm, tokenizer=target.tokenizer, name="other-model", eos_token_ids=())
+    with pytest.warns(UserWarning, match=f"p.json was tuned for tiny {lm.weight_format}; this target is "
+                                         f"other-model {lm.weight_format}.*tune-skip"):
+        assert build_proposer(spec, other, None).draft.layers == profile.layers()
     gen, _ = run(lm, proposer, spec.num_speculative_tokens, PROMPTS["twenty"], GREEDY)
     assert gen.token_ids == Engine(lm, None, None).generate(PROMPTS["twenty"], GREEDY).run().token_ids
 
@@ -256,7 +264,8 @@ def test_skip_profile_errors_name_the_file_and_the_fix(tmp_path):
                         (lambda d: d.update(skip=3), "skip = 3 is not a list"),
                         (lambda d: d.update(k="4"), "k = '4' is not a number"),
                         (lambda d: d.update(k=0), "k = 0 is invalid; allowed 1..64"),
-                        (lambda d: d.update(skip=[1, "2"]), "skipped layers")]:
+                        (lambda d: d.update(skip=[1, "2"]), "skipped layers"),
+                        (lambda d: d.update(skip=[]), "no layer to skip")]:
         d = json.loads(json.dumps(good_d))
         edit(d)
         (tmp_path / "m.json").write_text(json.dumps(d))
@@ -282,6 +291,7 @@ def test_method_strings_carry_their_own_options():
         split_method("layer-skip:layers=a")
     # were accepted as "skip nothing", or the last of two values
     for text, words in [("layer-skip:layers=5-3", "A <= B"), ("layer-skip:layers=3-", "layers='3-'"), ("layer-skip:layers=+", "layers='\\+'"),
+                        ("layer-skip:layers=+3", "layers='\\+3'"), ("layer-skip:layers=1,,2", "layers='1,,2'"),
                         ("layer-skip:layers=", "no value; e.g. layers=3"), ("eagle3:head=", "no value"),
                         ("layer-skip:layers=1:layers=2", "twice"), ("self:profile=", "no value")]:
         with pytest.raises(ValueError, match=words):

@@ -134,8 +134,11 @@ class SkipProfile:
 
 
 def check_skip(skip, n_layers: int) -> tuple[int, ...]:
-    """``skip`` as a sorted tuple; ValueError unless it lists distinct layers of 0..n_layers-1
-    and leaves at least one to run."""
+    """``skip`` as a sorted tuple; ValueError unless it lists at least one layer, distinct
+    layers of 0..n_layers-1, and leaves at least one to run."""
+    if not skip:
+        raise ValueError("no layer to skip: the draft would be the target itself; list the "
+                         f"layers to skip (of 0..{n_layers - 1})")
     bad = [i for i in skip if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
     if bad or len(set(skip)) != len(skip):
         raise ValueError(f"skipped layers {list(skip)}: allowed: distinct layer indices in "

@@ -9,6 +9,7 @@ the API's ``method=``, the bench's method list and options, and the validation o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -224,6 +225,13 @@ def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
     else:
         profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
             else default_profile(target)
+        made_for, here = (profile.target, profile.weight_format), (target.name, lm.weight_format)
+        if spec.skip_profile is not None and profile.target and made_for != here:
+            # the same layer count, another model or weight format: its choice of layers and its
+            # K may not suit (the output is the same either way), so say so rather than refuse
+            warnings.warn(f"layer-skip profile {spec.skip_profile} was tuned for {' '.join(made_for)}; "
+                          f"this target is {' '.join(here)}: its layers and K may not suit it; make "
+                          "one for it with `specdecode tune-skip --target NAME --out FILE`", stacklevel=2)
         skip = profile.skip
     draft = lm.self_draft([i for i in range(nl) if i not in skip])
     if profile is not None:
@@ -486,7 +494,7 @@ def _layer_list(value: str) -> tuple[int, ...]:
     """"3+5-8+12" (or with commas) -> (3, 5, 6, 7, 8, 12)."""
     out = []
     try:
-        for part in filter(None, value.replace(",", "+").split("+")):
+        for part in value.replace(",", "+").split("+"):  # an empty part ("+3", "1,,2") is refused
             lo, dash, hi = part.partition("-")
             lo, hi = int(lo), int(hi if dash else lo)
             if hi < lo:

@@ -164,6 +164,35 @@ def prompt_seed(prompt_ids: list[int]) -> int:
 CROSS_ROWS = {"draft-xtok": "draft", "hybrid-xtok": "hybrid"}
 
 
+def _row_config(name: str, opts: dict, temperature: float) -> tuple[str, SpeculativeConfig, str | None, dict]:
+    """One of our rows' options, consumed from ``opts`` without loading anything: (the
+    registry method, its SpeculativeConfig, the sampled run's acceptance rule or None, the
+    draft model's options ``dtype=``, ``backend=``, ``model=`` where it has one). Raises
+    ValueError naming a bad option."""
+    rule = sampled_rule(opts, temperature)
+    name = CROSS_ROWS.get(name, name)
+    spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
+    draft_opts = {}
+    if spec.method.needs_draft_model:
+        draft_opts = {key: opts.pop(key) for key in ("dtype", "backend", "model") if key in opts}
+    return name, spec, rule, draft_opts
+
+
+def check_rows(methods, temperature: float = 0.0) -> None:
+    """Check every option of our rows (``parse_methods``' output) before a model is loaded:
+    a bad ``k=``, ``rule=`` or unknown option is said at once, not after the target's load.
+    Raises ValueError naming the row and the option."""
+    for label, name, options in methods:
+        if is_ours(name):
+            opts = dict(options)
+            try:
+                _row_config(name, opts, temperature)
+            except ValueError as e:
+                raise ValueError(f"method {label!r}: {e}") from None
+            if opts:
+                raise ValueError(f"method {label!r}: unknown option(s) {sorted(opts)}")
+
+
 def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -> Runner:
     """A runner of our engine for registry method ``name`` (options consumed from ``opts``;
     ``dtype=`` and ``backend=`` the draft's, default auto: see
@@ -172,14 +201,12 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     ``temperature`` > 0, see :func:`sampled_rule`). Sampled runs seed each prompt with
     :func:`prompt_seed`."""
     target = models.target()
-    rule = sampled_rule(opts, temperature)
-    row, name = name, CROSS_ROWS.get(name, name)
-    spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
+    row = name
+    name, spec, rule, draft_opts = _row_config(name, opts, temperature)
     draft = None
     if spec.method.needs_draft_model:
-        backend = opts.pop("backend", "auto")
-        draft_name = opts.pop("model", None) or models.draft_name
-        draft = models.draft(opts.pop("dtype", "auto"), backend, draft_name)
+        draft_name = draft_opts.get("model") or models.draft_name
+        draft = models.draft(draft_opts.get("dtype", "auto"), draft_opts.get("backend", "auto"), draft_name)
         if row in CROSS_ROWS and check_compatible(target, draft) != "cross":
             raise ValueError(f"{row} runs a draft of another tokenizer than the target's; "
                              f"{draft_name} has the target's: use {name}")

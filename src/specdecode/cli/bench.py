@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
 from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
-                             parse_methods)
+                             check_rows, parse_methods)
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..config import SamplingParams
@@ -125,6 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.limit < 1 or args.max_new_tokens < 1:
         raise ValueError("--limit and --max-new-tokens must be >= 1")
     SamplingParams(temperature=args.temperature)  # names a bad value
+    check_rows(methods, args.temperature)
     tasks = []
     if "spec-bench" in workloads:
         tasks += load_spec_bench(args.dataset, args.limit, args.seed)

@@ -4,6 +4,7 @@ read from their tokenizers and configs (no weights loaded)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..models import registry
@@ -25,6 +26,9 @@ def _side(name: str) -> tuple[object, dict]:
         # without converting (dequantizing) every weight (tens of seconds for a large
         # vocabulary; a converted file's directory is read instead)
         path = gguf
+        # transformers' reader shows no progress: ~54 s for Gemma 3's 262,144 tokens
+        print(f"reading the tokenizer and config in {gguf.name}'s metadata (up to a minute for a "
+              "large vocabulary)...", file=sys.stderr, flush=True)
         try:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()

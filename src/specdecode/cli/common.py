@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -74,13 +75,15 @@ def check_output(path: str, directory: bool) -> Path:
     if out.exists() and out.is_dir() != directory:
         raise ValueError(f"{out} is a {'file' if directory else 'directory'}: give a {what} path"
                          + ("" if directory else f", e.g. {out / 'profile.json'}"))
-    up = out.parent
+    up = out if directory and out.is_dir() else out.parent
     while not up.exists():
         up = up.parent
     if not up.is_dir():
         raise ValueError(f"{up} is a file, so {out} cannot be created: give a {what} path in a directory")
-    if not os.access(up, os.W_OK):
-        raise ValueError(f"cannot write in {up} (permission denied): give a {what} path you can write")
+    try:  # a file made and removed there: os.access says yes to root even where nobody can write (/proc)
+        tempfile.TemporaryFile(dir=up).close()
+    except OSError as e:
+        raise ValueError(f"cannot write in {up} ({e.strerror or e}): give a {what} path you can write") from None
     return out
 
 
