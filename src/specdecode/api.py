@@ -72,8 +72,8 @@ class StreamChunk:
     stats: SpecDecodingStats | None = None
 
 
-def _as_model(m, dtype: str, role: str = "target") -> LoadedModel:
-    return m if isinstance(m, LoadedModel) else load(m, dtype=dtype, role=role)
+def _as_model(m, dtype: str, role: str = "target", device=None) -> LoadedModel:
+    return m if isinstance(m, LoadedModel) else load(m, dtype=dtype, role=role, device=device)
 
 
 def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, top_k, top_p,
@@ -162,14 +162,15 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            max_speculative_tokens: int = 16, draft_p_min: float | None = None,
            assistant_confidence_threshold: float | None = None,
            prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
-           suffix_cache: str = "request", dtype: str = DEFAULT_DTYPE,
+           suffix_cache: str = "request", dtype: str = DEFAULT_DTYPE, device: str | None = None,
            debug: bool = False, batch: BatchEngine | None = None) -> Iterator[StreamChunk]:
     """Generate, yielding :class:`StreamChunk` pieces as each verify pass commits tokens.
 
     target / draft (alias ``assistant_model``): a :class:`LoadedModel` (from
     :func:`specdecode.load`) or anything :func:`load` accepts (name, directory, GGUF, hub id).
     prompt: text, or chat messages [{"role", "content"}]; ``chat=True`` applies the target's
-    chat template to text. input_ids: token ids instead of a prompt.
+    chat template to text. input_ids: token ids instead of a prompt. dtype, device: how a
+    target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "draft" (default when a draft is given, else "ar": plain decoding),
     "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft).
     num_speculative_tokens (alias ``num_assistant_tokens``): K, an integer (default 6 for
@@ -225,7 +226,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
              seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule,
              logprobs=logprobs),
-        dtype, debug, batch, own_k)
+        dtype, device, debug, batch, own_k)
     tok = tgt.tokenizer
     eos = set(params.eos_token_ids if params.eos_token_ids is not None else tgt.eos_token_ids)
 
@@ -301,7 +302,7 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
         raise ValueError("give a list of prompts or input_ids, not both")
     if not (isinstance(max_batch, int) and max_batch >= 1):
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-    tgt = _as_model(target, kwargs.get("dtype", DEFAULT_DTYPE))
+    tgt = _as_model(target, kwargs.get("dtype", DEFAULT_DTYPE), device=kwargs.get("device"))
     ids = []
     for i, p in enumerate(prompts):
         try:
@@ -322,7 +323,7 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     if isinstance(method, (str, Method)):
         prepare(speculative_config(method, False), tgt)  # (the layer-skip profile, likewise)
     engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len), forward_seconds=times)
-    rest = {k: v for k, v in kwargs.items() if k != "dtype"}
+    rest = {k: v for k, v in kwargs.items() if k not in ("dtype", "device")}
     try:  # started together, consumed in turn: each next() steps every row in the batch
         # (each prompt as given, not its ids: a draft of another tokenizer reads a chat in
         # its own template, as alone)
@@ -359,12 +360,12 @@ def _own_chat_view(proposer, draft: LoadedModel | None, prompt, chat: bool) -> N
 
 
 def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, sampling: dict,
-           dtype, debug, batch=None, own_k=False) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
+           dtype, device, debug, batch=None, own_k=False) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
     params = _sampling_params(**sampling)
     if spec.method.needs_draft_model and draft is None:
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
-    tgt = _as_model(target, dtype)
-    drf = _as_model(draft, dtype, "draft") if spec.method.needs_draft_model else None
+    tgt = _as_model(target, dtype, device=device)
+    drf = _as_model(draft, dtype, "draft", device) if spec.method.needs_draft_model else None
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
     schedule = build_schedule(spec, tgt, drf)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None

@@ -20,7 +20,7 @@ import torch
 from .config import MAX_K, KSchedule, check_k
 from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir
 from .layer_skip import SkipProfile, check_skip, default_profile, default_profile_path
-from .models.base import module_device
+from .models.base import lm_device, module_device
 from .models.loading import LoadedModel, check_compatible, load
 from .models.native import SUPPORTED_MODEL_TYPES
 from .models.quant import best_layout, q4k_kernel
@@ -676,6 +676,12 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel,
     IncompatibleDraftError when the draft's tokenizer differs and cannot be bridged
     (checked once per pair)."""
     entry = spec.method.spec
+    device = lm_device(target.lm)
+    if entry.proposer is not None and device.type != "cpu":
+        if spec.method in (Method.EAGLE3, Method.MEDUSA, Method.SELF_DRAFT):
+            raise ValueError(f"method {entry.name!r} runs on the CPU only (its draft heads or quantized "
+                             f"copy use the CPU kernels); the target is on {device}: load it on the "
+                             "CPU, or use a draft model, a lookup method or layer-skip")
     if entry.needs_draft_model:
         if draft is None:
             raise ValueError(f"method {entry.name!r} needs a draft model (draft= or assistant_model=)")

@@ -19,7 +19,7 @@ from ..methods import METHODS, Method, split_method
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
 from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
-                              load_pair)
+                              load_pair, parse_device)
 from ..models.registry import ModelFetchError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -168,6 +168,14 @@ def method_of(args: argparse.Namespace) -> Method:
     return Method(split_method(args.method)[0])
 
 
+def device_arg(value: str) -> torch.device:
+    """The argparse type of --device (:func:`~specdecode.models.loading.parse_device`)."""
+    try:
+        return parse_device(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT) -> None:
     """--target, --draft, --method and the weights and backends of both (generate, serve)."""
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
@@ -202,6 +210,12 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
                         "`make llamacpp`). llama.cpp's batched passes round differently from "
                         "its one-token passes, so its speculative output equals its plain "
                         "decoding only up to that rounding")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="where both models run: cpu (default), cuda, cuda:N. Off the CPU, dtype "
+                        "auto is float32, int8/q4/int4 (CPU kernels) and the draft heads are "
+                        "refused, and a warning says when the target's verify rows there differ "
+                        "from its one-token passes (probed at load: the output then equals plain "
+                        "decoding up to that rounding, as with float weights on the CPU)")
     p.add_argument("--draft-backend", default=None, choices=BACKENDS,
                    help="the same for the draft model; never changes the output (llama.cpp's "
                         "one-token steps are the fastest on a CPU for a Q4/Q5 GGUF draft)")
@@ -217,7 +231,7 @@ def load_models(args: argparse.Namespace, method: Method) -> tuple[LoadedModel, 
     options of :func:`add_model_arguments` (see :func:`load_pair` for the errors)."""
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
     target, drf = load_pair(args.target, draft, args.dtype, args.draft_dtype or DEFAULT_DTYPE,
-                            args.backend, args.draft_backend or "auto")
+                            args.backend, args.draft_backend or "auto", args.device)
     if drf is not None and check_compatible(target, drf) == "cross":
         print(f"note: draft {drf.name} uses another tokenizer than target {target.name}: its "
               f"proposals reach the target through text (`specdecode check-pair {target.name} "

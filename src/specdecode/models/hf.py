@@ -121,10 +121,15 @@ class HFCausalLM:
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
         t = input_ids.shape[1]
         n = t if num_logits is None else num_logits
-        out = self.hf(input_ids=input_ids, cache=self._cache, use_cache=True,
+        out = self.hf(input_ids=input_ids.to(self.device), cache=self._cache, use_cache=True,
                       logits_to_keep=max(n, 1))
         self.seq_len += t
-        return out.logits[:, out.logits.shape[1] - n:].float()
+        return out.logits[:, out.logits.shape[1] - n:].float().cpu()  # the CPU side: models/base.py
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights and cache live (:class:`~.base.CausalLM`)."""
+        return self.hf.device
 
     def fork(self) -> "HFCausalLM":
         return HFCausalLM(self.hf, self.weight_format)

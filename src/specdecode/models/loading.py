@@ -5,6 +5,7 @@ the one check that a draft can serve a target.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import llamacpp, registry
-from .base import CausalLM
+from .base import CausalLM, rows_exact
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer, read_json
 from .quant import best_layout, has_q4k, q4k_kernel, quantize_linears, require_q4k
@@ -43,7 +44,9 @@ class LoadedModel:
     (``suffix_cache="session"``), by method name;
     ``self_drafts``: its weights at lower precisions drafting for it (``--method
     self-draft``), by dtype; ``heads``: draft heads loaded for it (shared by its requests),
-    by kind, directory and file time.
+    by kind, directory and file time; ``rows_exact``: for a model off the CPU, whether its
+    verify rows equal its one-token passes (:func:`~.base.rows_exact`, probed at load; None
+    on the CPU, where the integer formats' kernels are proven by tests).
     Compared by identity (two loads of the same files are two models, with two KV caches).
     """
 
@@ -57,6 +60,7 @@ class LoadedModel:
     session_proposers: dict[str, object] = field(default_factory=dict, repr=False)
     self_drafts: dict[str, object] = field(default_factory=dict, repr=False)
     heads: dict[tuple, object] = field(default_factory=dict, repr=False)
+    rows_exact: bool | None = field(default=None, repr=False)
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
@@ -99,8 +103,28 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
                      "not an existing directory or .gguf file, and not a hub id of the form org/name")
 
 
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """``device`` ("cpu", "cuda", "cuda:1", "mps", a torch.device; None: the CPU) as a
+    torch.device that this machine has. Raises ValueError naming the value otherwise."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is invalid ({e}); e.g. cpu, cuda, cuda:1") from None
+    if dev.type == "cpu":
+        return dev
+    backend = getattr(torch, dev.type, None)
+    count = backend.device_count() if backend is not None and hasattr(backend, "device_count") else 0
+    if not count or (dev.index or 0) >= count:
+        raise ValueError(f"device {device!r}: this machine has {count or 'no'} {dev.type} device(s) "
+                         f"visible to torch {torch.__version__}; use device cpu")
+    return dev
+
+
 def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
-         backend: str = "auto", tokenizer: bool = True, role: str = "target") -> LoadedModel:
+         backend: str = "auto", tokenizer: bool = True, role: str = "target",
+         device: str | torch.device | None = None) -> LoadedModel:
     """Load a model for use as target or draft.
 
     ``backend``: "native" (our decoder; llama/qwen2/mistral), "transformers" (any causal LM),
@@ -121,9 +145,15 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     either kernel, a known model or a ``.gguf`` file): the file's Q4_K weights as they are,
     with the same per-row int8 activations, the same bits on both kernels; the others int8.
     Speculative decoding reproduces the plain decoding of the target in the dtype it was
-    loaded with. Raises ValueError naming the bad value, MissingExtraError for the llama.cpp
-    backend without its extra.
+    loaded with. ``device``: where the weights and KV cache live (default the CPU; see
+    :func:`parse_device`). Off the CPU, ``dtype`` auto is float32 and the int8, q4 and int4
+    formats (CPU kernels) and the llama.cpp backend are refused; the forward passes are
+    PyTorch's there, whose verify rows may differ from one-token passes in the last bits:
+    :func:`specdecode.models.base.rows_exact` probes it at load (``rows_exact``) and a
+    warning says so. Raises ValueError naming the bad value, MissingExtraError for the
+    llama.cpp backend without its extra.
     """
+    dev = parse_device(device)
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_NAMES)}")
@@ -135,6 +165,13 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
+    if dev.type != "cpu":
+        if backend == "llama.cpp" or dtype in ("int8", "q4", "int4"):
+            what = "the llama.cpp backend" if backend == "llama.cpp" else f"dtype {dtype}"
+            raise ValueError(f"{what} runs on the CPU only (CPU kernels); on device {dev} use dtype "
+                             "float32, bfloat16 or float16 with backend native or transformers")
+        if dtype == "auto":
+            dtype = torch.float32
     if backend == "llama.cpp":
         return _load_llamacpp(name_or_path, dtype, tokenizer)
     layout = best_layout(role)
@@ -170,10 +207,12 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
-            lm = HFCausalLM(quantize_linears(hf, layout) if dtype == "int8" else hf,
+            lm = HFCausalLM(quantize_linears(hf, layout) if dtype == "int8" else hf.to(dev),
                             weight_format=f"int8-{layout}" if dtype == "int8" else None)
         else:
-            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout, gguf=gguf)
+            # oneDNN's packed weights are CPU ones
+            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout, gguf=gguf,
+                                             pack=None if dev.type == "cpu" else False).to(dev)
         tok = None
         if tokenizer:
             from transformers import AutoTokenizer
@@ -184,8 +223,17 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             f"could not load the model in {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
             "The files may be missing, truncated or corrupt: re-copy them (for a known model, "
             "delete that directory and run `specdecode models fetch NAME`)") from e
-    return LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
-                       eos_token_ids=_default_eos(path, tok), path=path)
+    loaded = LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
+                         eos_token_ids=_default_eos(path, tok), path=path)
+    if dev.type != "cpu":
+        loaded.rows_exact = rows_exact(lm)
+        if not loaded.rows_exact:
+            warnings.warn(f"on {dev}, {name_or_path}'s verify passes do not give each row the logits "
+                          "of its one-token pass bit for bit (PyTorch's kernels there change with the "
+                          "row count): speculative output equals its plain decoding up to that "
+                          "rounding, as with float weights on the CPU; the int8, q4 and int4 "
+                          "formats on the CPU are exact", stacklevel=2)
+    return loaded
 
 
 def _load_llamacpp(name_or_path, dtype, tokenizer: bool) -> LoadedModel:
@@ -292,8 +340,10 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> str:
 
 def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT_DTYPE,
               draft_dtype: str = DEFAULT_DTYPE, backend: str = "auto",
-              draft_backend: str = "auto") -> tuple[LoadedModel, LoadedModel | None]:
-    """Load a target and (optionally) a draft, checking their compatibility once.
+              draft_backend: str = "auto", device: str | torch.device | None = None
+              ) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load a target and (optionally) a draft on ``device`` (default the CPU), checking their
+    compatibility once.
 
     The draft's dtype and backend only change speed and acceptance rate, never the output.
     Raises ValueError (IncompatibleDraftError for a draft of another tokenizer),
@@ -310,8 +360,9 @@ def load_pair(target: str | Path, draft: str | Path | None, dtype: str = DEFAULT
                 llamacpp.gguf_file(name)
         except (ValueError, llamacpp.MissingExtraError) as e:
             raise type(e)(f"{role} {str(name)!r}: {e}") from None
-    tgt = load(target, dtype=dtype, backend=backend)
-    drf = load(draft, dtype=draft_dtype, backend=draft_backend, role="draft") if draft is not None else None
+    tgt = load(target, dtype=dtype, backend=backend, device=device)
+    drf = load(draft, dtype=draft_dtype, backend=draft_backend, role="draft",
+               device=device) if draft is not None else None
     if drf is not None:
         check_compatible(tgt, drf)
     return tgt, drf

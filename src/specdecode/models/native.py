@@ -542,6 +542,11 @@ class Transformer(nn.Module):
         return self.args.vocab_size
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights and the KV cache live (:class:`~.base.CausalLM`)."""
+        return self.model.norm.weight.device
+
+    @property
     def max_context(self) -> int:
         return self.args.max_position_embeddings
 
@@ -798,6 +803,9 @@ class Transformer(nn.Module):
         if not (isinstance(n, int) and 0 <= n <= t):
             raise ValueError(f"num_logits={num_logits!r} is out of range (allowed: 0..{t})")
         run = self._check_layers(layers, output_hidden, lens)
+        # ids (and masks, positions, built from them) may come from anywhere: the engine makes
+        # them on the CPU; they go where the weights are
+        input_ids = input_ids.to(self.device)
         dev = input_ids.device
         if attn_mask is not None or position_ids is not None:
             tok = torch.arange(t, device=dev)
@@ -892,7 +900,8 @@ class Transformer(nn.Module):
             idx = (len_t[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
             x = x.gather(1, idx[:, :, None].expand(b, n, x.shape[-1]))
             logits = head(self.model.norm(x)).float()
-        return ForwardOutput(logits, hidden)
+        # the engine's side of the model boundary is the CPU (no-ops there): see models/base.py
+        return ForwardOutput(logits.cpu(), {key: h.cpu() for key, h in hidden.items()})
 
     def _chunk(self, t: int, end: int) -> int:
         """The longest pass that a prefill of t tokens a row, ending at slot ``end``, runs as

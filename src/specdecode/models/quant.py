@@ -64,8 +64,8 @@ _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 def cpu_flags() -> tuple[str, ...]:
     """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
-        return tuple(next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
-                           if ln.startswith("flags")), []))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()  # read and closed (was left open)
+        return tuple(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
     except OSError:
         return ()
 
