@@ -28,7 +28,7 @@ browser:
 	  || { echo "cannot install Chromium: run 'apt-get install chromium' as root, or set CHROMIUM"; exit 1; }
 
 demo: models
-	$(SD) generate --chat --compare --max-new-tokens 128 --prompt "$(DEMO_PROMPT)"
+	$(SD) generate --chat --compare --max-new-tokens 256 --prompt "$(DEMO_PROMPT)"
 
 # everything: the real models (fetched first) and the long distribution tests included
 test: models browser

@@ -74,7 +74,8 @@ def test_interleaved_records_ratios_and_multi_turn():
     assert summary["ar"]["qa"]["speedup_vs_ar"] == 1.0
     assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "overall"}
     table = report.markdown_table(summary, {"draft": 3.0})
-    assert "| draft | 5.00 | 2.50× | 1.25× | — | 3.00× |" in table and "paired" in table
+    assert "| draft | 5.00 | 2.50× | 1.25× | 3.00× |" in table and "paired" in table
+    assert "llamacpp" not in table.split("\n")[0]  # no llama.cpp in the run: no such column
 
 
 def test_lossless_check_reports_a_planted_mismatch():
@@ -376,7 +377,7 @@ def test_speedup_vs_llamacpp_ar_is_reported_per_subtask():
     assert summary["draft"]["overall"]["speedup_vs_llamacpp-ar"] == pytest.approx(1.5)
     assert summary["draft"]["qa"]["speedup_vs_llamacpp-ar"] == pytest.approx(1.5)
     assert "| 1.50× |" in report.subtask_table(summary, "speedup_vs_llamacpp-ar")
-    assert "| draft | 6.00 | — | — | 1.50× |" in report.markdown_table(summary, {})
+    assert "| draft | 6.00 | 1.50× |" in report.markdown_table(summary, {})  # ar and hf-ar not run
 
 
 class FakeLlama:
@@ -502,3 +503,15 @@ def test_bad_row_options_are_said_before_any_model_loads(tmp_path, capsys):
                          "--workloads", "humaneval", "--limit", "1"]) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words) and "no-such-model" not in err, (methods, err)
+
+
+def test_bad_subtasks_and_a_missing_dataset_are_bad_input(tmp_path, capsys):
+    """An unknown subtask names the known ones (was: "no prompts left for subtasks ['translaton']");
+    a missing --dataset exits 2, bad input (was 1, a failed job)."""
+    base = ["bench", "--no-memory", "--methods", "ar", "--limit", "1"]
+    assert cli.main(base + ["--subtasks", "translaton"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subtask(s) ['translaton']; available: mt_bench, translation" in err and "humaneval" in err, err
+    assert cli.main(base + ["--workloads", "spec-bench", "--dataset", str(tmp_path / "nothere.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "Spec-Bench question file not found" in err and "nothere.jsonl" in err, err

@@ -205,6 +205,40 @@ def test_prompt_from_stdin(capsys, dirs, monkeypatch):
     assert err.startswith("error: standard input is not valid UTF-8") and "0xFF" in err, err
 
 
+def test_prompt_from_a_file(capsys, dirs, tmp_path):
+    ref = run_json(capsys, dirs, max_new_tokens=8)
+    (tmp_path / "p.txt").write_text(PROMPT)
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt-file", tmp_path / "p.txt", "--json", "--max-new-tokens", 8)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == ref["token_ids"]
+    # a missing file named (was: "--prompt is required"), before any model loads
+    code, out, err = run(capsys, "generate", "--target", tmp_path / "no-model", "--prompt-file", tmp_path / "nothere.txt")
+    assert code == 2 and err.startswith(f"error: --prompt-file {tmp_path / 'nothere.txt'}: No such file"), err
+    (tmp_path / "bad.txt").write_bytes(b"abc \xff")
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--prompt-file", tmp_path / "bad.txt")
+    assert code == 2 and "bad.txt is not valid UTF-8" in err and "0xFF" in err, err
+    with pytest.raises(SystemExit):  # one of the two
+        cli.main(["generate", "--prompt", "a", "--prompt-file", str(tmp_path / "p.txt")])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_reader_that_closes_stdout_ends_the_command_quietly():
+    """`specdecode ... | head`: exit 141 without a BrokenPipeError traceback (was one)."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "models", "list"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child, still starting Python, writes a line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_typo_in_a_method_name_suggests_the_method(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "a", "--method", "promt-lookup"])
+    assert "did you mean 'prompt-lookup'?" in capsys.readouterr().err
+
+
 def test_model_directory_with_broken_config_is_a_one_line_error(capsys, dirs, tmp_path):
     """Issue 21, fault 9: it printed only "error: Expecting property name...", naming no file."""
     import shutil
@@ -602,3 +636,17 @@ def test_self_spec_errors_say_what_to_do(capsys, dirs, method, message):
     except SystemExit as e:  # argparse refuses the method string itself
         code, err = e.code, capsys.readouterr().err
     assert code == 2 and message in err
+
+
+def test_stats_line_names_each_proposers_share_for_the_mixed_methods(capsys):
+    """hybrid and self choose a proposer each round: their line says whose drafts were taken,
+    also when only one proposed (a draft never used was not visible in the text)."""
+    from specdecode.cli.generate import _print_stats
+
+    stats = {"num_generated_tokens": 9, "total_s": 1.0, "tokens_per_second": 9.0, "num_draft_tokens": 28,
+             "acceptance_rate": 0.25, "mean_acceptance_length": 1.5, "prefill_s": 0.1, "draft_s": 0.0,
+             "verify_s": 0.8, "other_s": 0.1, "mean_speculation_length": None,
+             "by_proposer": {"suffix": {"num_accepted_tokens": 7, "num_draft_tokens": 28}}}
+    for label, shown in (("hybrid", True), ("self", True), ("suffix", False)):
+        _print_stats(label, stats, "length", sys.stdout)
+        assert ("accepted by proposer: suffix 7/28" in capsys.readouterr().out) == shown, label

@@ -9,6 +9,7 @@ the API's ``method=``, the bench's method list and options, and the validation o
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
@@ -368,7 +369,9 @@ class _MethodBase(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"method {value!r} is not one of {list(METHODS)}") from None
+            near = difflib.get_close_matches(str(value), [*METHODS], n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"method {value!r} is not one of {list(METHODS)}{hint}") from None
 
 
 Method = _MethodBase("Method", {name.upper().replace("-", "_"): name for name in METHODS},
@@ -535,12 +538,12 @@ METHOD_OPTIONS = {
 
 # the options a bench row adds to a method name (``specdecode bench --methods draft:k=4``),
 # and what gives each of them to generate and the API
-BENCH_ROW_OPTIONS = {
-    "k": "num_speculative_tokens (--k)", "max_k": "max_speculative_tokens (--max-k)",
-    "p_min": "draft_p_min (--draft-p-min)", "ngram": "max_matching_ngram_size (--max-ngram)",
-    "cache": "suffix_cache", "dtype": "a draft loaded with dtype= (--draft-dtype)",
-    "backend": "a draft loaded with backend= (--draft-backend)", "model": "draft= (--draft)",
-    "rule": "acceptance_rule (--acceptance-rule)",
+BENCH_ROW_OPTIONS = {  # key -> (the command line's option, the Python API's argument)
+    "k": ("--k", "num_speculative_tokens="), "max_k": ("--max-k", "max_speculative_tokens="),
+    "p_min": ("--draft-p-min", "draft_p_min="), "ngram": ("--max-ngram", "max_matching_ngram_size="),
+    "cache": (None, "suffix_cache="),  # generate runs one request: no session to keep "dtype": ("--draft-dtype", "load(draft, dtype=)"),
+    "backend": ("--draft-backend", "load(draft, backend=)"), "model": ("--draft", "draft="),
+    "rule": ("--acceptance-rule", "acceptance_rule="),
 }
 
 
@@ -586,8 +589,9 @@ def split_method(text: str) -> tuple[str, dict]:
     fields = method_options(name, opts)
     if opts:
         mine = [k for k, (o, _, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
-        bench = [f"{k}= is a bench row's option, here give {BENCH_ROW_OPTIONS[k]}"
-                 for k in sorted(opts) if k in BENCH_ROW_OPTIONS]
+        bench = [f"{k}= is a bench row's option: give "
+                 + (f"{cli} on the command line, " if (cli := BENCH_ROW_OPTIONS[k][0]) else "")
+                 + f"{BENCH_ROW_OPTIONS[k][1]} in the Python API" for k in sorted(opts) if k in BENCH_ROW_OPTIONS]
         raise ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; "
                          f"allowed: {', '.join(mine) or 'none'}" + "".join(f" ({b})" for b in bench))
     return name, fields

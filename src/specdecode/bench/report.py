@@ -63,22 +63,28 @@ def _fmt(v, spec=".2f", suffix=""):
 
 
 def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: str = "overall") -> str:
-    lines = ["| method | tok/s (median) | speedup vs ar* | speedup vs hf-ar* | vs llamacpp-ar* | "
-             "ceiling | τ | acceptance | draft / verify time | mismatches | peak memory† |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for method, rows in summary.items():
-        r = rows.get(subtask)
-        if r is None:
-            continue
-        share = (f"{r['draft_share']:.0%} / {r['verify_share']:.0%}"
-                 if r["draft_share"] is not None else "—")
-        lines.append(
-            f"| {method} | {r['tokens_per_second_median']:.2f} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} | "
-            f"{_fmt(r['speedup_vs_hf-ar'], '.2f', '×')} | {_fmt(r['speedup_vs_llamacpp-ar'], '.2f', '×')} | "
-            f"{_fmt(ceilings.get(method), '.2f', '×')} | "
-            f"{_fmt(r['mean_acceptance_length'])} | {_fmt(r['acceptance_rate'], '.0%')} | {share} | "
-            f"{_fmt(r['mismatches'], 'd')} | {_gib(r.get('peak_memory_bytes'))} |")
-    lines.append("\n\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians; "
+    """The run's table for ``subtask``: one row per method; a column that no method fills
+    (a peer not in the run, memory not measured) is left out."""
+    columns = [  # (header, cell of a row r of method m)
+        ("tok/s (median)", lambda m, r: f"{r['tokens_per_second_median']:.2f}"),
+        ("speedup vs ar*", lambda m, r: _fmt(r["speedup_vs_ar"], ".2f", "×")),
+        ("speedup vs hf-ar*", lambda m, r: _fmt(r["speedup_vs_hf-ar"], ".2f", "×")),
+        ("vs llamacpp-ar*", lambda m, r: _fmt(r["speedup_vs_llamacpp-ar"], ".2f", "×")),
+        ("ceiling", lambda m, r: _fmt(ceilings.get(m), ".2f", "×")),
+        ("τ", lambda m, r: _fmt(r["mean_acceptance_length"])),
+        ("acceptance", lambda m, r: _fmt(r["acceptance_rate"], ".0%")),
+        ("draft / verify time", lambda m, r: f"{r['draft_share']:.0%} / {r['verify_share']:.0%}"
+         if r["draft_share"] is not None else "—"),
+        ("mismatches", lambda m, r: _fmt(r["mismatches"], "d")),
+        ("peak memory†", lambda m, r: _gib(r.get("peak_memory_bytes"))),
+    ]
+    rows = [(m, by[subtask]) for m, by in summary.items() if subtask in by]
+    cells = [[cell(m, r) for _, cell in columns] for m, r in rows]
+    keep = [i for i in range(len(columns)) if any(c[i] != "—" for c in cells)]
+    lines = ["| method | " + " | ".join(columns[i][0] for i in keep) + " |", "|---" * (len(keep) + 1) + "|"]
+    lines += [f"| {m} | " + " | ".join(c[i] for i in keep) + " |" for (m, _), c in zip(rows, cells)]
+    lines.append("\n\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians "
+                 "(so it may fall below 1 while the median tokens/s is higher); "
                  "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer; τ = mean acceptance length; "
                  "† peak resident memory of a process running the method alone (its models, one "
                  "generation of the longest prompt)")

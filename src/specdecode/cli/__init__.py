@@ -1,17 +1,19 @@
 """The command line: ``specdecode generate`` (the main job), ``serve``, ``bench``,
 ``bench-serve``, ``export``, ``models``, ``tune-skip``, ``check-pair`` and ``train``.
 
-Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted.
+Exit codes (:mod:`.common`): 0 ok, 2 bad input, 1 a job that failed, 130 interrupted, 141
+standard output closed by its reader.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import __version__
 from . import bench, bench_serve, check_pair, export, generate, models, serve, train, tune_skip
-from .common import EXIT_CODES_HELP, EXIT_INTERRUPTED
+from .common import EXIT_BROKEN_PIPE, EXIT_CODES_HELP, EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,3 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a C tool would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit must not raise again
+        return EXIT_BROKEN_PIPE

@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Raises ValueError for bad input, FileNotFoundError for a missing dataset,
+    """Raises ValueError for bad input (a missing dataset included),
     ModelFetchError when a model cannot be fetched."""
     threads = apply_threads(args)
     if args.threads is None and threads < usable_cores():
@@ -126,6 +126,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--limit and --max-new-tokens must be >= 1")
     SamplingParams(temperature=args.temperature)  # names a bad value
     check_rows(methods, args.temperature)
+    if "spec-bench" in workloads and not Path(args.dataset).exists():  # a bad --dataset: exit 2
+        raise ValueError(f"Spec-Bench question file not found: {args.dataset}. Pass --dataset PATH "
+                         "(a question.jsonl of Spec-Bench's format), or --workloads humaneval")
     tasks = []
     if "spec-bench" in workloads:
         tasks += load_spec_bench(args.dataset, args.limit, args.seed)
@@ -135,6 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tasks += load_code_edit(args.humaneval_limit or args.limit, args.seed)
     if args.subtasks:
         keep = {s.strip() for s in args.subtasks.split(",")}
+        known = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit")
+        unknown = sorted(keep - set(known))
+        if unknown:
+            raise ValueError(f"unknown subtask(s) {unknown}; available: {', '.join(known)}")
         tasks = [t for t in tasks if t.subtask in keep]
         if not tasks:
             raise ValueError(f"no prompts left for subtasks {sorted(keep)}")

@@ -22,9 +22,9 @@ from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel,
                               load_pair, parse_device)
 from ..models.registry import ModelFetchError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 EXIT_CODES_HELP = ("exit codes: 0 ok, 1 a job failed (e.g. a model could not be fetched), 2 bad "
-                   "input, 130 interrupted")
+                   "input, 130 interrupted, 141 standard output closed by its reader (| head)")
 
 
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -190,7 +190,9 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
                         + ". Own options: layer-skip:layers=3+5-8 (the layers skipped) or "
                         "layer-skip:profile=FILE (from `specdecode tune-skip`; neither: the target's "
                         "default profile, made once and cached), early-exit:layer=E, "
-                        f"self-draft:dtype=int8|int4. Default: {default_method.value}")
+                        "self-draft:dtype=int8|int4, draft:tree=W (a draft tree W wide), "
+                        "medusa:head=DIR:tree=W, eagle3:head=DIR:tree=W:nodes=N|auto. "
+                        f"Default: {default_method.value}")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="target weights. auto (default): q4 for a known model or a .gguf file on "
                         "an x86 CPU with AVX512-VNNI or AVX2, else int8. q4: the GGUF file's own Q4_K blocks, the "

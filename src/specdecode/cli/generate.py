@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from ..api import _check_utf8, _sampling_params, stream
 from ..config import ACCEPTANCE_RULES
@@ -28,7 +29,9 @@ examples:
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text (speculative decoding)", description=GENERATE_HELP,
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the prompt text ('-' reads standard input)")
+    given.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     add_model_arguments(p)
     defaults = ", ".join(f"{m.default_k} for {m.name}" for m in METHODS.values() if m.default_k)
@@ -69,9 +72,9 @@ def add_parser(sub) -> None:
                    help="also run plain autoregressive decoding of the target and report the speedup "
                         "and (greedy) whether the outputs are identical")
     p.add_argument("--color", action="store_true",
-                   help="shade each streamed token by who supplied it (ANSI colours): "
-                        + ", ".join(f"{COLORS[k]} {k} \033[0m" for k in COLORS)
-                        .replace("%", "%%") + "; a legend follows the text")
+                   help="shade each streamed token by who supplied it (ANSI background colours: "
+                        "cyan an accepted draft-model token, green an accepted lookup token, red a "
+                        "recovered token, yellow a bonus token; a legend follows the text)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (last line of stdout) instead of streamed text")
     p.set_defaults(func=lambda args: run_command(cmd_generate, args))
@@ -101,6 +104,10 @@ def colored(spans) -> str:
     return "".join(out)
 
 
+# methods that choose between proposers each round (their stats name each one's share)
+MIXED = ("hybrid", "self")
+
+
 def _print_stats(label: str, stats: dict, finish: str, out) -> None:
     line = (f"[{label}] {stats['num_generated_tokens']} tokens in {stats['total_s']:.2f} s = "
             f"{stats['tokens_per_second']:.2f} tokens/s, finish: {finish}")
@@ -111,7 +118,7 @@ def _print_stats(label: str, stats: dict, finish: str, out) -> None:
                  f"other {stats['other_s']:.2f} s")
         if stats["mean_speculation_length"] is not None:
             line += f" | mean K {stats['mean_speculation_length']}"
-        if len(stats["by_proposer"]) > 1:
+        if len(stats["by_proposer"]) > 1 or label in MIXED:  # a method that chose none of one kind says so
             line += " | accepted by proposer: " + ", ".join(
                 f"{name} {c['num_accepted_tokens']}/{c['num_draft_tokens']}"
                 for name, c in stats["by_proposer"].items())
@@ -127,8 +134,16 @@ def _read_stdin() -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
-    prompt = _read_stdin() if args.prompt == "-" else args.prompt
-    _check_utf8(prompt, "standard input" if args.prompt == "-" else "--prompt")
+    if args.prompt_file is not None:
+        try:
+            prompt = Path(args.prompt_file).read_bytes().decode("utf-8", "surrogateescape")
+        except OSError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+        where = f"--prompt-file {args.prompt_file}"
+    else:
+        prompt = _read_stdin() if args.prompt == "-" else args.prompt
+        where = "standard input" if args.prompt == "-" else "--prompt"
+    _check_utf8(prompt, where)
     method = method_of(args)
     threads = apply_threads(args)
     # check every value before spending seconds on loading models

@@ -111,8 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
     print(f"# serving {name} (method {method.value}; "
           + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix, and "
-             "layer-skip and self once the target has its layer-skip profile (`specdecode "
-             "tune-skip`); GET /v1/models lists them")
+             "layer-skip and self where the target's layer-skip profile is cached (made by their "
+             "first use or `specdecode tune-skip`); GET /v1/models lists what is served")
           + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
           "the models are loaded", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
