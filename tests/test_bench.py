@@ -377,7 +377,11 @@ def test_speedup_vs_llamacpp_ar_is_reported_per_subtask():
     assert summary["draft"]["overall"]["speedup_vs_llamacpp-ar"] == pytest.approx(1.5)
     assert summary["draft"]["qa"]["speedup_vs_llamacpp-ar"] == pytest.approx(1.5)
     assert "| 1.50× |" in report.subtask_table(summary, "speedup_vs_llamacpp-ar")
-    assert "| draft | 6.00 | 1.50× |" in report.markdown_table(summary, {})  # ar and hf-ar not run
+    table = report.markdown_table(summary, {})
+    assert "| draft | 6.00 | 1.50× |" in table  # ar and hf-ar not run: no such columns
+    # and no notes on columns not shown (peak memory, ceiling), nor a table of "—" only
+    assert "† peak resident" not in table and "ceiling =" not in table and "\\* median" in table
+    assert report.subtask_table(summary, "speedup_vs_ar") is None
 
 
 class FakeLlama:
@@ -498,7 +502,10 @@ def test_bad_row_options_are_said_before_any_model_loads(tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")
     for methods, words in (("ar,draft:k=0", ["'draft:k=0'", "= 0 is invalid"]), ("ar,ar:k=3", ["'ar:k=3'", "unknown option", "k"]),
                            ("ar,draft:bogus=1", ["bogus"]), ("ar,layer-skip:layers=+3", ["layers='+3'"]),
-                           ("ar,draft:rule=gumbel", ["rule=gumbel", "--temperature"])):
+                           ("ar,draft:rule=gumbel", ["rule=gumbel", "--temperature"]),
+                           ("ar,draft:dtype=int9", ["'draft:dtype=int9'", "dtype='int9' is invalid", "int8"]),
+                           ("ar,draft:backend=foo", ["backend='foo' is invalid"]),
+                           ("ar,drft", ["did you mean 'draft'?"])):
         assert cli.main(["bench", "--no-memory", "--target", missing, "--methods", methods,
                          "--workloads", "humaneval", "--limit", "1"]) == 2
         err = capsys.readouterr().err
@@ -515,3 +522,31 @@ def test_bad_subtasks_and_a_missing_dataset_are_bad_input(tmp_path, capsys):
     assert cli.main(base + ["--workloads", "spec-bench", "--dataset", str(tmp_path / "nothere.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "Spec-Bench question file not found" in err and "nothere.jsonl" in err, err
+    # a file that is not Spec-Bench's: one line naming it (and the line), exit 2, before any
+    # model loads (were IsADirectoryError / IndexError after loading / KeyError tracebacks)
+    good = '{"question_id": 1, "category": "qa", "turns": ["Why?"]}'
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"question_id": 1, "category": "qa", "turns": ["caf\xe9"]}')
+    for name, text, words in (("empty.jsonl", "", "holds no question"),
+                              ("nocat.jsonl", good + '\n{"question_id": 2, "turns": ["x"]}', "line 2: no 'category'"),
+                              ("noturns.jsonl", good.replace('["Why?"]', "[]"), "line 1: turns must be"),
+                              ("junk.jsonl", "{not json", "line 1: Expecting"), ("latin1.jsonl", None, "UTF-8"),
+                              (".", None, "(a directory)")):
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        assert cli.main(base + ["--workloads", "spec-bench", "--target", str(tmp_path / "no-model"),
+                                "--dataset", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and "no-model" not in err, (name, err)
+
+
+def test_a_run_without_a_reference_reports_no_mismatch_count(tmp_path_factory, tmp_path, capsys):
+    """Nothing compared (no ar row): "mismatches" is null, not 0, and the per-subtask tables of
+    ratios over ar, every cell empty, are left out."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--dtype", "int8",
+                     "--methods", "prompt-lookup", "--workloads", "humaneval", "--limit", "1",
+                     "--max-new-tokens", "8", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["mismatches"] is None
+    report_md = (tmp_path / "o" / "report.md").read_text()
+    assert "per subtask" not in report_md and "## Overall" in report_md

@@ -217,6 +217,14 @@ def test_prompt_from_a_file(capsys, dirs, tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"abc \xff")
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--prompt-file", tmp_path / "bad.txt")
     assert code == 2 and "bad.txt is not valid UTF-8" in err and "0xFF" in err, err
+    (tmp_path / "bom.txt").write_bytes("\ufeff".encode() + PROMPT.encode())  # the BOM is not text
+    code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--prompt-file", tmp_path / "bom.txt", "--json", "--max-new-tokens", 8)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == ref["token_ids"]
+    (tmp_path / "blank.txt").write_text(" \n")
+    for path, words in ((tmp_path / "blank.txt", "the prompt is empty (--prompt-file "), ("", "--prompt-file is empty")):
+        code, out, err = run(capsys, "generate", "--target", dirs["target"], "--prompt-file", path)
+        assert code == 2 and words in err, err
     with pytest.raises(SystemExit):  # one of the two
         cli.main(["generate", "--prompt", "a", "--prompt-file", str(tmp_path / "p.txt")])
     assert "not allowed with argument" in capsys.readouterr().err
@@ -599,6 +607,15 @@ def test_tune_skip_writes_a_profile_that_generate_loads(capsys, dirs, tmp_path):
     assert profile["n_layers"] == 2 and len(profile["skip"]) == 1
     obj = run_json(capsys, dirs, "--method", f"layer-skip:profile={out}", "--compare")
     assert obj["identical"] is True
+    # a write that fails after the tuning (a full disk: /dev/full) loses nothing: the profile
+    # goes to stdout, one error line says so (was: an OSError traceback, the tuning lost)
+    code, text, err = run(capsys, "tune-skip", "--target", dirs["target"], "--out", "/dev/full",
+                          "--max-new-tokens", 8, "--threads", 1)
+    assert code == 1 and "error: could not write /dev/full" in err and "Traceback" not in err, err
+    from specdecode.layer_skip import SkipProfile
+
+    (tmp_path / "saved.json").write_text(text)
+    assert len(SkipProfile.load(tmp_path / "saved.json", 2).skip) == 1
 
 
 def test_self_draft_int4_copy_of_the_int8_target_is_its_output(capsys, dirs):
@@ -652,3 +669,23 @@ def test_stats_line_names_each_proposers_share_for_the_mixed_methods(capsys):
     for label, shown in (("hybrid", True), ("self", True), ("suffix", False)):
         _print_stats(label, stats, "length", sys.stdout)
         assert ("accepted by proposer: suffix 7/28" in capsys.readouterr().out) == shown, label
+
+
+def test_warnings_are_one_line_without_our_source(capsys, monkeypatch):
+    """A warning (a profile tuned for another target, rows that differ off the CPU) reads
+    "warning: ..." (was: "…/methods.py:333: UserWarning: …" and the source line)."""
+    import warnings
+
+    import specdecode.cli.models as models_cli
+
+    def warns(args):
+        warnings.warn("this profile was tuned for another target")
+        return 0
+    monkeypatch.setattr(models_cli, "_cmd_list", warns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        # as Python shows a warning outside pytest (which records them instead)
+        warnings.showwarning = lambda m, c, f, n, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(m, c, f, n, line))
+        assert cli.main(["models", "list"]) == 0
+    assert capsys.readouterr().err == "warning: this profile was tuned for another target\n"

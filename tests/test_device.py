@@ -65,7 +65,15 @@ def test_a_device_this_machine_lacks_is_one_clear_error(dirs, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "argument --device" in err and bad in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="device=1.5 is invalid: give a string"):
+        parse_device(1.5)
     assert parse_device(None) == parse_device("cpu") == torch.device("cpu")
+    # a loaded model stays where it is: another device= is an error, not ignored
+    loaded = specdecode.load(dirs["target"])
+    for bad in ("cuda", "bogus", 1.5):
+        with pytest.raises(ValueError, match="device"):
+            specdecode.generate(loaded, "hi", device=bad, max_new_tokens=2)
+    assert specdecode.generate(loaded, "hi", device="cpu", max_new_tokens=2).token_ids
     on_cpu = specdecode.load(dirs["target"], device="cpu")
     assert lm_device(on_cpu.lm).type == "cpu" and on_cpu.rows_exact is None  # the kernels' tests prove it
 

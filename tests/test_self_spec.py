@@ -299,6 +299,9 @@ def test_method_strings_carry_their_own_options():
     # a bench row's option names what gives it here
     with pytest.raises(ValueError, match=r"k= is a bench row's option: give --k on the command line, num_speculative_tokens= in the Python API"):
         split_method("draft:k=4")
+    for key in methods.BENCH_ROW_OPTIONS:  # every bench row option has its hint
+        with pytest.raises(ValueError, match=f"{key}= is a bench row's option: give .*in the Python API"):
+            split_method(f"draft:{key}=1")
     for k in ("auto", "heuristic", 3):
         with pytest.raises(ValueError, match="'ar' proposes nothing"):
             speculative_config("ar", False, k)

@@ -22,7 +22,8 @@ from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, split_method,
                       speculative_config)
-from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load
+from .models.base import lm_device
+from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
 from .profile import prefill_profile, verify_profile
 from .stats import SpecDecodingStats
 from .proposers import CrossTokenizerProposer
@@ -73,7 +74,13 @@ class StreamChunk:
 
 
 def _as_model(m, dtype: str, role: str = "target", device=None) -> LoadedModel:
-    return m if isinstance(m, LoadedModel) else load(m, dtype=dtype, role=role, device=device)
+    if not isinstance(m, LoadedModel):
+        return load(m, dtype=dtype, role=role, device=device)
+    want, have = (parse_device(device), lm_device(m.lm)) if device is not None else (None, None)
+    if want is not None and (want.type, want.index or 0) != (have.type, have.index or 0):  # it stays put
+        raise ValueError(f"device={device!r}, but the {role} {m.name} is loaded on {lm_device(m.lm)}: "
+                         "leave device out, or load it there (specdecode.load(..., device=))")
+    return m
 
 
 def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, top_k, top_p,

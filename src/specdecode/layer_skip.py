@@ -86,10 +86,12 @@ class SkipProfile:
         """The layers the draft runs."""
         return [i for i in range(self.n_layers) if i not in self.skip]
 
+    def to_json(self) -> str:
+        """The profile as :meth:`save` writes it and :meth:`load` reads it."""
+        return json.dumps(asdict(self) | {"format": PROFILE_FORMAT}, indent=1) + "\n"
+
     def save(self, path: str | Path) -> None:
-        d = asdict(self)
-        d["format"] = PROFILE_FORMAT
-        Path(path).write_text(json.dumps(d, indent=1) + "\n")
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path, n_layers: int | None = None) -> "SkipProfile":

@@ -369,7 +369,7 @@ class _MethodBase(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            near = difflib.get_close_matches(str(value), [*METHODS], n=1)
+            near = difflib.get_close_matches(str(value).lower(), [*METHODS], n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"method {value!r} is not one of {list(METHODS)}{hint}") from None
 
@@ -541,7 +541,8 @@ METHOD_OPTIONS = {
 BENCH_ROW_OPTIONS = {  # key -> (the command line's option, the Python API's argument)
     "k": ("--k", "num_speculative_tokens="), "max_k": ("--max-k", "max_speculative_tokens="),
     "p_min": ("--draft-p-min", "draft_p_min="), "ngram": ("--max-ngram", "max_matching_ngram_size="),
-    "cache": (None, "suffix_cache="),  # generate runs one request: no session to keep "dtype": ("--draft-dtype", "load(draft, dtype=)"),
+    "cache": (None, "suffix_cache="),  # generate runs one request: no session to keep
+    "dtype": ("--draft-dtype", "load(draft, dtype=)"),
     "backend": ("--draft-backend", "load(draft, backend=)"), "model": ("--draft", "draft="),
     "rule": ("--acceptance-rule", "acceptance_rule="),
 }

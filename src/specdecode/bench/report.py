@@ -83,21 +83,31 @@ def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: st
     keep = [i for i in range(len(columns)) if any(c[i] != "—" for c in cells)]
     lines = ["| method | " + " | ".join(columns[i][0] for i in keep) + " |", "|---" * (len(keep) + 1) + "|"]
     lines += [f"| {m} | " + " | ".join(c[i] for i in keep) + " |" for (m, _), c in zip(rows, cells)]
-    lines.append("\n\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians "
-                 "(so it may fall below 1 while the median tokens/s is higher); "
-                 "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer; τ = mean acceptance length; "
-                 "† peak resident memory of a process running the method alone (its models, one "
-                 "generation of the longest prompt)")
+    shown = {columns[i][0] for i in keep}
+    notes = [note for header, note in (
+        ("*", "\\* median over prompts of the per-prompt ratio (paired), not a ratio of medians (so it "
+              "may fall below 1 while the median tokens/s is higher)"),
+        ("ceiling", "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer"),
+        ("τ", "τ = mean acceptance length"),
+        ("†", "† peak resident memory of a process running the method alone (its models, one "
+              "generation of the longest prompt)"))
+        if any(header in h for h in shown)]
+    if notes:
+        lines.append("\n" + "; ".join(notes))
     return "\n".join(lines)
 
 
-def subtask_table(summary: dict, key: str = "speedup_vs_ar") -> str:
+def subtask_table(summary: dict, key: str = "speedup_vs_ar") -> str | None:
+    """Per method and subtask, ``key`` (a ratio); None when no method has it (its reference
+    not in the run)."""
     subtasks = sorted({s for rows in summary.values() for s in rows if s != "overall"}) + ["overall"]
     lines = ["| method | " + " | ".join(subtasks) + " |", "|---" * (len(subtasks) + 1) + "|"]
+    filled = False
     for method, rows in summary.items():
         cells = [_fmt(rows.get(s, {}).get(key), ".2f", "×") for s in subtasks]
+        filled = filled or any(c != "—" for c in cells)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) if filled else None
 
 
 def plot(summary: dict, ceilings: dict, path: Path) -> None:

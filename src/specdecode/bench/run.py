@@ -302,15 +302,19 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     decode_by_sub = subtask_table({m: rows for m, rows in summary.items() if is_ours(m.split(":", 1)[0])},
                                   "decode_speedup_vs_ar")
     print(table)
-    print()
-    print(by_sub)
-    print("\nwithout prefill (decode time only; ours):\n")
-    print(decode_by_sub)
+    if by_sub:
+        print()
+        print(by_sub)
+    if decode_by_sub:
+        print("\nwithout prefill (decode time only; ours):\n")
+        print(decode_by_sub)
     vs_llama = subtask_table(summary, "speedup_vs_llamacpp-ar") if "llamacpp-ar" in summary else None
     if vs_llama:
         print("\nvs llamacpp-ar (llama.cpp's plain decoding of the same GGUF):\n")
         print(vs_llama)
-    mismatches = sum(1 for r in records if r.identical is False)
+    # None when nothing was compared (no reference row in the run): not "0 mismatches"
+    mismatches = sum(1 for r in records if r.identical is False) \
+        if any(r.identical is not None for r in records) else None
     if mismatches:
         print(f"\nWARNING: {mismatches} generation(s) differ from their reference (lossless check failed)")
     overall = {m: {k: v for k, v in rows["overall"].items()} for m, rows in summary.items()
@@ -328,8 +332,9 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
             f"# specdecode bench\n\ncommand: `{command_line()}`\n\n"
             f"date: {time.strftime('%Y-%m-%d')}, threads: {torch.get_num_threads()}, "
             f"peak RSS {peak_rss / 2**30:.1f} GiB\n\n## Overall\n\n{table}\n\n"
-            f"## Speedup vs ar per subtask\n\n{by_sub}\n\n"
-            f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n"
+            + (f"## Speedup vs ar per subtask\n\n{by_sub}\n\n" if by_sub else "")
+            + (f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n"
+               if decode_by_sub else "")
             + (f"\n## Speedup vs llamacpp-ar per subtask\n\n{vs_llama}\n" if vs_llama else ""))
         plot(summary, ceilings, out / "speedup.png")
         print(f"wrote {out}/results.json, report.md, speedup.png", file=sys.stderr)

@@ -5,6 +5,7 @@ generation, and llama.cpp's plain and prompt-lookup decoding of the target's GGU
 
 from __future__ import annotations
 
+import difflib
 import time
 import zlib
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from ..engine import Engine
 from ..methods import (METHODS, SpeculativeConfig, build_proposer, build_schedule, method_options,
                        name_and_options)
 from ..models import llamacpp
-from ..models.loading import (LoadedModel, check_compatible, default_eos_token_ids, load,
-                              resolve_model_path)
+from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, default_eos_token_ids,
+                              load, resolve_model_path)
 
 
 @dataclass
@@ -175,6 +176,9 @@ def _row_config(name: str, opts: dict, temperature: float) -> tuple[str, Specula
     draft_opts = {}
     if spec.method.needs_draft_model:
         draft_opts = {key: opts.pop(key) for key in ("dtype", "backend", "model") if key in opts}
+        for key, allowed in (("dtype", DTYPE_NAMES), ("backend", BACKENDS)):
+            if draft_opts.get(key, allowed[0]) not in allowed:
+                raise ValueError(f"option {key}={draft_opts[key]!r} is invalid; allowed: {', '.join(allowed)}")
     return name, spec, rule, draft_opts
 
 
@@ -308,8 +312,10 @@ def parse_methods(spec: str) -> list[tuple[str, str, dict]]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, options = name_and_options(item)
         if not is_ours(name) and name not in PEERS:
-            raise ValueError(f"unknown method {name!r}; available: "
-                             f"{', '.join([*METHODS, *CROSS_ROWS, *PEERS])}")
+            known = [*METHODS, *CROSS_ROWS, *PEERS]
+            near = difflib.get_close_matches(name.lower(), known, n=1)
+            raise ValueError(f"unknown method {name!r}; available: {', '.join(known)}"
+                             + (f"; did you mean {near[0]!r}?" if near else ""))
         out.append((item, name, options))
     if not out:
         raise ValueError("no methods given")

@@ -37,18 +37,35 @@ def _choose(items: list, limit: int | None, rng: random.Random) -> list:
 def load_spec_bench(path: str | Path, limit: int | None = None, seed: int = 0) -> list[Task]:
     """Spec-Bench questions grouped into its subtasks (the 8 MT-Bench categories form
     ``mt_bench``); ``limit`` questions per subtask, chosen reproducibly by ``seed``.
-    Raises FileNotFoundError with what to do when the file is missing."""
+    Raises FileNotFoundError with what to do when the file is missing, ValueError naming the
+    file and line when it is not such a file (not UTF-8 JSON lines with a category, a
+    question_id and at least one turn of text, or no question at all)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"Spec-Bench question file not found: {path}. Pass --dataset PATH "
+    if not path.is_file():
+        raise FileNotFoundError(f"Spec-Bench question file not found: {path}"
+                                + (" (a directory)" if path.is_dir() else "") + ". Pass --dataset PATH "
                                 "(a question.jsonl of Spec-Bench's format), or --workloads humaneval")
+    fmt = "Spec-Bench's question.jsonl format: one JSON object a line with category, question_id, turns"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read as UTF-8 text ({e}); {fmt}") from None
     by_subtask: dict[str, list[Task]] = {}
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        q = json.loads(line)
-        sub = "mt_bench" if q["category"] in MT_BENCH else q["category"]
-        by_subtask.setdefault(sub, []).append(Task(sub, str(q["question_id"]), tuple(q["turns"])))
+        try:
+            q = json.loads(line)
+            turns = tuple(q["turns"])
+            if not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError("turns must be a non-empty list of text")
+            sub = "mt_bench" if q["category"] in MT_BENCH else str(q["category"])
+            by_subtask.setdefault(sub, []).append(Task(sub, str(q["question_id"]), turns))
+        except (ValueError, KeyError, TypeError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0][:120]
+            raise ValueError(f"{path}, line {n}: {what}; {fmt}") from None
+    if not by_subtask:
+        raise ValueError(f"{path} holds no question; {fmt}")
     rng = random.Random(seed)
     return [t for sub in sorted(by_subtask) for t in _choose(by_subtask[sub], limit, rng)]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from .. import __version__
 from . import bench, bench_serve, check_pair, export, generate, models, serve, train, tune_skip
@@ -36,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # what to know, not where in our source it was said
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse ends a positional list at the first option ("export eagle3 HEAD --format vllm

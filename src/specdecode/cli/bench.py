@@ -126,12 +126,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--limit and --max-new-tokens must be >= 1")
     SamplingParams(temperature=args.temperature)  # names a bad value
     check_rows(methods, args.temperature)
-    if "spec-bench" in workloads and not Path(args.dataset).exists():  # a bad --dataset: exit 2
-        raise ValueError(f"Spec-Bench question file not found: {args.dataset}. Pass --dataset PATH "
-                         "(a question.jsonl of Spec-Bench's format), or --workloads humaneval")
     tasks = []
     if "spec-bench" in workloads:
-        tasks += load_spec_bench(args.dataset, args.limit, args.seed)
+        try:
+            tasks += load_spec_bench(args.dataset, args.limit, args.seed)
+        except FileNotFoundError as e:  # a bad --dataset is bad input: exit 2
+            raise ValueError(str(e)) from None
     if "humaneval" in workloads:
         tasks += load_humaneval(args.humaneval_limit or args.limit, args.seed)
     if "code-edit" in workloads:

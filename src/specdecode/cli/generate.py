@@ -135,11 +135,13 @@ def _read_stdin() -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
     if args.prompt_file is not None:
-        try:
-            prompt = Path(args.prompt_file).read_bytes().decode("utf-8", "surrogateescape")
-        except OSError as e:
-            raise ValueError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
         where = f"--prompt-file {args.prompt_file}"
+        if not args.prompt_file.strip():
+            raise ValueError("--prompt-file is empty: give the path of a text file")
+        try:  # a UTF-8 byte-order mark is not prompt text (it became a token of its own)
+            prompt = Path(args.prompt_file).read_bytes().decode("utf-8", "surrogateescape").removeprefix("\ufeff")
+        except OSError as e:
+            raise ValueError(f"{where}: {e.strerror or e}") from None
     else:
         prompt = _read_stdin() if args.prompt == "-" else args.prompt
         where = "standard input" if args.prompt == "-" else "--prompt"
@@ -163,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               args.max_ngram)
     head_dir_for(spec, args.target)  # a missing head is said before the target loads
     if not prompt.strip():
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"the prompt is empty ({where})")
     t0 = time.perf_counter()
     target, draft = load_models(args, method)
     load_s = time.perf_counter() - t0

@@ -8,7 +8,7 @@ import sys
 from ..layer_skip import CALIBRATION_PROMPTS, default_profile_path, tune_skip
 from ..models import registry
 from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load
-from .common import EXIT_CODES_HELP, add_threads_argument, apply_threads, output_file_argument, run_command
+from .common import EXIT_CODES_HELP, EXIT_FAILED, add_threads_argument, apply_threads, output_file_argument, run_command
 
 TUNE_HELP = f"""\
 Find which of the target's decoder layers its own draft can skip (--method layer-skip): the
@@ -55,8 +55,14 @@ def cmd_tune_skip(args: argparse.Namespace) -> int:
     target = load(args.target, dtype=args.dtype, backend="native")
     profile = tune_skip(target, max_new_tokens=args.max_new_tokens)
     out = args.out or default_profile_path(target)
-    out.parent.mkdir(parents=True, exist_ok=True)  # (check_output: it can be made)
-    profile.save(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # (check_output: it can be made)
+        profile.save(out)
+    except OSError as e:  # a full disk, /dev/full: the tuning is not lost, it goes to stdout
+        print(profile.to_json(), end="")
+        print(f"error: could not write {out} ({e.strerror or e}); the profile is printed above: save it "
+              "to a file and pass it as layer-skip:profile=FILE", file=sys.stderr)
+        return EXIT_FAILED
     print(f"{len(profile.search)} candidates evaluated; best: skip {len(profile.skip)} of "
           f"{profile.n_layers} layers {list(profile.skip)}, K = {profile.k}, agreement "
           f"{profile.acceptance:.3f}, draft pass {profile.draft_cost:.2f} x T(1), predicted "

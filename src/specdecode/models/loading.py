@@ -108,10 +108,14 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     torch.device that this machine has. Raises ValueError naming the value otherwise."""
     if device is None:
         return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device={device!r} is invalid: give a string such as 'cpu' or 'cuda:0', or a "
+                         "torch.device")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is invalid ({e}); e.g. cpu, cuda, cuda:1") from None
+        raise ValueError(f"device {device!r} is invalid ({str(e).splitlines()[0][:120]}); e.g. cpu, "
+                         "cuda, cuda:1") from None
     if dev.type == "cpu":
         return dev
     backend = getattr(torch, dev.type, None)
