@@ -55,7 +55,8 @@ def test_off_the_cpu_the_heads_and_the_quantized_self_draft_are_refused():
 
 
 def test_a_device_this_machine_lacks_is_one_clear_error(dirs, capsys):
-    for bad, words in (("cuda:99", "no cuda device|has 1 cuda|has [0-9]+ cuda"), ("gpu", "invalid.*e.g. cpu, cuda")):
+    for bad, words in (("cuda:99", "no cuda device|has 1 cuda|has [0-9]+ cuda"), ("gpu", "invalid.*e.g. cpu, cuda"),
+                       ("cpu:1", "one CPU device")):
         with pytest.raises(ValueError, match=words):
             parse_device(bad)
         with pytest.raises(ValueError, match=words):  # before anything loads

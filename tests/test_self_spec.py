@@ -292,6 +292,7 @@ def test_method_strings_carry_their_own_options():
     # were accepted as "skip nothing", or the last of two values
     for text, words in [("layer-skip:layers=5-3", "A <= B"), ("layer-skip:layers=3-", "layers='3-'"), ("layer-skip:layers=+", "layers='\\+'"),
                         ("layer-skip:layers=+3", "layers='\\+3'"), ("layer-skip:layers=1,,2", "layers='1,,2'"),
+                        ("layer-skip:layers=3 +5", "layers='3 \\+5'"),
                         ("layer-skip:layers=", "no value; e.g. layers=3"), ("eagle3:head=", "no value"),
                         ("layer-skip:layers=1:layers=2", "twice"), ("self:profile=", "no value")]:
         with pytest.raises(ValueError, match=words):
@@ -307,7 +308,7 @@ def test_method_strings_carry_their_own_options():
             speculative_config("ar", False, k)
     with pytest.raises(ValueError, match="int8, int4"):
         SpeculativeConfig("self-draft", self_draft_dtype="int2")
-    with pytest.raises(ValueError, match="skip_layers or skip_profile"):
+    with pytest.raises(ValueError, match="layers= or profile= in a method string, skip_layers or skip_profile"):
         SpeculativeConfig("layer-skip", skip_layers=(1,), skip_profile="x.json")
     with pytest.raises(ValueError, match="'layer-skip' and 'self', not 'draft'"):
         SpeculativeConfig("draft", skip_layers=(1,))

@@ -459,7 +459,8 @@ class SpeculativeConfig:
                                  "indices (integers >= 0)")
             object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
             if self.skip_profile is not None:
-                raise ValueError("give skip_layers or skip_profile, not both")
+                raise ValueError("give the skipped layers or a profile, not both: layers= or profile= in "
+                                 "a method string, skip_layers or skip_profile in the API")
         if self.skip_profile is not None and not isinstance(self.skip_profile, (str, Path)):
             raise ValueError(f"skip_profile = {self.skip_profile!r} is invalid; allowed: a file path")
         e = self.exit_layer
@@ -497,6 +498,8 @@ def _layer_list(value: str) -> tuple[int, ...]:
     """"3+5-8+12" (or with commas) -> (3, 5, 6, 7, 8, 12)."""
     out = []
     try:
+        if any(c.isspace() for c in value):  # "3 +5": int() took each part, spaces and all
+            raise ValueError
         for part in value.replace(",", "+").split("+"):  # an empty part ("+3", "1,,2") is refused
             lo, dash, hi = part.partition("-")
             lo, hi = int(lo), int(hi if dash else lo)

@@ -117,6 +117,8 @@ def parse_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device {device!r} is invalid ({str(e).splitlines()[0][:120]}); e.g. cpu, "
                          "cuda, cuda:1") from None
     if dev.type == "cpu":
+        if dev.index not in (None, 0):  # torch takes "cpu:1" as the one CPU: say so instead
+            raise ValueError(f"device {device!r}: there is one CPU device (cpu, or cpu:0)")
         return dev
     backend = getattr(torch, dev.type, None)
     count = backend.device_count() if backend is not None and hasattr(backend, "device_count") else 0
