@@ -76,9 +76,11 @@ class StreamChunk:
 def _as_model(m, dtype: str, role: str = "target", device=None) -> LoadedModel:
     if not isinstance(m, LoadedModel):
         return load(m, dtype=dtype, role=role, device=device)
-    want, have = (parse_device(device), lm_device(m.lm)) if device is not None else (None, None)
-    if want is not None and (want.type, want.index or 0) != (have.type, have.index or 0):  # it stays put
-        raise ValueError(f"device={device!r}, but the {role} {m.name} is loaded on {lm_device(m.lm)}: "
+    if device is None:
+        return m
+    want, have = parse_device(device), lm_device(m.lm)
+    if (want.type, want.index or 0) != (have.type, have.index or 0):  # a loaded model stays put
+        raise ValueError(f"device={device!r}, but the {role} {m.name} is loaded on {have}: "
                          "leave device out, or load it there (specdecode.load(..., device=))")
     return m
 

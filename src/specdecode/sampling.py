@@ -32,9 +32,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prefix_ids: tor
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
         present = torch.zeros(b, t, v, dtype=torch.bool, device=logits.device)
-        present[:, :] = _presence(prefix_ids.to(logits.device), v)[:, None]
+        present[:, :] = _presence(prefix_ids, v)[:, None]
         if t > 1 and block_ids is not None:
-            ids = block_ids[:, : t - 1].to(logits.device).clamp(max=v - 1)
+            ids = block_ids[:, : t - 1].clamp(max=v - 1)
             seen = torch.zeros(b, t - 1, v, device=logits.device).scatter_(2, ids[..., None], 1.0)
             present[:, 1:] |= seen.cumsum(1) > 0
         pen = params.repetition_penalty
@@ -42,7 +42,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prefix_ids: tor
         logits = torch.where(present, penalized, logits)
     if num_generated < params.min_new_tokens and eos_token_ids:
         masked = min(t, params.min_new_tokens - num_generated)
-        eos = torch.tensor([e for e in eos_token_ids if e < v], dtype=torch.long, device=logits.device)
+        eos = torch.tensor([e for e in eos_token_ids if e < v], dtype=torch.long)
         logits[:, :masked, eos] = float("-inf")
     if params.greedy:
         return logits
@@ -78,9 +78,8 @@ def to_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row from probs [B,V]; returns [B] int64 on probs' device. The draw
-    is the CPU's (``generator`` is a CPU one), so a seed gives the same tokens on any device."""
-    return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(probs.device)
+    """Draw one token per row from probs [B,V]; returns [B] int64."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 class GumbelNoise:

@@ -37,14 +37,10 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [{b},{k + 1},V]")
     if draft_probs is not None and draft_probs.shape[-1] < v:
         draft_probs = torch.nn.functional.pad(draft_probs, (0, v - draft_probs.shape[-1]))
-    # the drafts (made on the CPU) and their probabilities go where the target's are
-    draft_token_ids = draft_token_ids.to(target_probs.device)
-    if draft_probs is not None:
-        draft_probs = draft_probs.to(target_probs.device)
     ids = draft_token_ids[..., None]
     p = target_probs[:, :k].gather(2, ids)[..., 0]
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(2, ids)[..., 0]
-    u = torch.rand(b, k, generator=generator).to(p.device)  # drawn on the CPU: one text a seed on any device
+    u = torch.rand(b, k, generator=generator, device=p.device)
     accepted = u * q < p  # u < p/q without dividing by q
     num_accepted = accepted.long().cumprod(1).sum(1)
 
@@ -112,7 +108,7 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor
     if target_logits.shape[:2] != (b, k + 1):
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}, expected [{b},{k + 1},V]")
     best = target_logits.argmax(-1)  # [B,K+1]
-    num_accepted = (draft_token_ids.to(best.device) == best[:, :k]).long().cumprod(1).sum(1)
+    num_accepted = (draft_token_ids == best[:, :k]).long().cumprod(1).sum(1)
     keep = torch.arange(k + 1, device=best.device)[None] <= num_accepted[:, None]
     return torch.where(keep, best, torch.full_like(best, -1)), num_accepted
 
@@ -155,7 +151,6 @@ def verify_tree(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Ge
     v = target_probs.shape[-1]
     if draft_probs is not None:
         _check_tree_rows(tree, draft_probs, "draft_probs")
-        draft_probs = draft_probs.to(target_probs.device)
         if draft_probs.shape[-1] < v:
             draft_probs = torch.nn.functional.pad(draft_probs, (0, v - draft_probs.shape[-1]))
     tokens = tree.token_ids.tolist()
@@ -168,7 +163,7 @@ def verify_tree(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Ge
                 raise ValueError(f"node {child} holds token {x}, outside the vocabulary of {v}")
             q = None if draft_probs is None else draft_probs[row]
             qx = 1.0 if q is None else float(q[x])
-            u = float(torch.rand((), generator=generator))  # on the CPU, as rejection_sample's
+            u = float(torch.rand((), generator=generator, device=p.device))
             if u * qx < float(p[x]):  # u < p(x) / q(x) without dividing by q(x)
                 path.append(child)
                 row = child + 1

@@ -364,7 +364,6 @@ def fixed_k(label: str) -> int | None:
     if METHODS[name].proposer is None:
         return None
     opts = dict(options)
-    for key in ("dtype", "backend", "rule"):
-        opts.pop(key, None)
-    spec = speculative_config(name, opts)
+    opts.pop("rule", None)  # (a sampled run's; K is the same)
+    spec = _row_config(name, opts, 0.0)[1]
     return spec.num_speculative_tokens if spec.schedule is KSchedule.FIXED else None

@@ -14,6 +14,7 @@ _SPEC_BENCH_CANDIDATES = [Path(__file__).resolve().parents[i] / "shared" / "data
 SPEC_BENCH_PATH = next((p for p in _SPEC_BENCH_CANDIDATES if p.exists()), _SPEC_BENCH_CANDIDATES[0])
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SUBTASKS = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit")  # every workload's (Task.subtask)
 WORKLOADS = ("humaneval", "spec-bench", "code-edit")
 DEFAULT_WORKLOADS = ("humaneval", "spec-bench")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
 from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
                              check_rows, parse_methods)
-from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, WORKLOADS,
+from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..config import SamplingParams
 from ..methods import METHOD_OPTIONS, METHODS
@@ -138,10 +138,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tasks += load_code_edit(args.humaneval_limit or args.limit, args.seed)
     if args.subtasks:
         keep = {s.strip() for s in args.subtasks.split(",")}
-        known = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit")
-        unknown = sorted(keep - set(known))
+        unknown = sorted(keep - set(SUBTASKS))
         if unknown:
-            raise ValueError(f"unknown subtask(s) {unknown}; available: {', '.join(known)}")
+            raise ValueError(f"unknown subtask(s) {unknown}; available: {', '.join(SUBTASKS)}")
         tasks = [t for t in tasks if t.subtask in keep]
         if not tasks:
             raise ValueError(f"no prompts left for subtasks {sorted(keep)}")

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..api import _check_utf8, _sampling_params, stream
 from ..config import ACCEPTANCE_RULES
 from ..methods import METHODS, Method, head_dir_for, speculative_config
+from ..proposers import HybridProposer
 from .common import (EXIT_CODES_HELP, add_model_arguments, method_of, add_threads_argument, apply_threads,
                      k_argument, load_models, max_k_argument, run_command)
 
@@ -104,10 +105,6 @@ def colored(spans) -> str:
     return "".join(out)
 
 
-# methods that choose between proposers each round (their stats name each one's share)
-MIXED = ("hybrid", "self")
-
-
 def _print_stats(label: str, stats: dict, finish: str, out) -> None:
     line = (f"[{label}] {stats['num_generated_tokens']} tokens in {stats['total_s']:.2f} s = "
             f"{stats['tokens_per_second']:.2f} tokens/s, finish: {finish}")
@@ -118,7 +115,9 @@ def _print_stats(label: str, stats: dict, finish: str, out) -> None:
                  f"other {stats['other_s']:.2f} s")
         if stats["mean_speculation_length"] is not None:
             line += f" | mean K {stats['mean_speculation_length']}"
-        if len(stats["by_proposer"]) > 1 or label in MIXED:  # a method that chose none of one kind says so
+        # a method choosing between proposers each round says whose drafts it took, one kind too
+        mixed = label in METHODS and METHODS[label].proposer is HybridProposer
+        if len(stats["by_proposer"]) > 1 or mixed:
             line += " | accepted by proposer: " + ", ".join(
                 f"{name} {c['num_accepted_tokens']}/{c['num_draft_tokens']}"
                 for name, c in stats["by_proposer"].items())
