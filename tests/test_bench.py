@@ -505,11 +505,36 @@ def test_bad_row_options_are_said_before_any_model_loads(tmp_path, capsys):
                            ("ar,draft:rule=gumbel", ["rule=gumbel", "--temperature"]),
                            ("ar,draft:dtype=int9", ["'draft:dtype=int9'", "dtype='int9' is invalid", "int8"]),
                            ("ar,draft:backend=foo", ["backend='foo' is invalid"]),
-                           ("ar,drft", ["did you mean 'draft'?"])):
+                           ("ar,drft", ["did you mean 'draft'?"]),
+                           # what a row takes is listed; peers' options and a draft row's
+                           # model= are checked before loading too
+                           ("ar,draft:bogus=1", ["unknown option(s) ['bogus']; draft takes", "k=", "p_min=",
+                                                 "model=", "tree="]),
+                           ("ar,hf-pld:bogus=1", ["'hf-pld:bogus=1'", "unknown option(s) ['bogus']; hf-pld takes k="]),
+                           ("ar,hf-ar:k=3", ["'hf-ar:k=3'", "hf-ar takes no options"]),
+                           (f"ar,draft:model={tmp_path / 'nodraft'}", ["model=", "nodraft", "not found"])):
         assert cli.main(["bench", "--no-memory", "--target", missing, "--methods", methods,
                          "--workloads", "humaneval", "--limit", "1"]) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words) and "no-such-model" not in err, (methods, err)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_every_listed_row_option_is_taken(temperature):
+    """The options an unknown-option error lists are the ones a row takes: each one, alone,
+    is never refused as unknown (its value may still be refused), and a key no row takes is."""
+    names = [*runners.METHODS, *runners.CROSS_ROWS] + ([] if temperature else [*runners.PEERS])
+    for name in names:
+        for key in runners.row_options(name, temperature):
+            value = {"k": "2", "max_k": "4", "p_min": "0.5", "ngram": "1-3", "cache": "request",
+                     "dtype": "int8", "backend": "native", "rule": "gumbel", "tree": "2",
+                     "nodes": "8", "layers": "3", "layer": "2"}.get(key, "x")
+            try:
+                runners.check_rows(runners.parse_methods(f"{name}:{key}={value}"), temperature)
+            except ValueError as e:
+                assert "unknown option" not in str(e), (name, key, e)
+        with pytest.raises(ValueError, match="unknown option"):
+            runners.check_rows(runners.parse_methods(f"{name}:bogus=1"), temperature)
 
 
 def test_bad_subtasks_and_a_missing_dataset_are_bad_input(tmp_path, capsys):

@@ -15,11 +15,11 @@ import torch
 
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
-from ..methods import (METHODS, SpeculativeConfig, build_proposer, build_schedule, method_options,
-                       name_and_options)
+from ..methods import (METHOD_OPTIONS, METHODS, SpeculativeConfig, build_proposer, build_schedule,
+                       method_options, name_and_options)
 from ..models import llamacpp
-from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, default_eos_token_ids,
-                              load, resolve_model_path)
+from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, check_model_name,
+                              default_eos_token_ids, load, resolve_model_path)
 
 
 @dataclass
@@ -182,19 +182,46 @@ def _row_config(name: str, opts: dict, temperature: float) -> tuple[str, Specula
     return name, spec, rule, draft_opts
 
 
+def row_options(name: str, temperature: float = 0.0) -> list[str]:
+    """The option keys a bench row of method ``name`` (ours or a peer's) takes."""
+    if not is_ours(name):
+        return sorted(PEERS[name].options)
+    method = METHODS[CROSS_ROWS.get(name, name)]
+    keys = set()
+    if method.proposer is not None:
+        keys |= {"k", "max_k"}
+        keys |= {key for key, (option, _, _) in OPTION_PARSERS.items() if option in method.options}
+        keys |= {key for key, (option, _, _) in METHOD_OPTIONS.items() if option in method.options}
+    if method.needs_draft_model:
+        keys |= {"dtype", "backend", "model"}
+    if temperature > 0:
+        keys.add("rule")
+    return sorted(keys)
+
+
+def _unknown(label: str, name: str, opts: dict, temperature: float) -> ValueError:
+    allowed = row_options(name, temperature)
+    return ValueError(f"method {label!r}: unknown option(s) {sorted(opts)}; {name} takes "
+                      + (", ".join(f"{key}=" for key in allowed) if allowed else "no options"))
+
+
 def check_rows(methods, temperature: float = 0.0) -> None:
-    """Check every option of our rows (``parse_methods``' output) before a model is loaded:
-    a bad ``k=``, ``rule=`` or unknown option is said at once, not after the target's load.
-    Raises ValueError naming the row and the option."""
+    """Check every option of the rows (``parse_methods``' output) before a model is loaded:
+    a bad ``k=``, ``rule=`` or ``model=``, or an option the row does not take, is said at
+    once, not after the target's load. Raises ValueError naming the row and the option."""
     for label, name, options in methods:
+        opts = dict(options)
         if is_ours(name):
-            opts = dict(options)
             try:
-                _row_config(name, opts, temperature)
+                draft_opts = _row_config(name, opts, temperature)[3]
+                if "model" in draft_opts:
+                    check_model_name(draft_opts["model"])
             except ValueError as e:
                 raise ValueError(f"method {label!r}: {e}") from None
-            if opts:
-                raise ValueError(f"method {label!r}: unknown option(s) {sorted(opts)}")
+        else:
+            opts = {key: value for key, value in opts.items() if key not in PEERS[name].options}
+        if opts:
+            raise _unknown(label, name, opts, temperature)
 
 
 def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -> Runner:
@@ -279,24 +306,27 @@ class Peer:
     make: Callable[[BenchModels, dict], Runner]
     reference: str
     summary: str
+    options: frozenset = frozenset()  # the row options it takes
 
 
 PEERS: dict[str, Peer] = {
     "hf-ar": Peer(lambda models, opts: _hf(models), "hf-ar",
                   "transformers generate, greedy, same weights"),
     "hf-assisted": Peer(_hf_assisted, "hf-ar",
-                        "transformers assisted generation with the same draft (k=num_assistant_tokens)"),
+                        "transformers assisted generation with the same draft (k=num_assistant_tokens)",
+                        frozenset({"k"})),
     "hf-assisted-xtok": Peer(_hf_assisted_xtok, "hf-ar",
                              "transformers assisted generation with a draft of another tokenizer "
-                             "(assistant_tokenizer=: Universal Assisted Generation)"),
+                             "(assistant_tokenizer=: Universal Assisted Generation)", frozenset({"k"})),
     "hf-pld": Peer(lambda models, opts: _hf(models, prompt_lookup_num_tokens=_int(opts, "k", 10)), "hf-ar",
-                   "transformers prompt lookup decoding (k=prompt_lookup_num_tokens, default 10)"),
+                   "transformers prompt lookup decoding (k=prompt_lookup_num_tokens, default 10)",
+                   frozenset({"k"})),
     "llamacpp-ar": Peer(lambda models, opts: _llamacpp(models, 0), "llamacpp-ar",
                         "llama.cpp (llama-cpp-python) greedy decoding of the target's GGUF file "
                         "(optional extra: make llamacpp)"),
     "llamacpp-lookup": Peer(lambda models, opts: _llamacpp(models, _int(opts, "k", 10)), "llamacpp-ar",
                             "llama-cpp-python's prompt lookup decoding of that file (k=num_pred_tokens, "
-                            "default 10)"),
+                            "default 10)", frozenset({"k"})),
 }
 DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft"
 
@@ -349,7 +379,7 @@ def build_runners(models: BenchModels, methods,
         else:
             runner, ref = PEERS[name].make(models, opts), PEERS[name].reference
         if opts:
-            raise ValueError(f"method {label!r}: unknown option(s) {sorted(opts)}")
+            raise _unknown(label, name, opts, temperature)
         runners[label] = (runner, ref if ref in labels else None)
     return runners
 

@@ -73,32 +73,49 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     ModelFetchError when a hub id or a known model cannot be fetched.
     """
     s = str(name_or_path)
+    kind = check_model_name(s)
+    if kind == "known":
+        return registry.fetch(s) if not registry.is_present(s) else registry.model_dir(s)
+    p = Path(s).expanduser()
+    if kind == "directory":
+        return p
+    if kind == "gguf":
+        return registry.converted_dir_for_gguf(p)
+    from huggingface_hub import snapshot_download  # a hub id
+
+    try:
+        return Path(snapshot_download(s, allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
+    except Exception as e:  # noqa: BLE001 - re-raised with what to do
+        raise registry.ModelFetchError(f"could not fetch hub model {s!r} ({type(e).__name__}: {e}); use a "
+                                       "local directory, a GGUF file, or one of "
+                                       + ", ".join(registry.KNOWN_MODELS)) from e
+
+
+def check_model_name(name_or_path: str | Path) -> str:
+    """Which form of model ``name_or_path`` is, without fetching, converting or loading
+    anything: "known" (a registry name), "directory", "gguf" or "hub" (a hub id's form; whether
+    the hub has it is known only when fetched). Raises ValueError saying what is wrong with it
+    (empty, a directory without config.json, another kind of file, none of the forms)."""
+    s = str(name_or_path)
     if not s.strip():
         raise ValueError("the model name/path is empty; give one of " + ", ".join(registry.KNOWN_MODELS)
                          + ", a model directory, a .gguf file or a hub id")
     if s in registry.KNOWN_MODELS:
-        return registry.fetch(s) if not registry.is_present(s) else registry.model_dir(s)
+        return "known"
     p = Path(s).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ValueError(f"{p} is a directory without config.json; expected a Hugging Face "
                              "model directory (config.json, *.safetensors, tokenizer files)")
-        return p
+        return "directory"
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise ValueError(f"{p} is a file but not a .gguf file; pass a GGUF file, a model "
                              "directory, a hub id, or one of " + ", ".join(registry.KNOWN_MODELS))
-        return registry.converted_dir_for_gguf(p)
+        return "gguf"
     if s.count("/") == 1 and not s.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(s, allow_patterns=[
-                "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
-        except Exception as e:  # noqa: BLE001 - re-raised with what to do
-            raise registry.ModelFetchError(f"could not fetch hub model {s!r} ({type(e).__name__}: {e}); use a "
-                             "local directory, a GGUF file, or one of "
-                             + ", ".join(registry.KNOWN_MODELS)) from e
+        return "hub"
     raise ValueError(f"model {s!r} not found: not a known name ({', '.join(registry.KNOWN_MODELS)}), "
                      "not an existing directory or .gguf file, and not a hub id of the form org/name")
 
