@@ -618,12 +618,19 @@ def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
     for kwargs in (dict(draft=foreign), dict(assistant_model=foreign), dict(draft=str(dirs["foreign"]))):
         out = specdecode.generate(target, PROMPT, max_new_tokens=40, method=method, **kwargs)
         assert out.token_ids == plain.token_ids and out.text == plain.text
-    assert isinstance(build_proposer(speculative_config("draft", True), target, foreign), CrossTokenizerProposer)
+    proposer = build_proposer(speculative_config("draft", True), target, foreign)
+    assert isinstance(proposer, CrossTokenizerProposer)
+    # such a draft stops below its own p_min unless one is given (0: never), the hybrid's below
+    # the hybrid's; a draft of the target's tokenizer never stops unless told
+    assert proposer.p_min == CrossTokenizerProposer.default_p_min == 0.4
+    assert build_proposer(SpeculativeConfig("draft", draft_p_min=0), target, foreign).p_min == 0
+    assert build_proposer(SpeculativeConfig("hybrid"), target, foreign).drafter.p_min == 0.5
+    assert build_proposer(SpeculativeConfig("draft"), target, target).p_min is None
     # the draft method's default K is the cross-tokenizer proposer's for such a pair, the
     # same-tokenizer draft's for a same pair; a K given is kept
     assert build_schedule(SpeculativeConfig("draft"), target, foreign).k == CrossTokenizerProposer.default_k
     assert build_schedule(SpeculativeConfig("draft"), target, target).k == DraftModelProposer.default_k
-    assert build_schedule(SpeculativeConfig("draft", num_speculative_tokens=6), target, foreign).k == 6
+    assert build_schedule(SpeculativeConfig("draft", num_speculative_tokens=2), target, foreign).k == 2
     assert build_schedule(SpeculativeConfig("draft", schedule="auto"), target, foreign).lookahead == 1
     assert build_schedule(SpeculativeConfig("draft", schedule="auto"), target, target).lookahead == 0
     tgt, drf = specdecode.load_pair(dirs["foreign"], dirs["target"])

@@ -98,8 +98,8 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
     if tree_width > 1:
         raise ValueError("draft trees need a draft of the target's tokenizer; this pair's "
                          "tokenizers differ (see `specdecode check-pair`): use tree=1")
-    if hybrid:
-        p_min = HybridTuning.draft_p_min if p_min is None else p_min
+    if p_min is None:
+        p_min = HybridTuning.draft_p_min if hybrid else CrossTokenizerProposer.default_p_min
     return CrossTokenizerProposer(lm, target.tokenizer, draft.tokenizer, draft.eos_token_ids,
                                   p_min=p_min, lazy_prefill=hybrid)
 
