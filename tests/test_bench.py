@@ -512,6 +512,7 @@ def test_bad_row_options_are_said_before_any_model_loads(tmp_path, capsys):
                                                  "model=", "tree="]),
                            ("ar,hf-pld:bogus=1", ["'hf-pld:bogus=1'", "unknown option(s) ['bogus']; hf-pld takes k="]),
                            ("ar,hf-ar:k=3", ["'hf-ar:k=3'", "hf-ar takes no options"]),
+                           ("ar,draft-xtok:tree=2", ["'draft-xtok:tree=2'", "target's tokenizer", "drop tree="]),
                            (f"ar,draft:model={tmp_path / 'nodraft'}", ["model=", "nodraft", "not found"])):
         assert cli.main(["bench", "--no-memory", "--target", missing, "--methods", methods,
                          "--workloads", "humaneval", "--limit", "1"]) == 2

@@ -194,6 +194,8 @@ def row_options(name: str, temperature: float = 0.0) -> list[str]:
         keys |= {key for key, (option, _, _) in METHOD_OPTIONS.items() if option in method.options}
     if method.needs_draft_model:
         keys |= {"dtype", "backend", "model"}
+    if name in CROSS_ROWS:
+        keys.discard("tree")  # draft trees need the target's tokenizer
     if temperature > 0:
         keys.add("rule")
     return sorted(keys)
@@ -212,6 +214,9 @@ def check_rows(methods, temperature: float = 0.0) -> None:
     for label, name, options in methods:
         opts = dict(options)
         if is_ours(name):
+            if name in CROSS_ROWS and "tree" in opts:
+                raise ValueError(f"method {label!r}: draft trees need a draft of the target's "
+                                 f"tokenizer; {name} runs one of another: drop tree=")
             try:
                 draft_opts = _row_config(name, opts, temperature)[3]
                 if "model" in draft_opts:
