@@ -78,6 +78,34 @@ def test_interleaved_records_ratios_and_multi_turn():
     assert "llamacpp" not in table.split("\n")[0]  # no llama.cpp in the run: no such column
 
 
+
+def test_repeats_alternate_the_order_and_keep_the_median_run():
+    """--repeats 3: A B, B A, A B per prompt and turn; each record is its method's run of
+    median time, with that run's stats; a method whose repeats differ is an error."""
+    log, times = [], iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0] * 4)
+
+    def timed(label):
+        def run(prompt_ids):
+            log.append(label)
+            t = next(times)
+            return Output([7, 8], t, {"prefill_s": t / 10})
+        return run
+    runners = {"ar": (timed("ar"), None), "draft": (timed("draft"), "ar")}
+    records = run.run_bench(TASKS[:1], {k: (lambda ids, n, f=f: f(ids), ref) for k, (f, ref) in runners.items()},
+                            FakeTokenizer(), 16, progress=False, repeats=3)
+    assert log == ["ar", "draft", "draft", "ar", "ar", "draft"]
+    by = {r.method: r for r in records}
+    # in call order ar 3.0, draft 1.0, draft 2.0, ar 5.0, ar 4.0, draft 6.0 s: ar's median run
+    # took 4.0 s, draft's 2.0 s, each record with its own run's stats
+    assert (by["ar"].seconds, by["ar"].prefill_s) == (4.0, 0.4)
+    assert (by["draft"].seconds, by["draft"].prefill_s) == (2.0, 0.2) and by["draft"].identical
+    flaky = iter([[1], [2]])
+    with pytest.raises(RuntimeError, match="not reproducible"):
+        run.run_bench(TASKS[:1], {"ar": (lambda ids, n: Output(next(flaky), 1.0), None)},
+                      FakeTokenizer(), 16, progress=False, repeats=2)
+    with pytest.raises(ValueError, match="repeats=0"):
+        run.run_bench(TASKS[:1], runners, FakeTokenizer(), 16, progress=False, repeats=0)
+
 def test_lossless_check_reports_a_planted_mismatch():
     log, seen = [], []
     planted = lambda ids: three_tokens(ids)[:2] + [99]  # noqa: E731 - differs at index 2

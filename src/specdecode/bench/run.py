@@ -95,7 +95,7 @@ def weight_bytes(model: LoadedModel) -> int:
 
 RECORDS_LOG = "records.jsonl"
 RUN_SETTINGS = ("target", "draft", "dtype", "backend", "max_new_tokens", "seed", "dataset", "limit",
-                "temperature")
+                "temperature", "repeats")
 
 
 def check_run_settings(args) -> None:
@@ -115,6 +115,7 @@ def check_run_settings(args) -> None:
         theirs.setdefault("limit", mine["limit"])
         theirs.setdefault("backend", "auto")
         theirs.setdefault("temperature", "0.0")
+        theirs.setdefault("repeats", "1")
         diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "
@@ -178,15 +179,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
               progress: bool = True, on_mismatch=None, previous: list[Record] = (),
-              on_task_done=None) -> list[Record]:
+              on_task_done=None, repeats: int = 1) -> list[Record]:
     """Run every task with every method, interleaved; Ctrl-C (or SIGTERM, as a batch system
     or ``kill`` sends, when called from the main thread) stops and keeps what is done.
+
+    ``repeats`` > 1: each prompt (and turn) runs that many times a method, the methods in
+    turn forwards and backwards (A B C, C B A, ...), and a method's record is its run of
+    median time (the lower one of an even count; its stats come with it): a machine whose
+    speed moves for minutes at a time then slows every method of a prompt alike. Raises
+    ValueError for repeats < 1 and RuntimeError when a method's repeats give other tokens.
 
     ``previous``: records of an interrupted run; a task whose every method × turn is among
     them is not run again (a partly done task is run again whole, so that its methods stay
     back to back). ``on_task_done(records)`` is called with each finished task's records."""
     from tqdm import tqdm
 
+    if isinstance(repeats, bool) or not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats={repeats!r} is invalid; allowed: an integer >= 1")
     have = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in previous}
 
     def keys_of(task):
@@ -210,9 +219,18 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
             answers: dict[str, list[str]] = {label: [] for label in runners}
             for turn in range(len(task.turns)):
                 done: dict[str, Record] = {}
+                ids_of = {label: prompt_ids(tokenizer, task, turn, answers[label]) for label in runners}
+                outs: dict[str, list] = {label: [] for label in runners}
+                for r in range(repeats):
+                    for label in (list(runners) if r % 2 == 0 else list(reversed(runners))):
+                        outs[label].append(runners[label][0](ids_of[label], max_new_tokens))
                 for label, (runner, ref) in runners.items():
-                    ids = prompt_ids(tokenizer, task, turn, answers[label])
-                    out = runner(ids, max_new_tokens)
+                    ids = ids_of[label]
+                    if any(o.token_ids != outs[label][0].token_ids for o in outs[label]):
+                        raise RuntimeError(f"{label} gave other tokens when {task.prompt_id} "
+                                           "ran again: its output is not reproducible, so "
+                                           "--repeats cannot time it")
+                    out = sorted(outs[label], key=lambda o: o.seconds)[(repeats - 1) // 2]
                     s = out.stats or {}
                     rec = Record(label, task.subtask, task.prompt_id, turn, len(ids),
                                  len(out.token_ids), out.seconds, out.token_ids,
@@ -288,7 +306,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
         on_task_done = append_records
 
     records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud,
-                        previous=previous, on_task_done=on_task_done)
+                        previous=previous, on_task_done=on_task_done,
+                        repeats=getattr(args, "repeats", 1) if args is not None else 1)
     summary = summarize(records)
     if records and args is not None and getattr(args, "memory", False):
         add_peak_memory(summary, models, runners, tasks, tok, max_new_tokens,

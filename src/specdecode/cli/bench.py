@@ -77,6 +77,11 @@ def add_parser(sub) -> None:
     p.add_argument("--humaneval-limit", type=int, default=None,
                    help="HumanEval (and code-edit) problems (default: --limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice (default 0)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each prompt this many times a method, the methods forwards then "
+                        "backwards (A B C, C B A, ...), and keep each method's run of median time: "
+                        "on a machine whose speed moves for minutes at a time, every method of a "
+                        "prompt then meets the same conditions (default 1; N times as long)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, as Spec-Bench. T > 0: a sampled run of our methods "
@@ -122,8 +127,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
         raise ValueError(f"unknown workload(s) {bad}; available: {', '.join(WORKLOADS)}")
-    if args.limit < 1 or args.max_new_tokens < 1:
-        raise ValueError("--limit and --max-new-tokens must be >= 1")
+    if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1:
+        raise ValueError("--limit, --max-new-tokens and --repeats must be >= 1")
     SamplingParams(temperature=args.temperature)  # names a bad value
     check_rows(methods, args.temperature)
     tasks = []
