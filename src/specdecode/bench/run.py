@@ -224,7 +224,7 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                 for r in range(repeats):
                     for label in (list(runners) if r % 2 == 0 else list(reversed(runners))):
                         outs[label].append(runners[label][0](ids_of[label], max_new_tokens))
-                for label, (runner, ref) in runners.items():
+                for label, (_, ref) in runners.items():
                     ids = ids_of[label]
                     if any(o.token_ids != outs[label][0].token_ids for o in outs[label]):
                         raise RuntimeError(f"{label} gave other tokens when {task.prompt_id} "
@@ -307,7 +307,7 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
 
     records = run_bench(tasks, runners, tok, max_new_tokens, on_mismatch=loud,
                         previous=previous, on_task_done=on_task_done,
-                        repeats=getattr(args, "repeats", 1) if args is not None else 1)
+                        repeats=getattr(args, "repeats", 1))
     summary = summarize(records)
     if records and args is not None and getattr(args, "memory", False):
         add_peak_memory(summary, models, runners, tasks, tok, max_new_tokens,
