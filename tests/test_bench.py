@@ -476,6 +476,24 @@ def test_each_methods_peak_memory_is_its_own_process_not_the_benchs(tmp_path_fac
     assert "| 1.50 GiB |" in report.markdown_table(summary, {})
 
 
+def test_bench_repeats_from_the_command_line(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    """--repeats 2 on the real engine: a lossless run whose run.json keeps the setting; a
+    --resume with another count is refused, naming it; --repeats 0 is bad input."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "o"
+    base = ["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+            "--workloads", "humaneval", "--limit", "1", "--max-new-tokens", "8",
+            "--methods", "ar,draft:k=3", "--out", str(out)]
+    assert cli.main(base + ["--repeats", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
+    assert json.loads((out / "run.json").read_text())["repeats"] == "2"
+    assert cli.main(base + ["--resume"]) == 2
+    assert "repeats was '2', now '1'" in capsys.readouterr().err
+    assert cli.main(base[:-1] + [str(tmp_path / "p"), "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
 def test_bench_sampled_run_checks_gumbel_methods_against_plain_sampling(tmp_path_factory, tmp_path,
                                                                         capsys, monkeypatch):
     """--temperature T: our methods only, each prompt seeded alike; gumbel methods (the
