@@ -72,7 +72,8 @@ class HybridProposer(Proposer):
       what they expected. Every forecast is scored against the committed tokens, used or not.
     - The draft's best length D ≤ min(K, ``draft_k``) maximises E(D) / (D·c_draft + T(D+1) +
       P), with α_i (its acceptance at position i given the ones before were accepted)
-      estimated per position from this request's draft rounds, and P the cost of feeding it
+      estimated per position from this request's draft rounds (a round where the draft
+      stopped unsure before its first token counts as a miss there), and P the cost of feeding it
       the committed tokens it has not seen (``draft_prefill_cost`` each), spread over the
       rounds the answer is expected to go on for (as many as it has so far, at least
       ``horizon``, at most what is left of max_new_tokens), and in a batch times the rows
@@ -253,10 +254,12 @@ class HybridProposer(Proposer):
                     other.proposer.discard_last_proposal()
             drafted = yield from self.drafter.propose_steps_with_guess(state, d, guess)
             m = drafted.token_ids.shape[1]
+            # m = 0: the draft paid its pass and stopped unsure (p_min), a miss at its first
+            # position; else a draft that is seldom sure would keep its prior, and its rounds
+            self._drafted = (n, min(m, self.draft_k))
+            self._idle = 0
+            self._probe_every = tune.probe_every if merit or check else 2 * self._probe_every
             if m:
-                self._drafted = (n, min(m, self.draft_k))
-                self._idle = 0
-                self._probe_every = tune.probe_every if merit or check else 2 * self._probe_every
                 if guess and int(drafted.token_ids[0, 0]) == guess[0]:
                     drafted = replace(drafted, source=f"{arm.proposer.name}+{self.drafter.name}")
                 return drafted
@@ -272,6 +275,7 @@ class HybridProposer(Proposer):
             start, proposed = self._drafted
             accepted = min(proposed, len(state.tokens) - start - 1)
             reached, acc = self._draft_counts
+            reached[0] += proposed == 0  # it stopped unsure before its first token
             for i in range(min(proposed, accepted + 1)):  # reached: the accepted, the first rejected
                 reached[i] += 1
                 acc[i] += i < accepted
