@@ -72,7 +72,7 @@ def test_interleaved_records_ratios_and_multi_turn():
     assert overall["mismatches"] == 0
     assert overall["decode_speedup_vs_ar"] is None  # the fake runners report no prefill time
     assert summary["ar"]["qa"]["speedup_vs_ar"] == 1.0
-    assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "overall"}
+    assert set(summary["draft"]) == {"qa", "mt_bench", "humaneval", "spec_bench", "overall"}
     table = report.markdown_table(summary, {"draft": 3.0})
     assert "| draft | 5.00 | 2.50× | 1.25× | 3.00× |" in table and "paired" in table
     assert "llamacpp" not in table.split("\n")[0]  # no llama.cpp in the run: no such column
@@ -395,6 +395,32 @@ def test_decode_speedup_excludes_prefill():
     assert row["speedup_vs_ar"] == pytest.approx(10 / 6)
     assert row["decode_speedup_vs_ar"] == pytest.approx(6 / 2)
     assert row["prefill_share"] == pytest.approx(4 / 6)
+
+
+def test_speedup_as_spec_bench_computes_it():
+    """Spec-Bench's evaluation/speed.py: the mean over questions of tokens/s (a question's
+    turns together) over ar's, not a median of per-generation ratios; its six subtasks are
+    also summarised together as "spec_bench" when the run has other workloads."""
+    def pair(sub, pid, turn, tokens, ar_s, self_s):
+        return [Record("ar", sub, pid, turn, 50, tokens, ar_s),
+                Record("self", sub, pid, turn, 50, tokens, self_s, identical=True)]
+    records = (pair("qa", "1", 0, 10, 1.0, 1.25) + pair("mt_bench", "2", 0, 100, 4.0, 2.0)
+               + pair("mt_bench", "2", 1, 100, 4.0, 3.0) + pair("humaneval", "3", 0, 50, 2.0, 1.0))
+    summary = report.summarize(records)["self"]
+    # ar: 10 and 200/8 tokens/s, self: 8 and 200/5
+    assert summary["spec_bench"]["spec_bench_speedup_vs_ar"] == pytest.approx((8 + 40) / (10 + 25))
+    assert summary["spec_bench"]["speedup_vs_ar"] == pytest.approx(4 / 3)  # median of 0.8, 2, 4/3
+    assert summary["qa"]["spec_bench_speedup_vs_ar"] == pytest.approx(0.8)
+    assert summary["overall"]["spec_bench_speedup_vs_ar"] == pytest.approx((8 + 40 + 50) / (10 + 25 + 25))
+    assert summary["spec_bench"]["n"] == 3
+    table = report.spec_bench_table(report.summarize(records))
+    assert table.splitlines()[0] == "| method | mt_bench | qa | spec_bench |"
+    assert f"| self | 1.60× | 0.80× | {48 / 35:.2f}× |" in table  # mt_bench: 40 / 25
+    only = report.summarize(records[:6])  # Spec-Bench alone: its questions are the overall
+    assert "spec_bench" not in only["self"]
+    assert report.spec_bench_table(only).splitlines()[0] == "| method | mt_bench | qa | overall |"
+    assert report.spec_bench_table(report.summarize(records[6:])) is None  # HumanEval alone
+    assert report.spec_bench_table(report.summarize(records[1:6:2])) is None  # no ar
 
 
 def test_speedup_vs_llamacpp_ar_is_reported_per_subtask():

@@ -5,21 +5,51 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from .workloads import SPEC_BENCH_SUBTASKS
 
 BASES = ("ar", "hf-ar", "llamacpp-ar")  # the methods speedups are quoted against
+SPEC_BENCH = "spec_bench"  # the group of Spec-Bench's six subtasks, when the run has more
+
+
+def spec_bench_speedup(records: list, base: list) -> float | None:
+    """Speedup as Spec-Bench's own evaluation computes it (hemingkx/Spec-Bench,
+    evaluation/speed.py): per question, its turns' new tokens over their seconds (prefill
+    included); the mean of that over the questions, over the same mean of ``base``'s
+    records. Only questions both ran count. Unlike the median of per-prompt ratios, long
+    answers (high tokens/s) weigh more than short ones. None when no question is shared."""
+    def speeds(rs):
+        q: dict[tuple, list[float]] = {}
+        for r in rs:
+            t = q.setdefault((r.subtask, r.prompt_id), [0, 0.0])
+            t[0] += r.new_tokens
+            t[1] += r.seconds
+        return {k: tokens / seconds for k, (tokens, seconds) in q.items() if seconds > 0}
+    ours, theirs = speeds(records), speeds(base)
+    shared = [k for k in ours if k in theirs]
+    if not shared:
+        return None
+    return statistics.fmean(ours[k] for k in shared) / statistics.fmean(theirs[k] for k in shared)
+
+
+def _in_group(subtask: str, group: str) -> bool:
+    return group == "overall" or subtask == group or (group == SPEC_BENCH and subtask in SPEC_BENCH_SUBTASKS)
 
 
 def summarize(records: list) -> dict:
-    """Per method × subtask (and "overall") of the run's records: tokens/s median and mean,
-    speedup vs ar, hf-ar and llamacpp-ar (median of per-generation ratios), mean acceptance length,
-    acceptance rate, time shares, mismatches."""
+    """Per method × subtask (and "overall"; and "spec_bench", Spec-Bench's six subtasks
+    together, when the run has other workloads too) of the run's records: tokens/s median
+    and mean, speedup vs ar, hf-ar and llamacpp-ar (median of per-generation ratios),
+    speedup vs ar as Spec-Bench computes it (:func:`spec_bench_speedup`), mean acceptance
+    length, acceptance rate, time shares, mismatches."""
     by_key = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in records}
     out: dict[str, dict[str, dict]] = {}
     subtasks = sorted({r.subtask for r in records})
+    groups = subtasks + ([SPEC_BENCH] if any(s in SPEC_BENCH_SUBTASKS for s in subtasks)
+                         and not all(s in SPEC_BENCH_SUBTASKS for s in subtasks) else []) + ["overall"]
     for method in dict.fromkeys(r.method for r in records):
         out[method] = {}
-        for sub in subtasks + ["overall"]:
-            rs = [r for r in records if r.method == method and (sub == "overall" or r.subtask == sub)]
+        for sub in groups:
+            rs = [r for r in records if r.method == method and _in_group(r.subtask, sub)]
             if not rs:
                 continue
             row = {"n": len(rs),
@@ -35,6 +65,8 @@ def summarize(records: list) -> dict:
                       and (b := by_key.get(("ar", r.subtask, r.prompt_id, r.turn)))
                       and b.prefill_s is not None and b.new_tokens == r.new_tokens]
             row["decode_speedup_vs_ar"] = statistics.median(ratios) if ratios else None
+            row["spec_bench_speedup_vs_ar"] = spec_bench_speedup(
+                rs, [r for r in records if r.method == "ar" and _in_group(r.subtask, sub)])
             row["prefill_share"] = (sum(r.prefill_s for r in rs) / sum(r.seconds for r in rs)
                                     if all(r.prefill_s is not None for r in rs) else None)
             passes = sum(r.num_verify_passes or 0 for r in rs)
@@ -52,6 +84,12 @@ def summarize(records: list) -> dict:
             row["mismatches"] = sum(not r.identical for r in checked) if checked else None
             out[method][sub] = row
     return out
+
+
+def _groups(summary: dict) -> list[str]:
+    """The summary's subtasks in order, then its "spec_bench" and "overall" groups."""
+    groups = {s for rows in summary.values() for s in rows}
+    return sorted(groups - {SPEC_BENCH, "overall"}) + [g for g in (SPEC_BENCH, "overall") if g in groups]
 
 
 def _gib(v) -> str:
@@ -100,7 +138,7 @@ def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: st
 def subtask_table(summary: dict, key: str = "speedup_vs_ar") -> str | None:
     """Per method and subtask, ``key`` (a ratio); None when no method has it (its reference
     not in the run)."""
-    subtasks = sorted({s for rows in summary.values() for s in rows if s != "overall"}) + ["overall"]
+    subtasks = _groups(summary)
     lines = ["| method | " + " | ".join(subtasks) + " |", "|---" * (len(subtasks) + 1) + "|"]
     filled = False
     for method, rows in summary.items():
@@ -110,6 +148,23 @@ def subtask_table(summary: dict, key: str = "speedup_vs_ar") -> str | None:
     return "\n".join(lines) if filled else None
 
 
+SPEC_BENCH_METRIC = ("the mean over questions of a question's tokens/s (its turns together, prefill "
+                     "included) over ar's, as Spec-Bench's evaluation/speed.py computes its speedups")
+
+
+def spec_bench_table(summary: dict) -> str | None:
+    """Per method but ar, speedup vs ar as Spec-Bench computes it (:data:`SPEC_BENCH_METRIC`)
+    on each of Spec-Bench's subtasks in the run and on them together ("spec_bench", or
+    "overall" when the run has nothing else); None when the run has none of them or no ar."""
+    keep = set(SPEC_BENCH_SUBTASKS) | {SPEC_BENCH}
+    rows = {m: {s: row for s, row in by.items() if s in keep} for m, by in summary.items() if m != "ar"}
+    if not any(rows.values()):
+        return None
+    if not any(SPEC_BENCH in by for by in summary.values()):  # only Spec-Bench ran
+        rows = {m: {**rows[m], "overall": by["overall"]} for m, by in summary.items() if m != "ar"}
+    return subtask_table(rows, "spec_bench_speedup_vs_ar")
+
+
 def plot(summary: dict, ceilings: dict, path: Path) -> None:
     """Bar chart of speedup vs ar per subtask per method, the ceiling as a dashed line."""
     import matplotlib
@@ -117,7 +172,7 @@ def plot(summary: dict, ceilings: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    subtasks = sorted({s for rows in summary.values() for s in rows if s != "overall"}) + ["overall"]
+    subtasks = _groups(summary)
     methods = [m for m in summary if m != "ar"]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(subtasks)), 4))
     width = 0.8 / max(1, len(methods))

@@ -26,7 +26,7 @@ import torch
 from ..models.loading import LoadedModel
 from ..profile import measure_forward_times
 from .memory import method_peak
-from .report import markdown_table, plot, subtask_table, summarize
+from .report import SPEC_BENCH_METRIC, markdown_table, plot, spec_bench_table, subtask_table, summarize
 from .runners import BenchModels, fixed_k, is_ours
 from .workloads import Task, prompt_ids
 
@@ -327,6 +327,10 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     if decode_by_sub:
         print("\nwithout prefill (decode time only; ours):\n")
         print(decode_by_sub)
+    spec_bench = spec_bench_table(summary)
+    if spec_bench:
+        print(f"\nvs ar as Spec-Bench computes it ({SPEC_BENCH_METRIC}):\n")
+        print(spec_bench)
     vs_llama = subtask_table(summary, "speedup_vs_llamacpp-ar") if "llamacpp-ar" in summary else None
     if vs_llama:
         print("\nvs llamacpp-ar (llama.cpp's plain decoding of the same GGUF):\n")
@@ -354,6 +358,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
             + (f"## Speedup vs ar per subtask\n\n{by_sub}\n\n" if by_sub else "")
             + (f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n"
                if decode_by_sub else "")
+            + (f"\n## Speedup vs ar as Spec-Bench computes it\n\n{SPEC_BENCH_METRIC}.\n\n{spec_bench}\n"
+               if spec_bench else "")
             + (f"\n## Speedup vs llamacpp-ar per subtask\n\n{vs_llama}\n" if vs_llama else ""))
         plot(summary, ceilings, out / "speedup.png")
         print(f"wrote {out}/results.json, report.md, speedup.png", file=sys.stderr)
