@@ -72,15 +72,17 @@ class HybridProposer(Proposer):
       what they expected. Every forecast is scored against the committed tokens, used or not.
     - The draft's best length D ≤ min(K, ``draft_k``) maximises E(D) / (D·c_draft + T(D+1) +
       P), with α_i (its acceptance at position i given the ones before were accepted)
-      estimated per position from this request's draft rounds (a round where the draft
-      stopped unsure before its first token counts as a miss there), and P the cost of feeding it
+      estimated per position from this request's draft rounds, and P the cost of feeding it
       the committed tokens it has not seen (``draft_prefill_cost`` each), spread over the
       rounds the answer is expected to go on for (as many as it has so far, at least
       ``horizon``, at most what is left of max_new_tokens), and in a batch times the rows
       that feed holds up (:meth:`share_passes`: it runs as one long pass while every row
       waits; never on the batch's trial rounds, whose speculation may not go on, nor in a
-      request's first round, whose first token a feed would delay). The longest D within
-      ``explore`` of the best rate is taken.
+      request's first round, whose first token a feed would delay). A draft that stops
+      where it is unsure (p_min) proposes in a share q of its rounds (:attr:`draft_sure`);
+      a round where it stops pays c_draft + T(1) + P for one token, so the rate is
+      (q·E(D) + 1 − q) / (q·(D·c_draft + T(D+1)) + (1 − q)·(c_draft + T(1)) + P). The
+      longest D within ``explore`` of the best rate is taken.
     - The draft drafts when its rate beats the best lookup's over ``lookup_margin`` and
       plain decoding's, 1/T(1) (by ``cold_margin`` when it must first catch up), or as a
       probe (see :class:`HybridTuning`); else the best lookup proposes its best L if that
@@ -137,6 +139,7 @@ class HybridProposer(Proposer):
         self._max_total_len = self._prompt_len = 0
         self._draft_counts = ([0.0] * draft_k, [0.0] * draft_k)  # per position: (reached, accepted)
         self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
+        self._own_rounds = [0.0, 0.0]  # the draft's rounds without a guess: [it proposed, all]
         self._idle, self._probe_every = 0, tuning.probe_every  # rounds since the draft drafted
         self._rows, self._feed = 1, True  # requests that share this round's passes; a feed allowed
 
@@ -165,6 +168,15 @@ class HybridProposer(Proposer):
         return chained_acceptance(*self._draft_counts, self.tuning.draft_prior_alpha,
                                   self.tuning.prior_weight)
 
+    @property
+    def draft_sure(self) -> float:
+        """q: the share of the draft's own rounds (no guess) in which it proposed at least one
+        token rather than stop unsure before its first (p_min), as estimated in this request
+        (prior 1)."""
+        proposed, asked = self._own_rounds
+        w = self.tuning.prior_weight
+        return (proposed + w) / (asked + w)
+
     def lookup_realism(self, i: int = 0) -> float:
         """r of lookup member i: this request's accepted / expected tokens of its forecasts,
         over the positions the committed tokens reached."""
@@ -180,6 +192,7 @@ class HybridProposer(Proposer):
         for arm in self.lookups:
             arm.counts, arm.pending = [0.0, 0.0], None
         self._drafted = None
+        self._own_rounds = [0.0, 0.0]
         self._idle, self._probe_every = 0, self.tuning.probe_every
 
     def share_passes(self, rows: int, feed: bool = True) -> None:
@@ -206,13 +219,14 @@ class HybridProposer(Proposer):
         committed tokens of which the draft has not seen ``behind``."""
         if not self.drafter.active:
             return 0, 0.0
-        alpha = self.draft_alpha
+        alpha, q = self.draft_alpha, self.draft_sure
         horizon = max(1, min(self._max_total_len - n, max(self.tuning.horizon, n - self._prompt_len)))
         rates = []
         for d in range(1, min(k, self.draft_k) + 1):
-            expected = expected_tokens(alpha, d)
+            expected = q * expected_tokens(alpha, d) + 1 - q
             catch_up = behind * self.draft_prefill_cost * self._rows / max(1.0, horizon / expected)
-            rates.append((d, expected / (d * self.draft_cost + self._t(d + 1) + catch_up)))
+            cost = q * (d * self.draft_cost + self._t(d + 1)) + (1 - q) * (self.draft_cost + 1.0)
+            rates.append((d, expected / (cost + catch_up)))
         if not rates:
             return 0, 0.0
         top = max(rate for _, rate in rates)
@@ -254,12 +268,14 @@ class HybridProposer(Proposer):
                     other.proposer.discard_last_proposal()
             drafted = yield from self.drafter.propose_steps_with_guess(state, d, guess)
             m = drafted.token_ids.shape[1]
-            # m = 0: the draft paid its pass and stopped unsure (p_min), a miss at its first
-            # position; else a draft that is seldom sure would keep its prior, and its rounds
-            self._drafted = (n, min(m, self.draft_k))
+            if not guess:  # its own round: did it propose, or stop unsure before its first token
+                self._own_rounds[0] += m > 0
+                self._own_rounds[1] += 1
+            # a probe that stopped unsure is a probe all the same (else one each round after it)
             self._idle = 0
             self._probe_every = tune.probe_every if merit or check else 2 * self._probe_every
             if m:
+                self._drafted = (n, min(m, self.draft_k))
                 if guess and int(drafted.token_ids[0, 0]) == guess[0]:
                     drafted = replace(drafted, source=f"{arm.proposer.name}+{self.drafter.name}")
                 return drafted
@@ -275,7 +291,6 @@ class HybridProposer(Proposer):
             start, proposed = self._drafted
             accepted = min(proposed, len(state.tokens) - start - 1)
             reached, acc = self._draft_counts
-            reached[0] += proposed == 0  # it stopped unsure before its first token
             for i in range(min(proposed, accepted + 1)):  # reached: the accepted, the first rejected
                 reached[i] += 1
                 acc[i] += i < accepted
