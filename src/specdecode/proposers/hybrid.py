@@ -254,10 +254,10 @@ class HybridProposer(Proposer):
         if cold and (not self._feed or state.num_generated == 0):
             d, draft_rate = 0, 0.0
         merit = draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
-        # a draft given up after a bad start is tried again now and then (never one that was
-        # not fed yet: its catch-up prefill is left to the cost model)
+        # a draft given up after a bad start (rejected, or unsure) is tried again now and then
+        # (never one that was not fed yet: its catch-up prefill is left to the cost model)
         probe = (d > 0 and lookup_rate <= 1.0 and self._idle >= self._probe_every
-                 and self._draft_counts[0][0] > 0)
+                 and (self._draft_counts[0][0] > 0 or self._own_rounds[1] > 0))
         greedy = state.params.greedy and self.drafter.reads_guess and tune.read_guess
         sure = lookup_rate * self._t(length + 1) / (1 + length) if length else 1.0
         check = greedy and d > 0 and length > 0 and k > 1 and behind <= 1 and sure < tune.check_below
