@@ -189,6 +189,29 @@ def test_verify_profile_busy_model_and_bad_cache_files(tmp_path, monkeypatch):
         assert len(again) == 5 and all(t > 0 for t in again) and fresh.lm.forward_sizes  # measured
 
 
+def test_profiles_of_another_device_are_kept_apart(tmp_path, monkeypatch):
+    """A model's forward times on an accelerator are not its times on the CPU: the cache key
+    names the device (and the accelerator), so a run on one never reads the other's (the
+    K schedule and the hybrid would steer by them). The CPU's key is unchanged, so the
+    profiles cached before this are still read."""
+    import json
+    import torch
+    from specdecode.models import LoadedModel
+    from specdecode.profile import _cpu_model, profile_path
+
+    monkeypatch.setattr("specdecode.profile.PROFILE_DIR", tmp_path)
+    plain = LoadedModel(MockLM(30, hashed_logits(30)), name="mock")
+    on_cpu = LoadedModel(MockLM(30, hashed_logits(30)), name="mock")
+    on_cpu.lm.device = torch.device("cpu")
+    elsewhere = LoadedModel(MockLM(30, hashed_logits(30)), name="mock")
+    elsewhere.lm.device = torch.device("meta")
+    key, path = profile_path(plain, "what")
+    assert (key, path) == profile_path(on_cpu, "what")
+    assert json.loads(key)[-2:] == [_cpu_model(), "what"]  # the key's shape before devices
+    other_key, other_path = profile_path(elsewhere, "what")
+    assert other_path != path and json.loads(other_key)[-3:] == ["meta", "meta", "what"]
+
+
 def test_prefill_profile_is_measured_once_and_is_the_hybrids_feed_cost(tmp_path, monkeypatch):
     """prefill_profile: seconds per token of a PREFILL_TOKENS-token pass into an empty cache,
     measured on the model (refused while it generates), then read from memory or the cache

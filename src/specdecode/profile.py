@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .models import quant, registry
-from .models.base import busy_lock
+from .models.base import busy_lock, lm_device
 from .models.loading import LoadedModel
 
 
@@ -66,11 +66,15 @@ PROFILE_DIR: Path | None = None  # where profiles are cached; None: <specdecode 
 def profile_path(model: LoadedModel, *what) -> tuple[str, Path]:
     """The key and cache file of something measured once on this model on this machine
     (``what`` tells the measurements apart): per model, dtype, kernels, thread count, torch
-    version, CPU and ``PROFILE_VERSION``."""
+    version, CPU, the model's device when it is not the CPU (with the accelerator's name),
+    and ``PROFILE_VERSION``."""
+    device = lm_device(model.lm)
+    # the CPU's keys stay as they were (no re-measuring); an accelerator's times are its own
+    off_cpu = [] if device.type == "cpu" else [str(device), _accelerator_name(device)]
     key = json.dumps([PROFILE_VERSION, str(model.path or model.name), type(model.lm).__name__,
                       model.lm.weight_format, _kernel_source(), quant.amx_in_use(),
-                      torch.get_num_threads(),
-                      torch.__version__, platform.machine(), platform.processor(), _cpu_model(), *what])
+                      torch.get_num_threads(), torch.__version__, platform.machine(),
+                      platform.processor(), _cpu_model(), *off_cpu, *what])
     return key, (PROFILE_DIR or registry.cache_dir() / "profiles") / (
         hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
@@ -163,6 +167,13 @@ def prefill_profile(model: LoadedModel) -> float:
                                            f"prefill time per token ({PREFILL_TOKENS}-token passes)",
                                            measure)[0]
     return model.prefill_seconds
+
+
+def _accelerator_name(device: torch.device) -> str:
+    """The product name of a CUDA device (another kind of device: its type)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
 
 
 def _cpu_model() -> str:
