@@ -520,6 +520,32 @@ def test_bench_repeats_from_the_command_line(tmp_path_factory, tmp_path, capsys,
     assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
+def test_bench_device(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    """--device: run.json keeps it (the CPU by default, so a run of older run.json resumes);
+    off the CPU, llama.cpp's rows and --backend llama.cpp are refused before any load, and
+    peak memory (a CPU process's) is not measured."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "o"
+    base = ["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+            "--workloads", "humaneval", "--limit", "1", "--max-new-tokens", "6", "--methods", "ar,draft:k=2"]
+    assert cli.main(base + ["--out", str(out)]) == 0
+    assert json.loads((out / "run.json").read_text())["device"] == "cpu"
+    assert cli.main(base + ["--out", str(out), "--resume", "--device", "cpu"]) == 0
+    # a machine with an accelerator, as far as parsing goes (nothing is loaded on it here)
+    monkeypatch.setattr("specdecode.cli.common.parse_device", lambda v: torch.device(v))
+    for extra, words in ((["--methods", "ar,llamacpp-ar"], "llamacpp-ar"),
+                         (["--backend", "llama.cpp"], "--backend llama.cpp")):
+        assert cli.main(base + ["--device", "cuda:0"] + extra) == 2
+        err = capsys.readouterr().err
+        assert "--device cuda:0: llama.cpp runs on the CPU here" in err and words in err, err
+    # --memory on (the default): noted and dropped; then the load says this machine has no CUDA
+    assert cli.main(base[:1] + base[2:] + ["--device", "cuda:0"]) == 2
+    err = capsys.readouterr().err
+    assert "peak memory is a CPU process's; not measured with --device cuda:0" in err
+    assert "no cuda device" in err, err
+
+
 def test_bench_sampled_run_checks_gumbel_methods_against_plain_sampling(tmp_path_factory, tmp_path,
                                                                         capsys, monkeypatch):
     """--temperature T: our methods only, each prompt seeded alike; gumbel methods (the

@@ -94,15 +94,15 @@ def weight_bytes(model: LoadedModel) -> int:
 
 
 RECORDS_LOG = "records.jsonl"
-RUN_SETTINGS = ("target", "draft", "dtype", "backend", "max_new_tokens", "seed", "dataset", "limit",
-                "temperature", "repeats")
+RUN_SETTINGS = ("target", "draft", "dtype", "backend", "device", "max_new_tokens", "seed", "dataset",
+                "limit", "temperature", "repeats")
 
 
 def check_run_settings(args) -> None:
     """--out DIR keeps the settings that make records comparable in DIR/run.json; --resume
     with other settings is refused (its records would not be comparable; another --limit
-    chooses other prompts). A run.json written before ``limit`` (``backend``, ``temperature``)
-    was kept is not checked for it."""
+    chooses other prompts). A run.json written before ``limit`` (``backend``, ``temperature``,
+    ``repeats``, ``device``) was kept is not checked for it."""
     path = Path(args.out) / "run.json"
     mine = {k: str(getattr(args, k)) for k in RUN_SETTINGS}
     if Path(args.dataset).is_file():  # the questions themselves, wherever the file lies
@@ -116,6 +116,7 @@ def check_run_settings(args) -> None:
         theirs.setdefault("backend", "auto")
         theirs.setdefault("temperature", "0.0")
         theirs.setdefault("repeats", "1")
+        theirs.setdefault("device", "cpu")
         diff = [f"{k} was {theirs.get(k)!r}, now {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "

@@ -35,8 +35,10 @@ class BenchModels:
     """Loads each model once, on first use: ours (our target on ``backend``, drafts on theirs),
     transformers' and llama.cpp's."""
 
-    def __init__(self, target: str, draft: str, dtype: str, backend: str = "auto"):
+    def __init__(self, target: str, draft: str, dtype: str, backend: str = "auto",
+                 device: torch.device | None = None):
         self.target_name, self.draft_name, self.dtype, self.backend = target, draft, dtype, backend
+        self.device = device  # ours and transformers' models (None: the CPU); llama.cpp: the CPU
         self._cache: dict = {}
 
     def _get(self, key, make):
@@ -46,14 +48,14 @@ class BenchModels:
 
     def target(self) -> LoadedModel:
         return self._get("target", lambda: load(self.target_name, dtype=self.dtype,
-                                                backend=self.backend))
+                                                backend=self.backend, device=self.device))
 
     def draft(self, dtype: str, backend: str = "auto", name: str | None = None) -> LoadedModel:
         """The draft ``name`` (default: the run's ``--draft``)."""
         name = name or self.draft_name
 
         def make():
-            d = load(name, dtype=dtype, role="draft", backend=backend)
+            d = load(name, dtype=dtype, role="draft", backend=backend, device=self.device)
             check_compatible(self.target(), d)
             return d
         return self._get(("draft", name, dtype, backend), make)
@@ -71,7 +73,7 @@ class BenchModels:
         path = resolve_model_path(self.target_name if which == "target" else self.draft_name)
         dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
         return self._get(("hf", which), lambda: AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype).eval())
+            path, dtype=dtype).to(self.device or "cpu").eval())
 
 
     def llama(self, prompt_lookup: int = 0):
@@ -262,7 +264,7 @@ def _hf(models: BenchModels, **generate_kwargs) -> Runner:
     eos = list(models.eos_token_ids())
 
     def run(prompt_ids, max_new_tokens):
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=hf.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
 from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
                              check_rows, parse_methods)
@@ -17,8 +19,8 @@ from ..methods import METHOD_OPTIONS, METHODS
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
 from ..train.run import KINDS as HEAD_KINDS, ensure_default_head
-from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, output_dir_argument, run_command,
-                     usable_cores)
+from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, device_arg, output_dir_argument,
+                     run_command, usable_cores)
 
 
 def _help() -> str:
@@ -99,6 +101,11 @@ def add_parser(sub) -> None:
                         "batched passes round differently from its one-token passes, and the "
                         "mismatches column counts where that changed our output against our ar "
                         "on the same backend")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="where our models and transformers' run: cpu (default), cuda, cuda:N (off "
+                        "the CPU: dtype auto is float32, the CPU kernels' dtypes are refused, see "
+                        "`specdecode generate --help`); llama.cpp's rows run on the CPU only, and "
+                        "peak memory, a CPU process's, is not measured there")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="after the timed run, measure each method's peak resident memory in a "
                         "process of its own (its models, one generation of the longest prompt; "
@@ -131,6 +138,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--limit, --max-new-tokens and --repeats must be >= 1")
     SamplingParams(temperature=args.temperature)  # names a bad value
     check_rows(methods, args.temperature)
+    args.device = args.device or torch.device("cpu")
+    if args.device.type != "cpu":
+        on_llama = [label for label, name, _ in methods if name.startswith("llamacpp")]
+        if on_llama or args.backend == "llama.cpp":
+            raise ValueError(f"--device {args.device}: llama.cpp runs on the CPU here "
+                             f"({', '.join(on_llama) or '--backend llama.cpp'}); drop it or leave "
+                             "out --device")
+        if args.memory:
+            print(f"note: peak memory is a CPU process's; not measured with --device {args.device}",
+                  file=sys.stderr)
+            args.memory = False
     tasks = []
     if "spec-bench" in workloads:
         try:
@@ -154,7 +172,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "to continue it, or choose another --out")
     if args.out:
         check_run_settings(args)
-    models = BenchModels(args.target, args.draft, args.dtype, args.backend)
+    models = BenchModels(args.target, args.draft, args.dtype, args.backend, args.device)
     for _, name, options in methods:  # before any timing: a missing default head is trained once
         if name in HEAD_KINDS and "head" not in dict(options):
             ensure_default_head(name, models.target())
