@@ -359,8 +359,8 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
             + (f"## Speedup vs ar per subtask\n\n{by_sub}\n\n" if by_sub else "")
             + (f"## Decode speedup vs ar per subtask (prefill excluded; ours)\n\n{decode_by_sub}\n"
                if decode_by_sub else "")
-            + (f"\n## Speedup vs ar as Spec-Bench computes it\n\n{SPEC_BENCH_METRIC}.\n\n{spec_bench}\n"
-               if spec_bench else "")
+            + (f"\n## Speedup vs ar as Spec-Bench computes it\n\nHere a speedup is "
+               f"{SPEC_BENCH_METRIC}.\n\n{spec_bench}\n" if spec_bench else "")
             + (f"\n## Speedup vs llamacpp-ar per subtask\n\n{vs_llama}\n" if vs_llama else ""))
         plot(summary, ceilings, out / "speedup.png")
         print(f"wrote {out}/results.json, report.md, speedup.png", file=sys.stderr)
