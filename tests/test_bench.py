@@ -79,6 +79,31 @@ def test_interleaved_records_ratios_and_multi_turn():
 
 
 
+def test_progress_bar_counts_generations(monkeypatch):
+    """The bar's total and its steps are the records: each turn of a multi-turn prompt is a
+    generation of its own (the bar counted prompts and called them generations), and a
+    resumed run's finished prompts count as done at once."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.desc = total, 0, kwargs.get("desc")
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    log = []
+    runners = {"ar": (fake_runner(log, "ar", 2.0), None), "draft": (fake_runner(log, "draft", 5.0), "ar")}
+    records = run.run_bench(TASKS, runners, FakeTokenizer(), 16)
+    assert len(records) == 8 and bars[-1].total == bars[-1].n == 8  # 3 prompts, one of 2 turns
+    again = run.run_bench(TASKS, runners, FakeTokenizer(), 16, previous=records[:4], repeats=2)
+    assert bars[-1].total == bars[-1].n == len(again) == 8 and "2 runs" in bars[-1].desc
+
+
 def test_repeats_alternate_the_order_and_keep_the_median_run():
     """--repeats 3: A B, B A, A B per prompt and turn; each record is its method's run of
     median time, with that run's stats; a method whose repeats differ is an error."""

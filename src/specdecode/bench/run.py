@@ -204,7 +204,9 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                 for turn in range(len(task.turns)) for label in runners]
 
     records: list[Record] = []
-    bar = tqdm(total=len(tasks) * len(runners), desc="bench", unit="gen", disable=not progress)
+    # a generation is a record: a prompt's turn by one method (with --repeats, each of N runs)
+    bar = tqdm(total=sum(len(t.turns) for t in tasks) * len(runners), unit="gen", disable=not progress,
+               desc="bench" if repeats == 1 else f"bench ({repeats} runs a generation)")
     i = 0
     on_term = None
     if threading.current_thread() is threading.main_thread():
@@ -214,7 +216,7 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
             keys = keys_of(task)
             if all(k in have for k in keys):
                 records += [have[k] for k in keys]
-                bar.update(len(runners))
+                bar.update(len(keys))
                 continue
             start = len(records)
             answers: dict[str, list[str]] = {label: [] for label in runners}
@@ -246,8 +248,7 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                     done[label] = rec
                     records.append(rec)
                     answers[label].append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
-                    if turn == len(task.turns) - 1:
-                        bar.update(1)
+                    bar.update(1)
             if on_task_done is not None:
                 on_task_done(records[start:])
     except KeyboardInterrupt:
