@@ -7,8 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
 from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
                              check_rows, parse_methods)
@@ -101,7 +99,7 @@ def add_parser(sub) -> None:
                         "batched passes round differently from its one-token passes, and the "
                         "mismatches column counts where that changed our output against our ar "
                         "on the same backend")
-    p.add_argument("--device", default=None, type=device_arg,
+    p.add_argument("--device", default="cpu", type=device_arg,
                    help="where our models and transformers' run: cpu (default), cuda, cuda:N (off "
                         "the CPU: dtype auto is float32, the CPU kernels' dtypes are refused, see "
                         "`specdecode generate --help`); llama.cpp's rows run on the CPU only, and "
@@ -138,7 +136,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--limit, --max-new-tokens and --repeats must be >= 1")
     SamplingParams(temperature=args.temperature)  # names a bad value
     check_rows(methods, args.temperature)
-    args.device = args.device or torch.device("cpu")
     if args.device.type != "cpu":
         on_llama = [label for label, name, _ in methods if name.startswith("llamacpp")]
         if on_llama or args.backend == "llama.cpp":
