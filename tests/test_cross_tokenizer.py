@@ -14,6 +14,7 @@ from lossless import N_RUNS, assert_lossless, probs_of
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.proposers import CrossTokenizerProposer
+from specdecode.proposers.base import RequestState
 from specdecode.proposers.cross_tokenizer import LOOKBEHIND
 from specdecode.tokenmap import TokenBytes, UnsupportedTokenizerError, VocabMap, utf8_prefix
 from tiny_dirs import _foreign_tokenizer
@@ -327,6 +328,29 @@ def test_toy_pair_maps_as_documented():
     vm = VocabMap.of(TokenBytes.of(t), TokenBytes.of(d))
     assert vm.to_target.tolist() == [5, 2, 1, 0, -1, 3, -1]
     assert vm.special_to_target == {0: 5}
+
+
+@pytest.mark.parametrize("guess,proposed", [("c", ["a"]), ("<e>", ["a"]), ("b", [])])
+def test_a_draft_that_stops_unsure_proposes_its_last_token_where_it_is_settled(guess, proposed):
+    """Greedy with p_min: the draft drafts "a" (sure), then is unsure (top probability below
+    p_min) with ``guess`` as its best next token. The target's tokens for "a" + "c" are a | c:
+    "a" is settled and proposed; "<e>" ends the text: proposed; "a" + "b" is the one target
+    token ab, so "a" may not stand and is not proposed (the draft step that would settle it
+    is not paid)."""
+    t, d = toy_pair()
+    tb, db = TokenBytes.of(t), TokenBytes.of(d)
+    did = {db.table[i].decode(): i for i in range(len(db)) if db.table[i]}
+    did["<e>"] = 0
+
+    def fn(tokens):  # the prompt is one draft token; then "a", then unsure
+        out = torch.zeros(len(db))
+        out[did["a"] if len(tokens) == 1 else did[guess]] = 50.0 if len(tokens) == 1 else 0.5
+        return out
+    p = CrossTokenizerProposer(MockLM(len(db), fn), t, d, draft_eos_token_ids=(0,), p_min=0.4)
+    state = RequestState(tb.encode("c"), 0, SamplingParams(), (5,), None, len(tb))
+    p.reset(state, 64)
+    out = p.propose(state, 6)
+    assert [tb.table[i].decode() for i in out.token_ids[0].tolist()] == proposed
 
 
 @pytest.mark.slow

@@ -47,7 +47,8 @@ class CrossTokenizerProposer(Proposer):
       the window's (at the same byte boundary) are proposed as point
       masses, all but the last (whose text the draft's next token could still extend) unless
       the draft ended at an end-of-sequence token, which is proposed as the target's
-      equivalent (same content, else the request's first EOS id).
+      equivalent (same content, else the request's first EOS id), or stopped unsure (p_min)
+      with a best next token whose text leaves the last one whole (:meth:`_settled`).
     - sampled, rejection rule: each draft token is sampled from the draft's processed
       distribution q. Where it is one target token exactly (same bytes:
       :class:`~specdecode.tokenmap.VocabMap`), it is proposed with the distribution it was
@@ -228,6 +229,7 @@ class CrossTokenizerProposer(Proposer):
         feed = torch.tensor([new])
         n = len(state.tokens)
         mapped, mapped_of = [], 0  # greedy: the target ids of drafted[:mapped_of]
+        unsure: int | None = None  # the draft's best next token where it stopped unsure
         for i in range(steps):
             logits = (yield self.draft, feed, 1)[:, -1:, :vd].float()
             processed = process_logits(logits, params, torch.tensor([context]), None,
@@ -235,6 +237,7 @@ class CrossTokenizerProposer(Proposer):
             probs = None if params.greedy or state.noise is not None else to_probs(processed, params)
             if self.p_min is not None and float(
                     (torch.softmax(processed, -1) if probs is None else probs).max()) < self.p_min:
+                unsure = int(processed.argmax(-1))
                 break
             if params.greedy:
                 d = int(processed.argmax(-1))
@@ -277,7 +280,10 @@ class CrossTokenizerProposer(Proposer):
                 mapped = self._to_target(state, [], drafted) if drafted else []
             if mapped is None:
                 return DraftOutput.empty()
-            mapped = mapped[:-1] if end is None else mapped + [end]
+            if end is not None:
+                mapped = mapped + [end]
+            elif not (mapped and unsure is not None and self._settled(state, drafted, mapped, unsure)):
+                mapped = mapped[:-1]
             return self._output(mapped[:k], [])
         if text_tail:
             tail = self._to_target(state, ids, text_tail) or []
@@ -285,6 +291,18 @@ class CrossTokenizerProposer(Proposer):
             rows += [torch.nn.functional.one_hot(torch.tensor(t), len(self.tb)).float()
                      for t in tail[:-1]]
         return self._output(ids[:k], rows[:k])
+
+    def _settled(self, state: RequestState, drafted: list[int], mapped: list[int], nxt: int) -> bool:
+        """Whether the last of ``mapped`` (the target ids of ``drafted``) stays one token when
+        the text goes on with ``nxt``, the draft's best next token where it stopped unsure:
+        its distribution is already computed, so this costs no draft step, and a round that
+        stopped proposes the last token it drafted instead of dropping it as one that the next
+        text could still extend (a guess: verification decides, the output cannot change).
+        An end of text (a special or end-of-sequence token) settles it."""
+        if nxt in self.db.special or nxt in self.draft_eos:
+            return True
+        ext = self._to_target(state, [], drafted + [nxt])
+        return ext is not None and ext[:len(mapped)] == mapped and len(ext) > len(mapped)
 
     def _exact_row(self, probs: torch.Tensor) -> torch.Tensor:
         """q restricted to the draft tokens that are one target token each, renormalised, as
