@@ -622,7 +622,7 @@ def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
     assert isinstance(proposer, CrossTokenizerProposer)
     # such a draft stops below its own p_min unless one is given (0: never), the hybrid's below
     # the hybrid's; a draft of the target's tokenizer never stops unless told
-    assert proposer.p_min == CrossTokenizerProposer.default_p_min == 0.4
+    assert proposer.p_min == CrossTokenizerProposer.default_p_min == 0.5
     assert build_proposer(SpeculativeConfig("draft", draft_p_min=0), target, foreign).p_min == 0
     assert build_proposer(SpeculativeConfig("hybrid"), target, foreign).drafter.p_min == 0.5
     assert build_proposer(SpeculativeConfig("draft"), target, target).p_min is None

@@ -188,7 +188,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     accepted round, −1 otherwise) or "auto" (K chosen each round from measured costs and
     acceptance); ``max_speculative_tokens`` caps the last two.
     draft_p_min (alias ``assistant_confidence_threshold``): stop drafting where the draft's
-    top probability is below it (default: 0.5 for the hybrid, 0.4 for a draft of another
+    top probability is below it (default: 0.5 for the hybrid and for a draft of another
     tokenizer than the target's, off otherwise; 0 = off).
     ``prompt_lookup_num_tokens=N`` (transformers) selects
     prompt lookup with K = N; ``max_matching_ngram_size``: its longest n-gram (default 5;

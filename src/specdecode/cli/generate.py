@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
                    help="largest K for --k heuristic/auto, 1..64 (default 16)")
     p.add_argument("--draft-p-min", type=float, default=None, metavar="P",
                    help="stop drafting where the draft model's top probability is below P "
-                        "(llama.cpp --draft-p-min; default: 0.5 for hybrid, 0.4 for a draft of "
+                        "(llama.cpp --draft-p-min; default: 0.5 for hybrid and for a draft of "
                         "another tokenizer, off for draft; 0 = off)")
     p.add_argument("--max-ngram", type=int, default=None,
                    help="prompt lookup: longest n-gram matched (default 5; shortest 2)")
