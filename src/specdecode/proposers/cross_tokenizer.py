@@ -239,7 +239,8 @@ class CrossTokenizerProposer(Proposer):
             probs = None if params.greedy or state.noise is not None else to_probs(processed, params)
             if self.p_min is not None and float(
                     (torch.softmax(processed, -1) if probs is None else probs).max()) < self.p_min:
-                unsure = int(processed.argmax(-1))
+                if params.greedy:  # only greedy proposals are settled by it (no sync otherwise)
+                    unsure = int(processed.argmax(-1))
                 break
             if params.greedy:
                 d = int(processed.argmax(-1))
