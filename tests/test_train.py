@@ -122,11 +122,13 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(conv))
     assert [p.text for p in data.question_prompts(path)] == ["Who wrote the book about the old town?"] * 2
-    assert list(data.english_sentences(path)) == [
+    assert list(data.english_sentences(path, per_conversation=9)) == [
         "The river flows slowly through the old town every single spring.",
         "A second sentence about the weather in the mountains is here.",
         "The third plain sentence of this answer is about the sea today.",
         "The fourth plain sentence of this answer talks about the moon."]
+    assert list(data.english_sentences(path, per_conversation=1)) == [  # one of each conversation
+        "The river flows slowly through the old town every single spring."]
     asked = []
 
     def to_german(sentences):
@@ -137,7 +139,7 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
                 '"Der vierte Satz handelt vom Mond."'][:len(sentences)]
 
     got = list(data.translation_prompts(to_german, path, batch=4))
-    assert asked == [list(data.english_sentences(path))]
+    assert asked == [list(data.english_sentences(path, per_conversation=9))]
     assert [(p.text, p.chat, p.source) for p in got] == [
         ("Translate German to English: Der Fluss fließt langsam durch die Altstadt.", True, "translation"),
         ("Translate German to English: Der vierte Satz handelt vom Mond.", True, "translation")]

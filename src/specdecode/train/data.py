@@ -213,21 +213,25 @@ def question_prompts(path: str | Path | None = None) -> Iterator[Prompt]:
             yield Prompt(text, chat=True, source="questions")
 
 
-def english_sentences(path: str | Path | None = None, min_words: int = 8, max_words: int = 30) -> Iterator[str]:
+def english_sentences(path: str | Path | None = None, min_words: int = 8, max_words: int = 30,
+                      per_conversation: int = 2) -> Iterator[str]:
     """Distinct sentences of plain English prose from the assistant turns of ShareGPT
     (``path`` as :func:`sharegpt_prompts`): ``min_words``..``max_words`` words, a capital
     first, letters and light punctuation only, ending in . ! or ? (news-sentence-like, as
-    WMT's are)."""
+    WMT's are); the first ``per_conversation`` of each conversation, so that a few hundred
+    cover as many topics."""
     seen: set[str] = set()
     for turns in _sharegpt_turns(path):
+        taken = 0
         for turn in turns:
             if turn.get("from") != "gpt":
                 continue
             for line in turn["value"].splitlines():
                 for sentence in _SENTENCE_END.split(line.strip()):
-                    if (min_words <= len(sentence.split()) <= max_words and _PROSE.match(sentence)
-                            and sentence not in seen):
+                    if (taken < per_conversation and min_words <= len(sentence.split()) <= max_words
+                            and _PROSE.match(sentence) and sentence not in seen):
                         seen.add(sentence)
+                        taken += 1
                         yield sentence
 
 
