@@ -127,8 +127,11 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
         "A second sentence about the weather in the mountains is here.",
         "The third plain sentence of this answer is about the sea today.",
         "The fourth plain sentence of this answer talks about the moon."]
-    assert list(data.english_sentences(path, per_conversation=1)) == [  # one of each conversation
-        "The river flows slowly through the old town every single spring."]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(conv[:1]))
+    assert list(data.english_sentences(one)) == [  # the first two of a conversation
+        "The river flows slowly through the old town every single spring.",
+        "A second sentence about the weather in the mountains is here."]
     asked = []
 
     def to_german(sentences):
