@@ -139,7 +139,8 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
         return ["Der Fluss fließt langsam durch die Altstadt.\n(This is my translation.)",
                 sentences[1],                          # not translated: dropped
                 "这是中文",                             # another script: dropped
-                '"Der vierte Satz handelt vom Mond."'][:len(sentences)]
+                'Hier ist die Übersetzung:\n\n"Der vierte Satz handelt vom Mond."\n\nDiese Übersetzung ...'
+                ][:len(sentences)]
 
     got = list(data.translation_prompts(to_german, path, batch=4))
     assert asked == [list(data.english_sentences(path, per_conversation=9))]
@@ -148,6 +149,8 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
         ("Translate German to English: Der vierte Satz handelt vom Mond.", True, "translation")]
     with pytest.raises(ValueError, match="2 translations for 4 sentences"):
         list(data.translation_prompts(lambda s: s[:2], path, batch=4))
+    with pytest.raises(ValueError, match="returned NoneType for 'The river"):
+        list(data.translation_prompts(lambda s: [None] * len(s), path, batch=4))
     exclude = data.word_runs("translate german to english der vierte satz handelt vom mond")
     prompts, summary = data.training_prompts(("questions", "translation"), None, exclude,
                                              {"sharegpt": path}, to_german=to_german)

@@ -239,8 +239,10 @@ def translation_prompts(to_german: Callable[[list[str]], list[str]], path: str |
                         batch: int = 8) -> Iterator[Prompt]:
     """Chat prompts "Translate German to English: GERMAN" (:data:`TRANSLATE`), the German
     being ``to_german``'s translation of :func:`english_sentences` (``path``), asked for
-    ``batch`` sentences at a time. A translation is dropped when it is empty, one line of
-    more than 3x the sentence's length, equal to the English, or not in Latin script.
+    ``batch`` sentences at a time. A reply's first line that does not end in ":" (a preface
+    such as "Here is the translation:") is the translation, unquoted; it is dropped when it
+    is empty, more than 3x the sentence's length, equal to the English, or not in Latin
+    script. Raises ValueError when ``to_german`` returns another count or a non-string.
     ``to_german``: English sentences -> their German, one each, in order (the target, in a
     training run; it must return as many strings as it is given: ValueError otherwise)."""
     sentences = english_sentences(path)
@@ -248,8 +250,12 @@ def translation_prompts(to_german: Callable[[list[str]], list[str]], path: str |
         german = to_german(chunk)
         if len(german) != len(chunk):
             raise ValueError(f"to_german returned {len(german)} translations for {len(chunk)} sentences")
-        for en, de in zip(chunk, german):
-            de = de.strip().splitlines()[0].strip().strip('"\u201C\u201D\u201E') if de.strip() else ""
+        for en, reply in zip(chunk, german):
+            if not isinstance(reply, str):
+                raise ValueError(f"to_german returned {type(reply).__name__} for {en!r}: a string is needed")
+            # the first line that is not a preface ("Hier ist die Übersetzung:"), unquoted
+            lines = [line.strip() for line in reply.splitlines() if line.strip()]
+            de = next((line for line in lines if not line.endswith(":")), "").strip('"\u201C\u201D\u201E').strip()
             if de and de != en and len(de) <= 3 * len(en) and _LATIN_TEXT.match(de):
                 yield Prompt(TRANSLATE + de, chat=True, source="translation")
 
