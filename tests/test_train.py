@@ -147,10 +147,24 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
     assert [(p.text, p.chat, p.source) for p in got] == [
         ("Translate German to English: Der Fluss fließt langsam durch die Altstadt.", True, "translation"),
         ("Translate German to English: Der vierte Satz handelt vom Mond.", True, "translation")]
-    with pytest.raises(ValueError, match="2 translations for 4 sentences"):
+    with pytest.raises(ValueError, match="2 replies for 4 sentences"):
         list(data.translation_prompts(lambda s: s[:2], path, batch=4))
     with pytest.raises(ValueError, match="returned NoneType for 'The river"):
         list(data.translation_prompts(lambda s: [None] * len(s), path, batch=4))
+    with pytest.raises(ValueError, match="returned NoneType for 4 sentences"):
+        list(data.translation_prompts(lambda s: None, path, batch=4))
+    # a reply that is English, a preface on the translation's line, German punctuation
+    assert data.german_of("The behaviour of customers should not change at all.", "x" * 40) is None
+    assert data.german_of("I'm ready to help. What's the user's task?", "x" * 40) is None
+    assert data.german_of("Here's the German translation: Der Fuchs springt.", "The fox jumps.") == "Der Fuchs springt."
+    assert data.german_of("Die Straße ist groß – wirklich.", "The street is big, really.") == "Die Straße ist groß – wirklich."
+    # a target that writes no usable German is not asked for every sentence of the file
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps([{"conversations": [{"from": "gpt", "value": f"Sentence {a}{b} of the many that follow here."}]}
+                                for a in "abcdefghij" for b in "abcdefghijklmnopqrst"]))  # 200 distinct
+    calls = []
+    assert list(data.translation_prompts(lambda s: calls.append(len(s)) or list(s), many, batch=8)) == []
+    assert sum(calls) == data.MAX_DROPPED_IN_A_ROW
     exclude = data.word_runs("translate german to english der vierte satz handelt vom mond")
     prompts, summary = data.training_prompts(("questions", "translation"), None, exclude,
                                              {"sharegpt": path}, to_german=to_german)
@@ -160,6 +174,13 @@ def test_questions_and_translation_prompts_in_spec_bench_shape(tmp_path):
     with pytest.raises(ValueError, match="translation source needs to_german"):
         data.training_prompts(("translation",), 2, exclude, {"sharegpt": path})
     assert data.parse_sources("questions,translation") == ("questions", "translation")
+    with pytest.raises(ValueError, match="unknown: 'foo'"):
+        data.parse_sources("questions,foo")
+    with pytest.raises(ValueError, match="given twice: questions"):
+        data.parse_sources("questions,questions")
+    with pytest.raises(ValueError, match="each of stdlib, sharegpt, questions, translation at most once"):
+        data.training_prompts(("questions", "wiki"), 2, exclude, {"sharegpt": path})
+    assert data.training_prompts("questions", 1, exclude, {"sharegpt": path})[0][0].source == "questions"
 
 
 def test_the_held_out_split_depends_on_the_prompt_only():
@@ -210,9 +231,12 @@ def test_the_targets_german_is_written_once_and_kept_for_a_resumed_run(deep_targ
     target = specdecode.load(deep_target_dir, dtype="float32")
     sentences = ["The river flows slowly through the old town.", "A second sentence is here now."]
     german = run._german_writer(target, tmp_path / "features")(sentences)
-    alone = [specdecode.generate(target, run.ASK_GERMAN + s, chat=True, max_new_tokens=96).text
-             for s in sentences]
+    results = [specdecode.generate(target, run.ASK_GERMAN + s, chat=True, max_new_tokens=96) for s in sentences]
+    alone = [r.text if r.finish_reason != "length" else "" for r in results]  # a cut reply is none
     assert german == alone
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / run.GERMAN_FILE).write_text("null")  # not this writer's file: written again
+    assert run._german_writer(target, tmp_path / "other")(sentences) == alone
     assert json.loads((tmp_path / "features" / run.GERMAN_FILE).read_text()) == dict(zip(sentences, alone))
 
     def no_generation(*a, **k):

@@ -14,7 +14,7 @@ The default two sources (``DEFAULT_SOURCES``; ``SOURCES`` lists all four):
 Two more, in the shape of the Spec-Bench subtasks a draft model is weakest on (question
 answering and translation), for ``--data`` to ask for; not in the default recipe:
 
-- ``questions``: ShareGPT first turns that are one short question (one line, at most
+- ``questions``: ShareGPT first turns that are one short question (one sentence, at most
   :data:`MAX_QUESTION_CHARS` characters, ending in "?"), as Natural Questions' are.
 - ``translation``: "Translate German to English: ..." prompts (Spec-Bench's wording for its
   WMT14 subtask) whose German the target itself writes, translating English sentences of
@@ -64,7 +64,18 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _PROSE = re.compile(r"^[A-Z][A-Za-z ,;'\u2019-]+[.!?]$")
 # the target's German: Latin letters (with umlauts and accents), digits and punctuation only;
 # a reply that drifts into another script is dropped
-_LATIN_TEXT = re.compile(r"^[\sA-Za-z0-9\u00C0-\u017F.,;:!?'\"\u2019\u201C\u201D\u201E()%&/-]+$")
+_LATIN_TEXT = re.compile(r"^[\sA-Za-z0-9\u00C0-\u017F.,;:!?'\"\u2018-\u201E\u2013\u2014\u2026\u00AB\u00BB()%&/-]+$")
+# function words that are German and not English, and the commonest English ones: a reply
+# with none of the first or more of the second is not German (the target answered in English)
+_GERMAN_WORDS = frozenset("der die das und ist nicht ein eine einen einem zu mit für von den dem des sich "
+                          "auf sie wir ich du sind wird werden kann können auch im zum zur bei aus nach "
+                          "über wie oder aber wenn dass diese dieser dieses es hat haben".split())
+_ENGLISH_WORDS = frozenset("the and of to is are that it for with this what you be on was can will "
+                           "not have as by from".split())
+# a preface on the translation's own line: "Here's the German translation: Der ..."
+_PREFACE = re.compile(r"^[^:]{0,60}(?:translation|übersetzung|german|deutsch)[^:]{0,20}:\s+", re.IGNORECASE)
+# when this many English sentences in a row give no usable German, the source gives up
+MAX_DROPPED_IN_A_ROW = 64
 
 
 @dataclass(frozen=True)
@@ -204,12 +215,12 @@ def sharegpt_prompts(path: str | Path | None = None) -> Iterator[Prompt]:
 
 
 def question_prompts(path: str | Path | None = None) -> Iterator[Prompt]:
-    """Chat prompts in Spec-Bench QA's shape: ShareGPT first user turns that are a single
-    line of at least 4 words and at most MAX_QUESTION_CHARS characters, ending in "?".
+    """Chat prompts in Spec-Bench QA's shape: ShareGPT first user turns that are one
+    sentence of at least 4 words and at most MAX_QUESTION_CHARS characters, ending in "?".
     ``path`` as :func:`sharegpt_prompts`."""
     for text in _first_user_turns(path):
         if (len(text) <= MAX_QUESTION_CHARS and "\n" not in text and text.endswith("?")
-                and len(text.split()) >= 4):
+                and len(text.split()) >= 4 and not _SENTENCE_END.search(text)):
             yield Prompt(text, chat=True, source="questions")
 
 
@@ -235,28 +246,51 @@ def english_sentences(path: str | Path | None = None, min_words: int = 8, max_wo
                         yield sentence
 
 
+def is_german(text: str) -> bool:
+    """Whether ``text`` reads as German rather than English, by function words: at least one
+    German one (:data:`_GERMAN_WORDS`) and no more English ones than German."""
+    words = _WORD.findall(text.lower())
+    german = sum(w in _GERMAN_WORDS for w in words)
+    return german > 0 and sum(w in _ENGLISH_WORDS for w in words) <= german
+
+
+def german_of(reply: str, english: str) -> str | None:
+    """The German translation in the target's ``reply`` to "translate ``english``", or None
+    when it has none: the first line that is not a preface ending in ":" ("Hier ist die
+    Übersetzung:"), without an inline preface ("German translation: ...") or quotes; None
+    when that is empty, equal to the English, more than 3x its length, not in Latin script
+    (:data:`_LATIN_TEXT`) or not German (:func:`is_german`)."""
+    lines = [line.strip() for line in reply.splitlines() if line.strip()]
+    de = next((line for line in lines if not line.endswith(":")), "")
+    de = _PREFACE.sub("", de).strip('"\u201C\u201D\u201E').strip()
+    if (de and de.lower() != english.lower() and len(de) <= 3 * len(english) and _LATIN_TEXT.match(de)
+            and is_german(de)):
+        return de
+    return None
+
+
 def translation_prompts(to_german: Callable[[list[str]], list[str]], path: str | Path | None = None,
                         batch: int = 8) -> Iterator[Prompt]:
     """Chat prompts "Translate German to English: GERMAN" (:data:`TRANSLATE`), the German
-    being ``to_german``'s translation of :func:`english_sentences` (``path``), asked for
-    ``batch`` sentences at a time. A reply's first line that does not end in ":" (a preface
-    such as "Here is the translation:") is the translation, unquoted; it is dropped when it
-    is empty, more than 3x the sentence's length, equal to the English, or not in Latin
-    script. Raises ValueError when ``to_german`` returns another count or a non-string.
-    ``to_german``: English sentences -> their German, one each, in order (the target, in a
-    training run; it must return as many strings as it is given: ValueError otherwise)."""
+    being :func:`german_of` ``to_german``'s reply for each of :func:`english_sentences`
+    (``path``), asked ``batch`` sentences at a time; a reply without usable German is
+    passed over. Stops when MAX_DROPPED_IN_A_ROW sentences in a row gave none (a target
+    that cannot write German would otherwise be asked for every sentence of the file).
+    ``to_german``: English sentences -> one reply each, in order ("" for none; the target,
+    in a training run). Raises ValueError when it returns another count or a non-string."""
     sentences = english_sentences(path)
-    while chunk := list(itertools.islice(sentences, batch)):
-        german = to_german(chunk)
-        if len(german) != len(chunk):
-            raise ValueError(f"to_german returned {len(german)} translations for {len(chunk)} sentences")
-        for en, reply in zip(chunk, german):
+    dropped = 0
+    while dropped < MAX_DROPPED_IN_A_ROW and (chunk := list(itertools.islice(sentences, batch))):
+        replies = to_german(chunk)
+        if not isinstance(replies, (list, tuple)) or len(replies) != len(chunk):
+            got = f"{len(replies)} replies" if isinstance(replies, (list, tuple)) else type(replies).__name__
+            raise ValueError(f"to_german returned {got} for {len(chunk)} sentences: a list of one string each is needed")
+        for en, reply in zip(chunk, replies):
             if not isinstance(reply, str):
                 raise ValueError(f"to_german returned {type(reply).__name__} for {en!r}: a string is needed")
-            # the first line that is not a preface ("Hier ist die Übersetzung:"), unquoted
-            lines = [line.strip() for line in reply.splitlines() if line.strip()]
-            de = next((line for line in lines if not line.endswith(":")), "").strip('"\u201C\u201D\u201E').strip()
-            if de and de != en and len(de) <= 3 * len(en) and _LATIN_TEXT.match(de):
+            de = german_of(reply, en)
+            dropped = 0 if de else dropped + 1
+            if de:
                 yield Prompt(TRANSLATE + de, chat=True, source="translation")
 
 
@@ -265,9 +299,12 @@ def parse_sources(value: str) -> tuple[str, ...]:
     source."""
     names = tuple(s.strip() for s in value.split(",") if s.strip())
     bad = [s for s in names if s not in SOURCES]
-    if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"--data {value!r} is invalid; allowed: a comma-separated subset of "
-                         f"{', '.join(SOURCES)}")
+    twice = sorted({s for s in names if names.count(s) > 1})
+    if bad or not names or twice:
+        why = (f"unknown: {', '.join(map(repr, bad))}" if bad else
+               f"given twice: {', '.join(twice)}" if twice else "no source")
+        raise ValueError(f"--data {value!r} is invalid ({why}); allowed: a comma-separated subset of "
+                         f"{', '.join(SOURCES)} (lower case)")
     return names
 
 
@@ -283,6 +320,12 @@ def training_prompts(sources: Iterable[str] = DEFAULT_SOURCES, max_prompts: int 
     the ``translation`` source (:func:`translation_prompts`). Returns the prompts and a
     summary for the head's config: per source, how many were kept and how many dropped for
     overlap. Raises ValueError for ``translation`` without ``to_german``."""
+    if isinstance(sources, str):
+        sources = parse_sources(sources)
+    sources = tuple(sources)
+    bad = [s for s in sources if s not in SOURCES]
+    if bad or len(set(sources)) != len(sources):
+        raise ValueError(f"sources {sources!r}: each of {', '.join(SOURCES)} at most once")
     exclude = evaluation_runs() if exclude is None else exclude
     paths = paths or {}
     if "translation" in sources and to_german is None:

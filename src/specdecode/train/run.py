@@ -75,8 +75,9 @@ class HeadRecipe:
     def check(self) -> None:
         """Raises ValueError naming the first setting out of range (as its command-line option)."""
         bad = [s for s in self.data if s not in SOURCES]
-        if bad or not self.data:
-            raise ValueError(f"--data {','.join(self.data)!r}: allowed sources are {', '.join(SOURCES)}")
+        if bad or not self.data or len(set(self.data)) != len(self.data):
+            raise ValueError(f"--data {','.join(self.data)!r}: allowed sources are {', '.join(SOURCES)}, "
+                             "each at most once")
         for name, v, low, high in (("max-prompts", self.max_prompts, 2, 10**6),
                                    ("max-new-tokens", self.max_new_tokens, 2, 4096),
                                    ("epochs", self.epochs, 1, 1000), ("heads", self.heads, 1, 8),
@@ -224,14 +225,16 @@ ASK_GERMAN = "Translate English to German: "
 def _german_writer(target: LoadedModel, features: Path):
     """The ``to_german`` of the translation source (:func:`specdecode.train.data.
     translation_prompts`): the target translates English sentences into German (greedy, a
-    batch at a time, up to 96 tokens each). Kept in ``features``/GERMAN_FILE, so that a
-    resumed run (or another process of the run) asks the same prompts without writing them
-    again."""
+    batch at a time, up to 96 tokens each; a reply cut there counts as none). Kept in
+    ``features``/GERMAN_FILE, so that a resumed run (or another process of the run) asks the
+    same prompts without writing them again."""
     path = features / GERMAN_FILE
     try:
         known = json.loads(path.read_text()) if path.exists() else {}
-    except ValueError:
-        known = {}  # an unreadable file is written again
+    except (OSError, ValueError):
+        known = {}
+    if not (isinstance(known, dict) and all(isinstance(v, str) for v in known.values())):
+        known = {}  # not a file this wrote: written again
     bar = tqdm(desc=f"German for the translation prompts ({target.name} writes it)", unit="sentence")
 
     def to_german(sentences: list[str]) -> list[str]:
@@ -239,7 +242,8 @@ def _german_writer(target: LoadedModel, features: Path):
         if todo:
             results = generate(target, [ASK_GERMAN + s for s in todo], chat=True, max_new_tokens=96,
                                max_batch=len(todo))
-            known.update({s: r.text for s, r in zip(todo, results)})
+            # a reply cut at the cap is a loop or a ramble, not a sentence's translation
+            known.update({s: r.text if r.finish_reason != "length" else "" for s, r in zip(todo, results)})
             features.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(known, ensure_ascii=False, indent=0))
