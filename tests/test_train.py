@@ -389,6 +389,39 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
         train(empty, tmp_path / "x")
 
 
+def test_bf16_precision_runs_the_steps_in_bfloat16_with_fp32_weights(tmp_path, monkeypatch):
+    """precision="bf16": the loss's products are bfloat16 (autocast), the weights, their
+    gradients and the held-out measures fp32; it still learns. "auto" follows the device."""
+    from specdecode.train import loop
+    task = _toy_task()
+    seen = []
+    inner = task.loss
+
+    def loss(m, batch):
+        seen.append(m(batch["x"]).dtype)
+        return inner(m, batch)
+
+    task.loss = loss
+    result = train(task, tmp_path / "bf16", epochs=3, batch_size=8, lr=0.05, precision="bf16", progress=False)
+    assert set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in task.module.parameters())
+    seen.clear()
+    task32 = _toy_task()
+    task32.loss = loss
+    full = train(task32, tmp_path / "fp32", epochs=3, batch_size=8, lr=0.05, precision="fp32", progress=False)
+    assert set(seen) == {torch.float32}
+    mse = [h["mse"] for h in result["history"]]
+    assert mse == sorted(mse, reverse=True)  # it learns, about as fp32 does
+    assert abs(mse[-1] / full["history"][-1]["mse"] - 1) < 0.05
+    with pytest.raises(ValueError, match="precision 'fp16' is invalid; allowed: auto, bf16, fp32"):
+        train(task, tmp_path / "x", precision="fp16")
+    from specdecode.models import quant
+    monkeypatch.setattr(quant, "cpu_flags", lambda: ("avx2", "avx512f", "avx512_bf16"))
+    assert loop.resolve_precision("auto", "cpu") == "bf16" and loop.resolve_precision("fp32", "cpu") == "fp32"
+    monkeypatch.setattr(quant, "cpu_flags", lambda: ("avx2", "avx512f"))  # bf16 would be emulated
+    assert loop.resolve_precision("auto", "cpu") == "fp32" and loop.resolve_precision("bf16", "cpu") == "bf16"
+
+
 def test_medusa_training_lowers_the_loss_on_recorded_features(deep_target_dir, tmp_path):
     target = specdecode.load(deep_target_dir)
     record(target, _prompts(8), tmp_path / "f", max_new_tokens=24, progress=False)

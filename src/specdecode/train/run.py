@@ -32,7 +32,7 @@ from .data import DEFAULT_SOURCES, SOURCES, training_prompts
 from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record
-from .loop import STATE_FILE, Task, train
+from .loop import PRECISIONS, STATE_FILE, Task, resolve_precision, train
 from .medusa import medusa_task
 
 KINDS = tuple(HEAD_ARCHS)  # medusa, eagle3
@@ -51,7 +51,8 @@ class HeadRecipe:
     examples per step (None: 64 positions for Medusa, 4 sequences for EAGLE-3 and a
     distilled draft). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
     3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
-    seed: the data order's seed."""
+    seed: the data order's seed. precision: the training steps' arithmetic, "auto", "bf16"
+    or "fp32" (:func:`specdecode.train.loop.resolve_precision`)."""
 
     data: tuple[str, ...] = DEFAULT_SOURCES
     max_prompts: int = 400
@@ -65,6 +66,7 @@ class HeadRecipe:
     lr: float | None = None
     layers: int = 8
     seed: int = 0
+    precision: str = "auto"
 
     def batch_for(self, kind: str) -> int:
         return self.batch_size if self.batch_size is not None else (64 if kind == "medusa" else 4)
@@ -88,6 +90,8 @@ class HeadRecipe:
                                    ("layers", self.layers, 1, 1000)):
             if not (isinstance(v, int) and low <= v <= high):
                 raise ValueError(f"--{name} must be an integer {low}..{high}, got {v!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         lr = self.lr_for("eagle3")
         if not 0 < lr < 1:
             raise ValueError(f"--lr must be between 0 and 1, got {lr}")
@@ -214,6 +218,7 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
                      "answer_tokens": sum(s["answer_tokens"] for s in manifest["shards"]),
                      "max_new_tokens": recipe.max_new_tokens},
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
+            "precision": resolve_precision(recipe.precision, state.device),
             "recording_seconds": manifest.get("recording_seconds", round(time.perf_counter() - t0, 1))}
     return train_seqs, held, info
 
@@ -258,7 +263,7 @@ def _train(task: Task, out: Path, recipe: HeadRecipe, kind: str, info: dict, hel
     """Step 3, with the summary :func:`train_head` and :func:`train_draft` return."""
     t1 = time.perf_counter()
     result = train(task, out, epochs=recipe.epochs, batch_size=recipe.batch_for(kind),
-                   lr=recipe.lr_for(kind), seed=recipe.seed)
+                   lr=recipe.lr_for(kind), seed=recipe.seed, precision=recipe.precision)
     return {**result, "prompts": sum(v["kept"] for v in info["data"]["prompts"].values() if isinstance(v, dict)),
             "held_out": held,
             "recording_seconds": info["recording_seconds"],
