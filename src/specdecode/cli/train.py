@@ -51,7 +51,8 @@ several CPU processes under `ACCELERATE_USE_CPU=true torchrun --standalone --npr
 Without --out a distilled draft goes to <specdecode cache>/drafts/DRAFT-for-TARGET, and a
 head is the target's default one (<specdecode cache>/heads/TARGET-KIND),
 which --method eagle3 / medusa read without head=, and which `specdecode bench` trains with
-these defaults when a run asks for it (about 80 minutes for the default target on 2 cores).
+these defaults when a run asks for it (60-80 minutes for the default target on 2 cores,
+the lower where the steps run in bf16).
 
 examples:
   specdecode train eagle3                                    # the default target's default head
@@ -118,7 +119,7 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=DEFAULTS.precision,
                    help="the training steps' arithmetic: bf16 (mixed precision: bfloat16 products, "
                         "fp32 weights and optimizer), fp32, or auto: bf16 on a GPU that has it and "
-                        "on a CPU with AVX512-BF16 or AMX-BF16 (about 2.3x faster steps for the "
+                        "on a CPU with AVX512-BF16 or AMX-BF16 (about 2x faster steps for the "
                         "default target's EAGLE-3 head on such a CPU), else fp32 (default auto)")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_train, args))
