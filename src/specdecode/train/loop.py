@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..models import quant
+
 STATE_FILE = "trainer.json"
 
 
@@ -109,8 +111,7 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     if kind == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     if kind == "cpu":
-        from ..models.quant import cpu_flags
-        return "bf16" if {"avx512_bf16", "amx_bf16"} & set(cpu_flags()) else "fp32"
+        return "bf16" if {"avx512_bf16", "amx_bf16"} & set(quant.cpu_flags()) else "fp32"
     return "fp32"
 
 
