@@ -233,17 +233,14 @@ def english_sentences(path: str | Path | None = None, min_words: int = 8, max_wo
     cover as many topics."""
     seen: set[str] = set()
     for turns in _sharegpt_turns(path):
-        taken = 0
-        for turn in turns:
-            if turn.get("from") != "gpt":
-                continue
-            for line in turn["value"].splitlines():
-                for sentence in _SENTENCE_END.split(line.strip()):
-                    if (taken < per_conversation and min_words <= len(sentence.split()) <= max_words
-                            and _PROSE.match(sentence) and sentence not in seen):
-                        seen.add(sentence)
-                        taken += 1
-                        yield sentence
+        # lazy: a conversation is read only until it has given its share
+        fit = (sentence for turn in turns if turn.get("from") == "gpt"
+               for line in turn["value"].splitlines() for sentence in _SENTENCE_END.split(line.strip())
+               if min_words <= len(sentence.split()) <= max_words and _PROSE.match(sentence)
+               and sentence not in seen)
+        for sentence in itertools.islice(fit, per_conversation):
+            seen.add(sentence)
+            yield sentence
 
 
 def is_german(text: str) -> bool:

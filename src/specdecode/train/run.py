@@ -28,7 +28,7 @@ from ..heads import HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers,
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..tokenmap import pair_mode
-from .data import DEFAULT_SOURCES, SOURCES, training_prompts
+from .data import DEFAULT_SOURCES, parse_sources, training_prompts
 from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record
@@ -76,10 +76,7 @@ class HeadRecipe:
 
     def check(self) -> None:
         """Raises ValueError naming the first setting out of range (as its command-line option)."""
-        bad = [s for s in self.data if s not in SOURCES]
-        if bad or not self.data or len(set(self.data)) != len(self.data):
-            raise ValueError(f"--data {','.join(self.data)!r}: allowed sources are {', '.join(SOURCES)}, "
-                             "each at most once")
+        parse_sources(",".join(self.data))  # (raises naming an unknown or repeated source)
         for name, v, low, high in (("max-prompts", self.max_prompts, 2, 10**6),
                                    ("max-new-tokens", self.max_new_tokens, 2, 4096),
                                    ("epochs", self.epochs, 1, 1000), ("heads", self.heads, 1, 8),
