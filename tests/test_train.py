@@ -634,6 +634,24 @@ def test_train_draft_end_to_end_the_distilled_draft_keeps_the_output(tmp_path_fa
     assert not (tmp_path / "f" / "features").exists()
 
 
+def test_train_with_the_question_and_translation_sources_end_to_end(tmp_path_factory, tmp_path, capsys):
+    """The README's `train draft --data questions,translation` on the tiny pair, reading the
+    packaged ShareGPT file: the target writes the German (a random tiny model writes none a
+    source would keep, so it gives up after MAX_DROPPED_IN_A_ROW sentences), the run trains
+    on the questions, and the config says which sources gave how many prompts."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "qt"
+    assert main(["train", "draft", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                 "--out", str(out), "--data", "questions,translation", "--max-prompts", "6",
+                 "--max-new-tokens", "8", "--epochs", "1", "--layers", "1", "--precision", "fp32"]) == 0
+    printed = capsys.readouterr()
+    assert "6 prompts (questions: 6, translation: 0;" in printed.err
+    german = json.loads((out / "features" / run.GERMAN_FILE).read_text())
+    assert len(german) >= data.MAX_DROPPED_IN_A_ROW
+    saved = json.loads((out / "distillation.json").read_text())
+    assert saved["data"]["sources"] == ["questions", "translation"] and saved["precision"] == "fp32"
+
+
 def test_two_processes_under_torchrun_share_one_run(tmp_path_factory, tmp_path):
     """The data-parallel path `accelerate launch` takes on many GPUs, here as two CPU
     processes (torchrun with ACCELERATE_USE_CPU=true): one process records the answers, each
