@@ -14,7 +14,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.models.native import ModelArgs, Transformer
+from specdecode.models.native import ForwardOutput, ModelArgs, Transformer
 from specdecode.proposers import DraftOutput, Proposer, RequestState
 
 
@@ -94,6 +94,40 @@ class MockLM:
 
     def fork(self) -> "MockLM":
         return MockLM(self.vocab_size, self.logits_fn, self.max_context)
+
+
+class TreeMockLM(MockLM):
+    """A :class:`MockLM` that also verifies draft trees, exactly on every machine: in
+    ``forward_rows`` each new token's logits are ``logits_fn`` of its own context (the cached
+    tokens and the new tokens ``attn_mask`` lets it see: a tree node's ancestors), and
+    ``compact`` keeps an accepted path's entries, so a tree pass gives each node the logits of
+    the one-token passes along its path by construction (``exact_trees``)."""
+
+    exact_trees = True
+
+    def forward_rows(self, input_ids: torch.Tensor, lengths=None, num_logits: int | None = None,
+                     attn_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                     output_hidden=()) -> ForwardOutput:
+        assert input_ids.shape[0] == 1 and lengths is None and not output_hidden
+        new = input_ids[0].tolist()
+        t = len(new)
+        assert len(self.tokens) + t <= self.max_len, "KV cache overflow"
+        mask = torch.ones(t, t, dtype=torch.bool).tril() if attn_mask is None else attn_mask.reshape(t, t)
+        assert bool(mask.diagonal().all())
+        if position_ids is not None:  # a node at depth d sits at the cached length + d
+            assert position_ids.reshape(t).tolist() == [len(self.tokens) + int(m.sum()) - 1 for m in mask]
+        self.forward_sizes.append(t)
+        rows = [self.logits_fn(self.tokens + [new[j] for j in range(t) if mask[i, j]]) for i in range(t)]
+        self.tokens += new
+        n = t if num_logits is None else num_logits
+        return ForwardOutput(torch.stack(rows)[None, t - n:].float(), {})
+
+    def compact(self, row: int, start: int, keep: list[int]) -> None:
+        assert row == 0 and list(keep) == sorted(set(keep))
+        self.tokens = self.tokens[:start] + [self.tokens[start + o] for o in keep]
+
+    def fork(self) -> "TreeMockLM":
+        return TreeMockLM(self.vocab_size, self.logits_fn, self.max_context)
 
 
 def hashed_logits(vocab: int, salt: str = "", scale: float = 3.0, window: int = 3):

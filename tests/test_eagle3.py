@@ -5,23 +5,30 @@ the training-time test's attention, lossless output on the real kernels, trainin
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from transformers import LlamaForCausalLM
+
 import specdecode
-from helpers import KERNEL_SHAPES, PROMPTS, run, tiny_model
-from specdecode.config import SamplingParams
+from helpers import KERNEL_SHAPES, PROMPTS, MockLM, run, tiny_model
+from specdecode.config import MAX_K, SamplingParams
 from specdecode.engine import Engine
 from specdecode.methods import SpeculativeConfig, speculative_config, tree_size
 from specdecode.export import check_head_tensors, head_tensor_table
-from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, draft_vocabulary
+from specdecode.heads import EAGLE3_ARCH, Eagle3Head, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.models.native import ModelArgs
+from specdecode.models.quant import Int8Linear
+from specdecode.profile import verify_profile
 from specdecode.proposers import Eagle3Proposer
 from specdecode.proposers.base import RequestState
 from specdecode.train.eagle3 import chain_acceptance, eagle3_task, unroll
+from specdecode.train.features import TOPK, Sequence
 from specdecode.train.loop import train
+from tiny_dirs import _llama_config, _randomize, local_tokenizer, tiny_dirs_in
 
 # HEADS.md's table for the default target (Qwen2.5-Coder-1.5B: hidden 1536, 12 heads, 2 KV
 # heads, head_dim 128, 151,936 ids), with intermediate size I and draft vocabulary N
@@ -252,6 +259,99 @@ def test_the_dynamic_tree_keeps_the_most_likely_paths_of_the_heads_own_steps():
     assert speculative_config("eagle3:nodes=auto", False).tree_nodes == "auto"
 
 
+def _head_of_chosen_logits(head: Eagle3Head, table: dict[int, dict[int, float]]) -> Eagle3Head:
+    """Make the logits of ``head``'s steps ours: a row reading target id t gets the logits
+    ``table[t]`` ({target id: logit}) and -200 at every other draft id (whose exp underflows:
+    the log-probabilities are the chosen logits' log-softmax among themselves, exactly 0 for
+    a lone logit 0 beside -100s). The head's steps still run (cache rows, tree attention);
+    only their logits are replaced."""
+    index = {t: i for i, t in enumerate(head.draft_ids.tolist())}
+    project, finish, read = head.project, head.finish, []
+
+    def recording_project(ids, hidden, positions):
+        read[:] = ids.tolist()
+        return project(ids, hidden, positions)
+
+    def chosen_finish(attn, residual):
+        pre, logits = finish(attn, residual)
+        out = torch.full_like(logits, -200.0)
+        for r, tok in enumerate(read[len(read) - len(out):]):
+            for t, logit in table.get(tok, {}).items():
+                out[r, index[t]] = logit
+        return pre, out
+
+    head.project, head.finish = recording_project, chosen_finish
+    return head
+
+
+def _dynamic_tree_of(table_of_names: dict, nodes: int, seed: int = 2):
+    """The dynamic tree (tree_width 2, K = 3) that a head whose logits ``table_of_names``
+    chooses ({name read: {child name: logit}}, "root" for the last committed token) drafts
+    with ``nodes`` nodes; returns (its nodes as names, their parents as indices)."""
+    args = _args()
+    head = _random_head(args, n=60, seed=seed)
+    g = torch.Generator().manual_seed(9)
+    n = 10
+    tokens = torch.randint(0, 96, (n,), generator=g).tolist()
+    names = sorted({c for kids in table_of_names.values() for c in kids} | set(table_of_names) - {"root"})
+    free = [t for t in head.draft_ids.tolist() if t != tokens[-1]]
+    ids = dict(zip(names, free))  # each name a draft-vocabulary id of its own
+    ids["root"] = tokens[-1]
+    table = {ids[r]: {ids[c]: v for c, v in kids.items()} for r, kids in table_of_names.items()}
+    prop = Eagle3Proposer(_head_of_chosen_logits(head, table), [1, 3, 4], tree_width=2, tree_nodes=nodes)
+    aux = torch.randn(n, 3 * args.dim, generator=g)
+    state = RequestState(list(tokens), 0, SamplingParams(), (), None, 96)
+    prop.reset(state, 64)
+    prop.take_hidden(0, {1: aux[:n - 1, :32], 3: aux[:n - 1, 32:64], 4: aux[:n - 1, 64:]})
+    tree = prop.propose(state, 3).tree
+    back = {t: name for name, t in ids.items()}
+    return [back.get(t, t) for t in tree.token_ids.tolist()], tree.parents.tolist()
+
+
+def _tree(names: list[str], parent_of: dict[str, str | None]) -> tuple[list[str], list[int]]:
+    return names, [names.index(parent_of[x]) if parent_of[x] else -1 for x in names]
+
+
+def test_the_dynamic_tree_keeps_the_best_nodes_by_cumulative_log_probability():
+    """EAGLE-2's rerank on a head whose logits we choose, so that the best N nodes are known:
+    root A 0.6, B 0.4; A -> A1 0.99, A2 0.01; B -> B1 0.55, B2 0.45; depth 3 expands the two
+    best of depth 2 (A1, B1): A1 -> A1a 0.9, A1b 0.1; B1 -> B1a 0.95, B1b 0.05. By cumulative
+    log-probability: A, A1, A1a, B, B1, B1a, B2, A1b, B1b, A2. Each N keeps the N best (not the
+    first N made: A, B, A1, A2, ...), ordered by depth, most likely first within a depth."""
+    p = {"root": {"A": 0.6, "B": 0.4}, "A": {"A1": 0.99, "A2": 0.01}, "B": {"B1": 0.55, "B2": 0.45},
+         "A1": {"A1a": 0.9, "A1b": 0.1}, "B1": {"B1a": 0.95, "B1b": 0.05},
+         "A2": {"A2a": 0.9, "A2b": 0.1}, "B2": {"B2a": 0.9, "B2b": 0.1}}  # (A2, B2: never expanded)
+    table = {r: {c: math.log(v) for c, v in kids.items()} for r, kids in p.items()}
+    parent_of = {c: (None if r == "root" else r) for r, kids in p.items() for c in kids}
+    want = {1: ["A"], 2: ["A", "A1"], 3: ["A", "A1", "A1a"], 4: ["A", "B", "A1", "A1a"],
+            5: ["A", "B", "A1", "B1", "A1a"], 6: ["A", "B", "A1", "B1", "A1a", "B1a"],
+            7: ["A", "B", "A1", "B1", "B2", "A1a", "B1a"],
+            10: ["A", "B", "A1", "B1", "B2", "A2", "A1a", "B1a", "A1b", "B1b"]}
+    for n, names in want.items():
+        assert _dynamic_tree_of(table, n) == _tree(names, parent_of), n
+    # 12 nodes: all ten made, no more (A2 and B2 were not expanded)
+    assert sorted(_dynamic_tree_of(table, 12)[0]) == sorted(want[10])
+
+
+def test_the_dynamic_tree_keeps_every_kept_nodes_parent_when_scores_tie():
+    """A child of probability 1 scores exactly its parent's cumulative log-probability (a
+    child never scores above its parent): the rerank keeps the parent first (ties go to
+    the shallower node, then the one made first), so every N gives a tree whose nodes'
+    parents are all kept. Root X 1, Y e^-100; X -> X1 1, X2 e^-100; Y -> Y1 1; X1 -> X1a 1;
+    X2 -> X2a 1: scores X = X1 = X1a = 0, then Y = X2 = Y1 = X1b = X2a = -100 (in the order
+    made within a depth)."""
+    table = {"root": {"X": 0.0, "Y": -100.0}, "X": {"X1": 0.0, "X2": -100.0}, "Y": {"Y1": 0.0, "Y2": -100.0},
+             "X1": {"X1a": 0.0, "X1b": -100.0}, "X2": {"X2a": 0.0, "X2b": -100.0}}
+    parent_of = {c: (None if r == "root" else r) for r, kids in table.items() for c in kids}
+    want = {1: ["X"], 2: ["X", "X1"], 3: ["X", "X1", "X1a"], 4: ["X", "Y", "X1", "X1a"],
+            5: ["X", "Y", "X1", "X2", "X1a"], 6: ["X", "Y", "X1", "X2", "Y1", "X1a"],
+            7: ["X", "Y", "X1", "X2", "Y1", "X1a", "X1b"], 8: ["X", "Y", "X1", "X2", "Y1", "X1a", "X1b", "X2a"]}
+    for n, names in want.items():
+        got = _dynamic_tree_of(table, n)
+        assert got == _tree(names, parent_of), n
+        assert all(p < i for i, p in enumerate(got[1]))  # each node's parent kept, before it
+
+
 def test_the_automatic_tree_size_is_what_verifies_at_the_chains_cost():
     # T(1..9): flat to 7 rows, then a step (a kernel's block of rows)
     times = [1.0, 1.1, 1.2, 1.25, 1.3, 1.32, 1.34, 1.66, 1.7]
@@ -313,8 +413,6 @@ def test_the_int8_head_drafts_what_the_fp32_head_drafts():
     """quantize_ swaps every linear for int8 and keeps the head's choices: the step's top-1
     draft token agrees with the fp32 head's on nearly every row (a broken quantization, a
     wrong layout or scale, agrees on a few percent)."""
-    from specdecode.models.quant import Int8Linear
-
     args = _args(dim=64, head_dim=16, intermediate_size=128)
     head = _random_head(args, n=90, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -333,13 +431,11 @@ def test_the_int8_head_drafts_what_the_fp32_head_drafts():
 
 
 def test_eagle3_needs_the_native_runtime_and_a_head(tmp_path_factory, tmp_path):
-    from helpers import MockLM
     head = _random_head(_args())
     with pytest.raises(ValueError, match="native runtime"):
         Engine(MockLM(96, lambda ctx: torch.zeros(96)), Eagle3Proposer(head, [1, 3, 4]), 2)
     with pytest.raises(ValueError, match="three target layers"):
         Eagle3Proposer(head, [])
-    from tiny_dirs import tiny_dirs_in
     target = specdecode.load(tiny_dirs_in(tmp_path_factory)["target"])
     with pytest.raises(ValueError, match=r"no head for .* yet: .*or give eagle3:head=DIR"):
         specdecode.generate(target, "x", method="eagle3", max_new_tokens=2)
@@ -350,7 +446,6 @@ def test_eagle3_needs_the_native_runtime_and_a_head(tmp_path_factory, tmp_path):
 def test_training_lowers_the_loss_and_raises_held_out_acceptance(tmp_path):
     """The training-time test on sequences of a fixed pattern (a draft can learn it): the
     loss falls and the held-out greedy acceptance length rises."""
-    from specdecode.train.features import TOPK, Sequence
     args = _args()
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(96, 32, generator=g)
@@ -373,3 +468,64 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(tmp_path):
     assert result["history"][-1]["acceptance_length"] > before["acceptance_length"] + 1.0
     config = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert config["architectures"] == [EAGLE3_ARCH] and config["training"]["target"] == "toy"
+
+
+def _deep_target_dir(root, layers: int = 8, hidden: int = 64):
+    """A random Llama of ``layers`` layers (EAGLE-3 needs 7) and head size 16 (the attention
+    kernels' shapes: exact draft trees), with the test tokenizer."""
+    config = _llama_config(len(local_tokenizer()), hidden=hidden)
+    config.num_hidden_layers = layers
+    model = LlamaForCausalLM(config)
+    _randomize(model, seed=0)
+    model.save_pretrained(root)
+    local_tokenizer().save_pretrained(root)
+    return root
+
+
+def test_the_eagle3_method_through_the_api(tmp_path, monkeypatch):
+    """``method="eagle3:head=DIR"`` loads the head on the target's own embedding (int8 linears
+    for an int8 target, fp32 for an fp32 one), and keeps plain decoding's output as a chain,
+    a tree (tree=W), a dynamic tree (nodes=N) and a dynamic tree of the size the target's
+    measured forward times give (nodes=auto), alone and for a list of prompts (the batched
+    engine); without head= it reads the target's default head."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
+    target = specdecode.load(_deep_target_dir(tmp_path / "target"))
+    lm = target.lm
+    assert lm.weight_format.startswith("int8") and lm.exact_trees
+    head = _random_head(lm.args, n=300, seed=3, embed=lm.model.embed_tokens(torch.arange(lm.vocab_size)))
+    saved = head.save(tmp_path / "e3")
+    prompt = "def add(a, b):"
+    plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24)
+    for method, nodes in ((f"eagle3:head={saved}", 4), (f"eagle3:head={saved}:tree=3", 12),
+                          (f"eagle3:head={saved}:nodes=6:tree=3", 6)):
+        out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
+        assert out.token_ids == plain.token_ids, method
+        # the first round's draft: K = 4 tokens, or the tree's nodes
+        assert out.stats.speculation_lengths[0] == nodes and out.stats.num_draft_tokens > 0, method
+    # a list of prompts runs in the batched engine (a dynamic tree): each equals its plain decoding
+    prompts = [prompt, "x = [1, 2, 3", "Hello there"]
+    many = specdecode.generate(target, prompts, method=f"eagle3:head={saved}:nodes=6", max_new_tokens=24)
+    assert [r.token_ids for r in many] == [specdecode.generate(target, p, method="ar", max_new_tokens=24).token_ids
+                                           for p in prompts]
+    assert sum(r.stats.num_draft_tokens for r in many) > 0
+    # nodes=auto: the most nodes a pass verifies at the chain's cost, from the target's
+    # forward times T(1..n) (here set: flat up to 8 rows, then a step): 7 (T(8) <= 1.05 T(5))
+    target.forward_seconds = [0.01] * 8 + [0.02] * (MAX_K + 1 - 8)
+    assert verify_profile(target, MAX_K) == target.forward_seconds
+    out = specdecode.generate(target, prompt, method=f"eagle3:head={saved}:nodes=auto", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.stats.speculation_lengths[0] == 7
+    loaded = list(target.heads.values())
+    assert len(loaded) == 1  # loaded once for all five
+    assert all(isinstance(m, Int8Linear) for m in (loaded[0].fc, loaded[0].lm_head, loaded[0].midlayer.mlp.up_proj))
+    assert torch.equal(loaded[0].draft_ids, head.draft_ids) and loaded[0].embed is None  # the target's own table
+    # without head=: the target's default head
+    head.save(default_head_dir(target.name, "eagle3"))
+    out = specdecode.generate(target, prompt, method="eagle3", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
+    assert len(target.heads) == 2 and any(str(default_head_dir(target.name, "eagle3").resolve()) in key
+                                          for key in target.heads)
+    # an fp32 target keeps the head in fp32
+    fp32 = specdecode.load(tmp_path / "target", dtype="float32")
+    out = specdecode.generate(fp32, prompt, method=f"eagle3:head={saved}", max_new_tokens=24)
+    assert out.token_ids == specdecode.generate(fp32, prompt, method="ar", max_new_tokens=24).token_ids
+    assert type(next(iter(fp32.heads.values())).fc) is torch.nn.Linear

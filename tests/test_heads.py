@@ -1,6 +1,7 @@
 """Medusa draft heads (specdecode.heads, proposers/medusa.py): the module, vLLM's directory
 format, the hidden state the engine hands over, and lossless output through chains and static
-trees on the real kernels."""
+trees on the real kernels; Medusa and EAGLE-3 heads made perfect at their logits (every draft
+accepted), alone and in the batched engine."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import specdecode
 from helpers import KERNEL_SHAPES, MockLM, PROMPTS, run, tiny_model
+from specdecode.batch import BatchEngine
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.heads import MedusaHeads, default_head_dir
+from specdecode.heads import Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.models.native import FINAL
-from specdecode.proposers import MedusaProposer
+from specdecode.proposers import Eagle3Proposer, MedusaProposer, PromptLookupProposer
+from specdecode.schedule import FixedK
 
 
 def _random_heads(model, num_heads=3, seed=0, shared=False):
@@ -175,11 +179,6 @@ def test_heads_run_in_the_batched_engine_each_row_equal_to_its_request_alone():
     several lengths (a one-token one: no state for its first round), chains and draft trees
     (Medusa's static tree, EAGLE-3's siblings and its dynamic tree): each row's output is its
     request's alone; the heads drafted. Heads need the native runtime."""
-    from specdecode.batch import BatchEngine
-    from specdecode.heads import Eagle3Head, aux_layers
-    from specdecode.proposers import Eagle3Proposer, PromptLookupProposer
-    from specdecode.schedule import FixedK
-
     target = tiny_model(0, int8="nk", n_layers=8, **KERNEL_SHAPES)
     assert target.exact_trees, "this project's machines run the CPU attention kernels"
     args = target.args
@@ -223,7 +222,6 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypat
     keeps plain decoding's output, as a chain or a tree, alone or for a list of prompts (the
     batched engine); without head= it reads the target's default heads, says
     how to make them when they are missing; with another target's heads it says what to give."""
-    import specdecode
     from transformers import LlamaForCausalLM
     from tiny_dirs import _llama_config, _randomize, local_tokenizer
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
@@ -268,3 +266,201 @@ def test_default_head_dir_per_target_and_kind(tmp_path, monkeypatch):
     assert default_head_dir(str(tmp_path / "x" / "m"), "medusa") == a
     with pytest.raises(ValueError, match="'hydra' is not one of"):
         default_head_dir("qwen2.5-coder-1.5b-instruct", "hydra")
+
+
+# ----------------------------------------------------------------------------------------
+# Perfect heads: every draft token accepted (the heads' real steps run; only their logits
+# are made to favour the target's own continuation)
+# ----------------------------------------------------------------------------------------
+
+BOOST = 20.0  # above a row's largest logit: the token is the head's top-1 with probability ~1
+
+
+def _rounds(prompt_len: int, max_new: int, k: int) -> list[tuple[int, int]]:
+    """(committed tokens before the round, K of the round) of every round of a request whose
+    drafts are all accepted: each round commits K + 1 tokens, K cut only where the request
+    ends (RequestRun.wanted_k). The fewest rounds a request of these lengths can take."""
+    out, n, limit = [], prompt_len, prompt_len + max_new
+    while n < limit:
+        kk = min(k, limit - n - 1)
+        out.append((n, kk))
+        n += kk + 1
+    return out
+
+
+def _target_states(target, tokens: list[int], keys) -> dict[int, torch.Tensor]:
+    """The target's hidden states ``keys`` of the rows 0..len(tokens)-1 in one pass (a fork:
+    the target's own cache untouched)."""
+    ref = target.fork()
+    ref.allocate(1, len(tokens) + 1)
+    return {k: h[0] for k, h in ref.forward_rows(torch.tensor([tokens]), num_logits=0,
+                                                 output_hidden=tuple(keys)).hidden.items()}
+
+
+def _eagle3_head(target, ids: torch.Tensor, seed: int) -> Eagle3Head:
+    """A random EAGLE-3 head of draft vocabulary ``ids`` on the target's own embedding module
+    (as the method loads one)."""
+    g = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(target.args, ids, target.model.embed_tokens)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "norm" not in name else 0.1) + ("norm" in name))
+    return head.eval()
+
+
+def _perfect_eagle3(head: Eagle3Head, full: list[int]) -> Eagle3Head:
+    """Make ``head`` a perfect drafter of ``full`` (prompt + the target's own output) at its
+    logits: each step it finishes for a row at position q that reads full[q+1] (the token
+    the target wrote there) gets full[q+2]'s logit raised BOOST above its largest. The
+    head's real steps run (its cache rows, chain steps, tree expansion, dynamic-tree scores);
+    only the logits differ."""
+    index = {t: i for i, t in enumerate(head.draft_ids.tolist())}
+    project, finish, rows = head.project, head.finish, []
+
+    def recording_project(ids, hidden, positions):
+        rows[:] = list(zip(ids.tolist(), positions.tolist()))
+        return project(ids, hidden, positions)
+
+    def perfect_finish(attn, residual):
+        pre, logits = finish(attn, residual)
+        logits = logits.clone()
+        for r, (tok, q) in enumerate(rows[len(rows) - len(logits):]):  # the rows finished
+            if q + 2 < len(full) and tok == full[q + 1]:
+                logits[r, index[full[q + 2]]] = logits[r].max() + BOOST
+        return pre, logits
+
+    head.project, head.finish = recording_project, perfect_finish
+    return head
+
+
+def _perfect_medusa(heads: MedusaHeads, full: list[int], finals: torch.Tensor, seen: list) -> MedusaHeads:
+    """Make ``heads`` perfect drafters of ``full`` at their logits: the hidden state the
+    proposer gives them is looked up among the target's final states of ``full``
+    (``finals`` [len(full) - 1, dim]; row p predicts full[p+1]); head i's logit of
+    full[p+2+i] is raised BOOST above its largest. Appends (p, distance to that state) to
+    ``seen`` per call."""
+    forward = heads.forward
+
+    def perfect(hidden):
+        logits = forward(hidden).clone()
+        d = (finals - hidden.float()).norm(dim=-1)
+        p = int(d.argmin())
+        seen.append((p, float(d[p]) / float(finals[p].norm())))
+        for i in range(len(logits)):
+            if p + 2 + i < len(full):
+                logits[i, full[p + 2 + i]] = logits[i].max() + BOOST
+        return logits
+
+    heads.forward = perfect
+    return heads
+
+
+def _assert_eagle3_cache_is_the_targets(prop: Eagle3Proposer, target, full: list[int], cached: int):
+    """The head's KV cache after the request: its rows 0..cached-1 (``cached``: every position
+    committed before the last round's proposal) are the head's step 0 on the target's real
+    states, as one pass over the committed tokens gives them, not the rows its chains wrote
+    there from their own ``pre`` states (each accepted draft's position held one)."""
+    assert prop._cached == cached
+    states = _target_states(target, full[:cached], prop.hidden_keys)
+    feats = torch.cat([states[i] for i in prop.hidden_keys], -1)
+    with torch.no_grad():
+        _, k, v, _ = prop.head.project(torch.tensor(full[1:cached + 1]), prop.head.fc(feats.float()),
+                                       torch.arange(cached))
+    torch.testing.assert_close(prop._k[:, :cached], k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prop._v[:, :cached], v, rtol=1e-4, atol=1e-4)
+
+
+PERFECT = {  # the perfect proposers (_perfect_proposer): name -> the K they run with
+    "eagle3-chain": 4, "eagle3-tree3": 4, "eagle3-dynamic7": 4, "medusa-chain": 3, "medusa-tree": 3}
+
+
+def _perfect_proposer(kind: str, target, full: list[int], prompt_len: int, seen: list, seed: int = 4):
+    """A proposer of PERFECT ``kind`` whose random head is made a perfect drafter of ``full``
+    (EAGLE-3: draft vocabulary the 48 most frequent tokens of the output; Medusa: 3 heads,
+    its lookups appended to ``seen``)."""
+    if kind.startswith("eagle3"):
+        counts = torch.bincount(torch.tensor(full[prompt_len:]), minlength=target.args.vocab_size)
+        head = _perfect_eagle3(_eagle3_head(target, draft_vocabulary(counts.float(), 48), seed), full)
+        width, nodes = {"eagle3-chain": (1, None), "eagle3-tree3": (3, None), "eagle3-dynamic7": (2, 7)}[kind]
+        return Eagle3Proposer(head, aux_layers(target.args.n_layers), tree_width=width, tree_nodes=nodes)
+    finals = _target_states(target, full[:-1], (FINAL,))[FINAL]
+    heads = _perfect_medusa(_random_heads(target, num_heads=3, seed=seed), full, finals, seen)
+    return MedusaProposer(heads, None if kind == "medusa-chain" else
+                          [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
+                                    SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
+                         ids=["greedy", "gumbel"])
+@pytest.mark.parametrize("kind", list(PERFECT))
+def test_a_perfect_head_has_every_draft_accepted_and_keeps_the_output(params, kind):
+    """A head whose logits favour the target's own continuation (from plain decoding with the
+    same parameters: the greedy tokens, or the seeded Gumbel-rule ones): every round's chain,
+    or the tree's path to its full depth, is accepted, so the request takes the fewest verify
+    passes, and the output is plain decoding's. The engine hands over the right states
+    after several accepted rows: Medusa's is the accepted path's last row (the one that
+    predicted the last committed token), EAGLE-3's cache rows of every committed position
+    are rebuilt from the target's real states."""
+    target = tiny_model(0, int8="nk", n_layers=8, **KERNEL_SHAPES)
+    prompt, k = PROMPTS["twenty"], PERFECT[kind]
+    plain, _ = run(target, None, None, prompt, params)
+    full = prompt + plain.token_ids
+    seen = []
+    proposer = _perfect_proposer(kind, target, full, len(prompt), seen)
+    if proposer.makes_trees and not target.exact_trees:  # no CPU attention kernel here: trees refused
+        with pytest.raises(ValueError, match="draft trees need a target"):
+            Engine(target, proposer, k)
+        return
+    gen, blocks = run(target, proposer, k, prompt, params)
+    assert gen.token_ids == plain.token_ids
+    rounds = _rounds(len(prompt), params.max_new_tokens, k)
+    assert [len(b) - 1 for b in blocks] == [kk for _, kk in rounds]  # every round: K accepted + bonus
+    assert gen.stats.num_verify_passes == len(rounds) < plain.stats.num_verify_passes // k
+    assert {i.kind for i in gen.token_info} == {"accepted", "bonus"}  # nothing recovered
+    assert gen.stats.num_accepted_tokens == sum(kk for _, kk in rounds)
+    if not proposer.makes_trees:  # a chain: every drafted token accepted
+        assert gen.stats.num_accepted_tokens == gen.stats.num_draft_tokens
+    else:  # a tree verified more nodes than its accepted path
+        assert gen.stats.num_draft_tokens > gen.stats.num_accepted_tokens
+    if kind.startswith("medusa"):  # each round read the state of the row before the last committed token
+        assert [p for p, _ in seen] == [n - 2 for n, _ in rounds]
+        assert max(d for _, d in seen) < 1e-4
+    else:
+        _assert_eagle3_cache_is_the_targets(proposer, target, full, rounds[-1][0] - 1)
+
+
+def test_perfect_heads_in_the_batched_engine_have_every_draft_accepted():
+    """The same perfect heads as rows of one batch (chains, EAGLE-3's siblings tree and
+    dynamic tree, Medusa's static tree; greedy and seeded; beside a plain row; more requests
+    than rows): each row's output is its request's plain decoding, every round accepts its
+    full K, and the head states handed over in the batch's passes are the target's."""
+    target = tiny_model(0, int8="nk", n_layers=8, **KERNEL_SHAPES)
+    assert target.exact_trees, "this project's machines run the CPU attention kernels"
+    greedy, seeded = SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, temperature=0.9, seed=3)
+    twenty = PROMPTS["twenty"]
+    reqs = [(twenty, greedy, "eagle3-chain"), (twenty[:7], seeded, "eagle3-tree3"),
+            (twenty * 2, greedy, "eagle3-dynamic7"), (twenty[2:], greedy, "medusa-chain"),
+            (twenty[5:], seeded, "medusa-tree"), (twenty[1:], greedy, None)]
+    fulls = [p + Engine(target.fork()).generate(p, params).run().token_ids for p, params, _ in reqs]
+    seen = [[] for _ in reqs]
+    proposers = [None if kind is None else _perfect_proposer(kind, target, full, len(p), s, seed=i)
+                 for i, ((p, _, kind), full, s) in enumerate(zip(reqs, fulls, seen))]
+    batch = BatchEngine(target.fork(), 4, 160, debug=True)
+    try:
+        gens = [batch.add(p, params, proposer=prop, schedule=None if kind is None else FixedK(PERFECT[kind]))
+                for (p, params, kind), prop in zip(reqs, proposers)]
+        batch.run()
+    finally:
+        batch.close()
+    for (p, params, kind), full, gen, prop, s in zip(reqs, fulls, gens, proposers, seen):
+        assert gen.token_ids == full[len(p):], kind
+        if kind is None:
+            continue
+        rounds = _rounds(len(p), params.max_new_tokens, PERFECT[kind])
+        assert gen.stats.num_verify_passes == len(rounds), kind
+        assert gen.stats.num_accepted_tokens == sum(kk for _, kk in rounds), kind
+        assert {i.kind for i in gen.token_info} == {"accepted", "bonus"}, kind
+        if kind.startswith("medusa"):
+            assert [q for q, _ in s] == [n - 2 for n, _ in rounds] and max(d for _, d in s) < 1e-4
+        else:
+            _assert_eagle3_cache_is_the_targets(prop, target, full, rounds[-1][0] - 1)

@@ -14,7 +14,7 @@ from torch import nn
 
 import specdecode
 from specdecode.cli import main
-from specdecode.heads import MedusaHeads, aux_layers, default_head_dir
+from specdecode.heads import EAGLE3_ARCH, Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.train import data, run
 from specdecode.models.loading import checkpoint_tensor
 from specdecode.train.features import TOPK, Sequence, load_sequences, read_manifest, record
@@ -465,6 +465,70 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     plain = specdecode.generate(model, prompt, method="ar", max_new_tokens=20)
     spec = specdecode.generate(model, prompt, method="medusa", max_new_tokens=20)
     assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+
+
+def test_train_eagle3_end_to_end_warm_started_and_the_head_keeps_the_output(deep_target_dir, tmp_path, capsys):
+    """`specdecode train eagle3` on the 8-layer tiny target: the head directory loads for the
+    target, its config records the data, precision and draft vocabulary, the draft
+    vocabulary is the most frequent answer tokens, the head it started from is the warm
+    start (the target's output rows of those ids and final norm; fc selecting the last
+    captured layer; o_proj and down_proj zero: the target's own early exit there), and
+    `generate --method eagle3:head=DIR` gives the target's output."""
+    out = tmp_path / "e3"
+    args = ["train", "eagle3", "--target", str(deep_target_dir), "--out", str(out), "--data", "stdlib",
+            "--max-prompts", "6", "--max-new-tokens", "12", "--epochs", "2", "--batch-size", "2",
+            "--draft-vocab", "8", "--steps", "2", "--precision", "fp32"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert "6 prompts (stdlib: 6" in printed.err and "trained an EAGLE-3 head on" in printed.out
+    assert printed.out.rstrip().endswith(f"--method eagle3:head={out}")
+    target = specdecode.load(deep_target_dir)
+    lm, d = target.lm, target.lm.args.dim
+    head = Eagle3Head.load(out, lm.args, lm.model.embed_tokens)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [EAGLE3_ARCH] and config["draft_vocab_size"] == 8
+    training = config["training"]
+    assert training["data"]["sources"] == ["stdlib"] and training["data"]["prompts"]["stdlib"]["kept"] == 6
+    assert training["precision"] == "fp32" and training["draft_vocab_size"] == 8 and training["epochs"] == 2
+    assert training["recipe"]["steps"] == 2 and len(training["history"]) == 2
+    assert all(h["loss"] == h["loss"] for h in training["history"])  # finite, not nan
+    # the draft vocabulary: the 8 most frequent tokens of the training answers
+    seqs = load_sequences(out / "features", False)
+    counts = torch.bincount(torch.cat([s.tokens[s.start:] for s in seqs]), minlength=lm.vocab_size)
+    assert int((counts > 0).sum()) > 8  # more answer tokens than room: the choice matters
+    inside = torch.zeros(lm.vocab_size, dtype=torch.bool)
+    inside[head.draft_ids] = True
+    assert len(head.draft_ids) == 8 and int(counts[inside].min()) >= int(counts[~inside].max())
+    assert torch.equal(head.draft_ids, draft_vocabulary(counts.float(), 8))
+    assert torch.equal(head.t2d, inside)
+    # the warm start the run began from, built from the same recorded answers
+    recipe = run.HeadRecipe(data=("stdlib",), max_prompts=6, max_new_tokens=12, draft_vocab=8, steps=2)
+    warm = run._eagle3(target, recipe, seqs, [], {"target": target.name}).module.head
+    ids = warm.draft_ids
+    assert torch.equal(ids, head.draft_ids)
+    assert torch.equal(warm.lm_head.weight, checkpoint_tensor(target, "lm_head.weight")[ids])
+    assert torch.equal(warm.norm.weight, checkpoint_tensor(target, "model.norm.weight"))
+    fc = warm.fc.weight
+    assert torch.equal(fc[:, :2 * d], torch.zeros(d, 2 * d)) and torch.equal(fc[:, 2 * d:], torch.eye(d))
+    assert not warm.midlayer.self_attn.o_proj.weight.any() and not warm.midlayer.mlp.down_proj.weight.any()
+    # so its first step's logits are the target's output layer on the last captured state
+    aux = seqs[0].aux.float()
+    with torch.no_grad():
+        h = warm.fc(aux)
+        q, _, _, residual = warm.project(seqs[0].tokens[1:], h[:-1], torch.arange(len(h) - 1))
+        _, logits = warm.finish(torch.randn_like(q), residual)
+    g3 = aux[:-1, 2 * d:]
+    early_exit = nn.functional.rms_norm(g3, (d,), checkpoint_tensor(target, "model.norm.weight"), lm.args.norm_eps) \
+        @ checkpoint_tensor(target, "lm_head.weight")[ids].t()
+    torch.testing.assert_close(logits, early_exit, rtol=1e-5, atol=1e-5)
+    # training moved the head away from it
+    assert not torch.equal(head.midlayer.self_attn.o_proj.weight, warm.midlayer.self_attn.o_proj.weight)
+    # generating with the trained head gives the target's output
+    assert main(["generate", "--target", str(deep_target_dir), "--method", f"eagle3:head={out}",
+                 "--prompt", "def add(a, b):", "--max-new-tokens", "20", "--compare", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical"] is True and result["token_ids"] == result["ar"]["token_ids"]
+    assert len(result["token_ids"]) == 20 and result["stats"]["num_draft_tokens"] > 0
 
 
 def test_the_bench_trains_a_missing_default_head_once_then_measures_it(tmp_path_factory, tmp_path,

@@ -10,11 +10,13 @@ import functools
 import pytest
 import torch
 
-from helpers import KERNEL_SHAPES, MockLM, PROMPTS, run, tiny_model
+from helpers import KERNEL_SHAPES, PROMPTS, MockLM, TreeMockLM, hashed_logits, run, tiny_model
 from lossless import assert_lossless, chi2_critical, chi2_stat, probs_of
+from specdecode.batch import BatchEngine
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer, Proposer
+from specdecode.schedule import FixedK, HeuristicK
 from specdecode.tree import DraftTree
 from specdecode.verify import greedy_verify, greedy_verify_tree, verify_tree
 
@@ -217,6 +219,45 @@ def _tree_target():
     return tiny_model(0, int8="nk", **KERNEL_SHAPES)
 
 
+MOCK_V = 96
+_mock_target_logits = hashed_logits(MOCK_V, "tree-target")
+_mock_noise = hashed_logits(MOCK_V, "tree-draft")
+
+
+def _mock_draft_logits(tokens):
+    """The mock target's logits plus as much noise: the draft agrees with the target at
+    times, and its runner-up is sometimes the target's token where it does not."""
+    return _mock_target_logits(tokens) + _mock_noise(tokens)
+
+
+# the targets the engine's tree tests run on: "kernel", the int8 tiny target, whose tree
+# passes are exact where the CPU attention kernel runs them (x86-64 with AVX2 or AVX512 and a
+# C++ compiler: a property of the platform; elsewhere the target says it has no exact trees
+# and the engine refuses them); "mock", a TreeMockLM, exact by construction on every machine
+TREE_TARGETS = ["kernel", "mock"]
+
+
+def _pair(kind: str):
+    """(target, draft) of TREE_TARGETS ``kind``."""
+    if kind == "kernel":
+        return _tree_target(), _draft()
+    return TreeMockLM(MOCK_V, _mock_target_logits), MockLM(MOCK_V, _mock_draft_logits)
+
+
+def _assert_trees_refused(target, draft, params: SamplingParams):
+    """What holds on a target without exact tree passes: the engine refuses a tree proposer
+    (saying why), and the same proposer's chain runs the request (with plain decoding's very
+    tokens where the rule fixes them: greedy, or seeded Gumbel)."""
+    assert not target.exact_trees
+    with pytest.raises(ValueError, match="draft trees need a target"):
+        Engine(target, DraftModelProposer(draft.fork(), tree_width=2), 4)
+    plain, _ = run(target, None, None, PROMPTS["twenty"], params)
+    chain, _ = run(target, DraftModelProposer(draft.fork()), 4, PROMPTS["twenty"], params)
+    assert len(chain.token_ids) == params.max_new_tokens and chain.stats.num_draft_tokens > 0
+    if params.greedy or params.rule == "gumbel":
+        assert chain.token_ids == plain.token_ids
+
+
 def _draft():
     """The target's float weights with noise: its argmax agrees with the target's at times,
     and its runner-up is sometimes the target's token where it does not."""
@@ -232,47 +273,56 @@ def _draft():
                                     SamplingParams(max_new_tokens=60, repetition_penalty=1.3),
                                     SamplingParams(max_new_tokens=60, temperature=0.8, seed=5)],
                          ids=["greedy", "greedy-penalty", "gumbel"])
-def test_tree_drafts_keep_the_target_output_and_take_siblings(params):
+@pytest.mark.parametrize("kind", TREE_TARGETS)
+def test_tree_drafts_keep_the_target_output_and_take_siblings(params, kind):
     """Greedy (with and without a repetition penalty, which sees each node's own path) and
     seeded Gumbel-rule requests give plain decoding's tokens through draft trees; with a draft
-    that disagrees with the target at times, the trees' siblings save verify passes. Where the target cannot run exact tree passes, the engine refuses the tree."""
-    target = _tree_target()
+    that disagrees with the target at times, the trees' siblings save verify passes. Where the
+    target cannot run exact tree passes, the engine refuses the tree."""
+    target, draft = _pair(kind)
     prompt = PROMPTS["twenty"]
     if not target.exact_trees:
-        with pytest.raises(ValueError, match="draft trees need a target"):
-            Engine(target, DraftModelProposer(tiny_model(0), tree_width=3), 4)
-        return
-    plain, _ = run(target, None, None, prompt, params)
-    chain, _ = run(target, DraftModelProposer(_draft()), 4, prompt, params)
-    tree, _ = run(target, DraftModelProposer(_draft(), tree_width=3), 4, prompt, params)
-    assert chain.token_ids == plain.token_ids
-    assert tree.token_ids == plain.token_ids
-    assert tree.stats.num_verify_passes < chain.stats.num_verify_passes
-    kinds = {i.kind for i in tree.token_info}
-    assert "accepted" in kinds and kinds <= {"accepted", "recovered", "bonus", "target"}
+        _assert_trees_refused(target, draft, params)
+    else:
+        plain, _ = run(target, None, None, prompt, params)
+        chain, _ = run(target, DraftModelProposer(draft.fork()), 4, prompt, params)
+        tree, _ = run(target, DraftModelProposer(draft.fork(), tree_width=3), 4, prompt, params)
+        assert chain.token_ids == plain.token_ids
+        assert tree.token_ids == plain.token_ids
+        assert tree.stats.num_verify_passes < chain.stats.num_verify_passes
+        kinds = {i.kind for i in tree.token_info}
+        assert "accepted" in kinds and kinds <= {"accepted", "recovered", "bonus", "target"}
 
 
-def test_tree_logprobs_come_from_the_rows_of_the_path():
-    target = _tree_target()
-    if not target.exact_trees:
-        return
+@pytest.mark.parametrize("kind", TREE_TARGETS)
+def test_tree_logprobs_come_from_the_rows_of_the_path(kind):
+    target, draft = _pair(kind)
     params = SamplingParams(max_new_tokens=30, logprobs=2)
-    prompt = PROMPTS["twenty"]
-    plain, _ = run(target, None, None, prompt, params)
-    tree, _ = run(target, DraftModelProposer(_draft(), tree_width=2), 4, prompt, params)
-    assert tree.token_ids == plain.token_ids
-    for a, b in zip(tree.token_info, plain.token_info):
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
-        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    if not target.exact_trees:
+        _assert_trees_refused(target, draft, params)
+    else:
+        prompt = PROMPTS["twenty"]
+        plain, _ = run(target, None, None, prompt, params)
+        tree, _ = run(target, DraftModelProposer(draft, tree_width=2), 4, prompt, params)
+        assert tree.token_ids == plain.token_ids
+        assert "accepted" in {i.kind for i in tree.token_info}
+        assert tree.stats.num_draft_tokens > 4 * tree.stats.num_drafts  # siblings were verified
+        for a, b in zip(tree.token_info, plain.token_info):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
 
 
-def test_rejection_rule_requests_get_the_chain_and_bad_widths_are_refused():
-    target = _tree_target()
+@pytest.mark.parametrize("kind", TREE_TARGETS)
+def test_rejection_rule_requests_get_the_chain_and_bad_widths_are_refused(kind):
+    target, draft = _pair(kind)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3, acceptance_rule="rejection")
     if target.exact_trees:
-        params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3, acceptance_rule="rejection")
-        proposer = DraftModelProposer(tiny_model(0), tree_width=3)
-        gen, _ = run(target, proposer, 4, PROMPTS["twenty"], params)
+        gen, _ = run(target, DraftModelProposer(draft, tree_width=3), 4, PROMPTS["twenty"], params)
         assert len(gen.token_ids) == 20 and gen.stats.num_draft_tokens > 0
+        # the chain: K tokens a round at most (a tree of width 3 would verify up to 12)
+        assert max(gen.stats.speculation_lengths) <= 4
+    else:
+        _assert_trees_refused(target, draft, params)
     for bad in (0, 9, 2.0, True):
         with pytest.raises(ValueError, match="tree_width"):
             DraftModelProposer(tiny_model(0), tree_width=bad)
@@ -285,9 +335,6 @@ def test_draft_trees_in_a_batch_each_row_equal_to_its_request_alone():
     siblings) share verify passes with chain and plain rows, on draft rows of one cache; each
     output is its request's alone, and the trees did verify siblings. A target whose tree
     passes are not exact refuses a tree row."""
-    from specdecode.batch import BatchEngine
-    from specdecode.proposers import PromptLookupProposer
-    from specdecode.schedule import FixedK
     target, draft = _tree_target(), _draft()
     assert target.exact_trees, "this project's machines run the CPU attention kernels"
     twenty = PROMPTS["twenty"]
@@ -318,14 +365,14 @@ def test_draft_trees_in_a_batch_each_row_equal_to_its_request_alone():
         assert gens[0].stats.num_draft_tokens > 4 * gens[0].stats.num_drafts
     finally:
         batch.close()
-    inexact = tiny_model(0)
-    if not inexact.exact_trees:  # fp32 weights and activations: no exact tree kernel
-        batch = BatchEngine(inexact, 2, 64)
-        try:
-            with pytest.raises(ValueError, match="draft trees need a target"):
-                batch.add(twenty, greedy, proposer=DraftModelProposer(_draft(), tree_width=2))
-        finally:
-            batch.close()
+    inexact = tiny_model(0, head_dim=12)  # a head size no attention kernel runs, on any machine
+    assert not inexact.exact_trees
+    batch = BatchEngine(inexact, 2, 64)
+    try:
+        with pytest.raises(ValueError, match="draft trees need a target"):
+            batch.add(twenty, greedy, proposer=DraftModelProposer(_draft(), tree_width=2))
+    finally:
+        batch.close()
 
 
 def test_prune_keeps_parents_and_renumbers():
@@ -336,40 +383,41 @@ def test_prune_keeps_parents_and_renumbers():
         TREE.prune(torch.tensor([False, True, True, False, False]))
 
 
-def test_trees_beyond_an_exact_pass_are_pruned_and_stay_exact():
+@pytest.mark.parametrize("kind", TREE_TARGETS)
+def test_trees_beyond_an_exact_pass_are_pruned_and_stay_exact(kind):
     """A tree of 8 x 9 nodes would make a 73-row pass, past what the exact attention kernel
     runs: the engine verifies its first 64 nodes, and logprobs stay bit for bit plain
     decoding's."""
-    target = _tree_target()
-    if not target.exact_trees:
-        return
+    target, draft = _pair(kind)
     params = SamplingParams(max_new_tokens=100, logprobs=1)  # room for 64 nodes at first
-    plain, _ = run(target, None, None, PROMPTS["twenty"], params)
-    gen, _ = run(target, DraftModelProposer(_draft(), tree_width=8), 9, PROMPTS["twenty"], params)
-    assert gen.token_ids == plain.token_ids
-    assert max(gen.stats.speculation_lengths) == 64
-    assert [i.logprob for i in gen.token_info] == [i.logprob for i in plain.token_info]
+    if not target.exact_trees:
+        _assert_trees_refused(target, draft, params)
+    else:
+        plain, _ = run(target, None, None, PROMPTS["twenty"], params)
+        gen, _ = run(target, DraftModelProposer(draft, tree_width=8), 9, PROMPTS["twenty"], params)
+        assert gen.token_ids == plain.token_ids
+        assert max(gen.stats.speculation_lengths) == 64
+        assert [i.logprob for i in gen.token_info] == [i.logprob for i in plain.token_info]
 
 
-def test_the_k_schedules_see_the_tree_depth():
+@pytest.mark.parametrize("kind", TREE_TARGETS)
+def test_the_k_schedules_see_the_tree_depth(kind):
     """Heuristic K grows after fully accepted paths of a tree as after a fully accepted chain
     (a draft that is the target itself is always right)."""
-    from specdecode.schedule import HeuristicK
-    target = _tree_target()
-    if not target.exact_trees:
-        return
+    target, draft = _pair(kind)
     params = SamplingParams(max_new_tokens=120)
-    passes = {}
-    for w in (1, 2):
-        gen = Engine(target, DraftModelProposer(target.fork(), tree_width=w), HeuristicK(4)) \
-            .generate(PROMPTS["twenty"], params).run()
-        passes[w] = gen.stats.num_verify_passes
-    assert passes[2] <= passes[1]
+    if not target.exact_trees:
+        _assert_trees_refused(target, draft, params)
+    else:
+        passes = {}
+        for w in (1, 2):
+            gen = Engine(target, DraftModelProposer(target.fork(), tree_width=w), HeuristicK(4)) \
+                .generate(PROMPTS["twenty"], params).run()
+            passes[w] = gen.stats.num_verify_passes
+        assert passes[2] <= passes[1]
 
 
 def test_a_proposer_that_gives_more_than_k_is_cut_to_k():
-    from specdecode.proposers import DraftOutput, Proposer
-
     class Greedy(Proposer):
         name = "greedy"
 

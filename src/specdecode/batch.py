@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -205,6 +205,9 @@ class _Row:
     fixed_k: bool = False
     prompt: list[int] | None = None  # the prompt while its prefill runs; None once it is done
     prefilled: int = 0  # prompt tokens in the row's cache so far
+    # a draft head's prompt states (start, states) made by the prefill chunks so far: handed
+    # over once the run begins (RequestRun.begin resets the proposer, which would drop them)
+    prompt_hidden: list = field(default_factory=list)
 
 
 # draft passes of up to this many tokens a row are batched (the attention kernel's range, so
@@ -455,14 +458,17 @@ class BatchEngine:
                 keys = _hidden_keys(row.run)
                 if keys:  # a draft head reads the prompt's states (as the engine's prefill gives them)
                     out = self.target.forward_span(b, b + 1, ids, None, 0, output_hidden=keys)
-                    row.run.proposer.take_hidden(row.prefilled, {k: h[0] for k, h in out.hidden.items()})
+                    row.prompt_hidden.append((row.prefilled, {k: h[0] for k, h in out.hidden.items()}))
                 else:
                     self.target.forward_row(b, ids, num_logits=0)
                 row.prefilled += n
                 budget -= n
             if row.prefilled == len(row.prompt) - 1:
                 row.prompt = None
-                row.run.begin(row.t0)
+                row.run.begin(row.t0)  # (resets the proposer: the prompt's states come after it, as alone)
+                for start, hidden in row.prompt_hidden:
+                    row.run.proposer.take_hidden(start, hidden)
+                row.prompt_hidden = []
             if budget <= 0:
                 break
 
