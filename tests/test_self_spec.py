@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from helpers import PROMPTS, randint, ref, run, tiny_model
-from lossless import EV, N_RUNS, assert_lossless
+from lossless import EV, N_RUNS, assert_lossless, probs_of
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
 from specdecode import methods
-from specdecode.methods import Method, SpeculativeConfig, build_proposer, speculative_config, split_method
+from specdecode.methods import (Method, SpeculativeConfig, build_proposer, build_schedule, speculative_config,
+                                split_method)
+from specdecode.profile import verify_profile
 from specdecode.models.loading import LoadedModel
 from specdecode.models import native
 from specdecode.models.native import SelfDraft
@@ -104,9 +106,18 @@ def test_self_draft_at_a_lower_precision_is_lossless():
     weights = _target("kn")
     prompt = PROMPTS["twenty"]
     plain = Engine(tgt, None, None).generate(prompt, GREEDY).run()
-    gen, _ = run(tgt, _Recording(tgt, None, weights), 4, prompt, GREEDY)
+    full = _cache(tgt, tgt.seq_len)
+    proposer = _Recording(tgt, None, weights)
+    gen, _ = run(tgt, proposer, 4, prompt, GREEDY)
     assert gen.token_ids == plain.token_ids
     assert gen.stats.acceptance_rate > 0.8  # the same weights, rounded: nearly always right
+    # the int8 copy wrote its drafts into the fp32 target's buffers: none is left where the
+    # target reads, after any round
+    assert proposer.snapshots
+    for n, snap in proposer.snapshots:
+        for (k, v), (k0, v0) in zip(snap, full):
+            torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_self_draft_rejects_weights_of_another_shape_or_dtype():
@@ -152,31 +163,50 @@ def test_layer_skip_in_the_batched_engine_equals_each_solo_run():
     assert max(together) == 2  # the two rows of the same layers drafted in one pass
 
 
+SAMPLING_CASES = [  # (draft, acceptance rule, sampling settings): each kind, several warpers
+    ("layer-skip", "rejection", dict(temperature=1.3, top_k=5)),
+    ("layer-skip", "gumbel", dict(temperature=1.3, top_k=5)),
+    ("self-draft", "rejection", dict(temperature=0.5, top_p=0.9)),
+    ("self-draft", "gumbel", dict(temperature=2.0)),
+    ("self", "rejection", dict(temperature=1.0, top_k=4)),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["rejection", "gumbel"])
-def test_layer_skip_sampling_follows_the_target(rule):
-    """20k seeded requests of a 6-token model drafting with one of its two layers: the joint
-    of the first two tokens is the target's (enumerated with one-token passes)."""
+@pytest.mark.parametrize("kind,rule,settings", SAMPLING_CASES,
+                         ids=[f"{d}-{r}-" + "-".join(f"{k}{v}" for k, v in o.items()) for d, r, o in SAMPLING_CASES])
+def test_self_speculative_sampling_follows_the_target(kind, rule, settings):
+    """20k seeded requests of a 6-token, 2-layer model: the joint of the first two tokens is
+    the target's (enumerated with one-token passes through the engine's own warpers), with
+    each self-speculative draft: one of its two layers (layer-skip), its int8 copy
+    (self-draft), and suffix matching or layer-skip (self, the hybrid)."""
     tgt = tiny_model(3, vocab_size=EV, scale=1.0)
-    params = SamplingParams(max_new_tokens=3, temperature=1.3, top_k=5)
+    params = SamplingParams(max_new_tokens=3, **settings)
     prompt = [2, 3]
 
     def probs(ids):
         tgt.allocate(1, 8)
-        logits = tgt.forward(torch.tensor([ids]), num_logits=1)[0, -1].clone()
-        logits[logits.argsort()[0]] = -float("inf")  # top_k 5 of 6
-        return torch.softmax(logits / 1.3, -1).double()
+        logits = tgt.forward(torch.tensor([ids]), num_logits=1)[:, -1:].clone()
+        return probs_of(logits, params, torch.tensor([ids]), None)[0, 0].double()
 
     p1 = probs(prompt)
     joint = p1[:, None] * torch.stack([probs(prompt + [a]) for a in range(EV)])
-    engine = Engine(tgt, DraftModelProposer(tgt.self_draft([0]), lazy_prefill=True), 2, debug=True)
+    if kind == "layer-skip":
+        proposer = DraftModelProposer(tgt.self_draft([0]), lazy_prefill=True)
+    elif kind == "self-draft":
+        copy = tiny_model(3, vocab_size=EV, scale=1.0, int8="kn")
+        proposer = DraftModelProposer(tgt.self_draft(None, copy), lazy_prefill=True)
+    else:
+        target = LoadedModel(lm=tgt, tokenizer=None, name="tiny", eos_token_ids=())
+        proposer = build_proposer(SpeculativeConfig("self", skip_layers=(1,)), target, None)
+    engine = Engine(tgt, proposer, 2, debug=True)
     counts = torch.zeros(EV, EV, dtype=torch.long)
     proposed = 0
     for seed in range(N_RUNS):
         gen = engine.generate(prompt, dataclasses.replace(params, seed=seed, acceptance_rule=rule)).run()
         counts[gen.token_ids[0], gen.token_ids[1]] += 1
         proposed += gen.stats.num_draft_tokens
-    assert proposed > N_RUNS
+    assert proposed > N_RUNS // 4  # the draft took part in the rounds that decided the two tokens
     assert_lossless(counts, joint)
 
 
@@ -394,3 +424,35 @@ def test_a_self_drafts_head_over_the_first_ids_keeps_their_logits_and_the_output
     for bad in (8, 33, 112, True, "all"):
         with pytest.raises(ValueError, match="vocab="):
             tgt.self_draft([0], vocab=bad)
+
+
+def test_the_k_controls_drive_the_self_speculative_methods(tmp_path):
+    """layer-skip takes the K its profile predicts best unless K is given; auto's first
+    estimate of a draft step is the self-draft's share of the target's T(1) (not free);
+    heuristic and auto K keep every self-speculative method's output the target's."""
+    lm = _target("kn")
+    target = _loaded(lm)
+    profile = SkipProfile((1,), 3, 0.9, 0.4, 1.1, LAYERS, target="tiny", weight_format=lm.weight_format)
+    path = tmp_path / "p.json"
+    profile.save(path)
+    spec = speculative_config(f"layer-skip:profile={path}", False)
+    proposer = build_proposer(spec, target, None)
+    assert build_schedule(spec, target, None, proposer).k == 3
+    assert build_schedule(speculative_config(f"layer-skip:profile={path}", False, 2), target, None, proposer).k == 2
+    assert build_schedule(speculative_config("layer-skip:layers=0+2+3", False), target, None).k == 1  # no profile
+    auto = build_schedule(speculative_config(f"layer-skip:profile={path}", False, "auto"), target, None, proposer)
+    t1 = verify_profile(target, auto.max_k)[0]
+    assert auto.draft_seconds_per_token == pytest.approx(0.4 * t1)
+    exit_spec = speculative_config("early-exit:layer=2", False, "auto")
+    exit_auto = build_schedule(exit_spec, target, None, build_proposer(exit_spec, target, None))
+    assert exit_auto.draft_seconds_per_token == pytest.approx(t1 * 2 / LAYERS)  # its share of layers
+
+    plain = Engine(lm, None, None).generate(PROMPTS["twenty"], GREEDY).run().token_ids
+    for method in (f"layer-skip:profile={path}", "early-exit:layer=2", f"self:profile={path}"):
+        for k in ("heuristic", "auto"):
+            spec = speculative_config(method, False, k)
+            proposer = build_proposer(spec, target, None)
+            gen = Engine(lm, proposer, build_schedule(spec, target, None, proposer)).generate(
+                PROMPTS["twenty"], GREEDY).run()
+            assert gen.token_ids == plain, (method, k)
+            assert gen.stats.num_draft_tokens > 0, (method, k)

@@ -182,6 +182,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "draft" (default when a draft is given, else "ar": plain decoding),
     "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft).
+    ``"medusa:lossy-typical=EPS"`` is LOSSY: Medusa's typical acceptance changes the output
+    of sampled requests (``stats.lossy`` says so); in a greedy request it is refused.
     num_speculative_tokens (alias ``num_assistant_tokens``): K, an integer (default 6 for
     draft models, 16 for lookups and the hybrid, whose draft model drafts at most 6),
     "heuristic" (transformers' schedule: +2 after a fully
@@ -372,17 +374,20 @@ def _own_chat_view(proposer, draft: LoadedModel | None, prompt, chat: bool) -> N
 def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, sampling: dict,
            dtype, device, debug, batch=None, own_k=False) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
     params = _sampling_params(**sampling)
+    if spec.lossy_typical is not None and params.greedy:
+        raise ValueError(f"lossy-typical={spec.lossy_typical} applies to sampled requests (temperature > 0): "
+                         "at temperature 0 Medusa's typical acceptance is greedy verification, so it would "
+                         "change nothing; give a temperature, or drop lossy-typical=")
     if spec.method.needs_draft_model and draft is None:
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype, device=device)
     drf = _as_model(draft, dtype, "draft", device) if spec.method.needs_draft_model else None
     prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
-    schedule = build_schedule(spec, tgt, drf)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
     if batch is None:
         proposer = build_proposer(spec, tgt, drf)
         _own_chat_view(proposer, drf, prompt, chat)
-        engine = Engine(tgt.lm, proposer, schedule, debug=debug)
+        engine = Engine(tgt.lm, proposer, build_schedule(spec, tgt, drf, proposer), debug=debug)
         return engine.generate(prompt_ids, params, tgt.eos_token_ids, decode), tgt, params, prompt_ids
     if batch.target is not tgt.lm:
         raise ValueError("batch= is a BatchEngine over another model than this target's")
@@ -402,6 +407,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     own = replace(drf, lm=view, session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
     _own_chat_view(proposer, drf, prompt, chat)
+    schedule = build_schedule(spec, tgt, drf, proposer)
     if draft_s is None and proposer is not None and batch.forward_seconds:
         # a self-draft's cost: its share of the target's T(1)
         costs = [m.cost for m in proposer.models() if hasattr(m, "cost")]

@@ -6,7 +6,10 @@ verify pass; the request's acceptance rule (:func:`~specdecode.verify.rejection_
 :func:`~specdecode.verify.gumbel_verify` for ``SamplingParams.rule == "gumbel"``) keeps an
 accepted prefix plus one recovered or bonus token; stop conditions are checked on every
 token of that block; both caches roll back to the committed length. Plain autoregressive decoding is the same loop
-with no proposer (k = 0 every round), so both share every line of stop handling.
+with no proposer (k = 0 every round), so both share every line of stop handling. A proposer
+with ``lossy_typical`` set (``medusa:lossy-typical=EPS``) has its drafts in sampled requests
+verified by Medusa's typical acceptance instead (:func:`~specdecode.verify.typical_verify`),
+which changes the output; its stats say ``lossy``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
 from .text import StopStrings
 from .tree import MAX_NODES, check_tree_target
-from .verify import greedy_verify, greedy_verify_tree, gumbel_verify, rejection_sample, verify_tree
+from .verify import (greedy_verify, greedy_verify_tree, gumbel_verify, rejection_sample, typical_verify,
+                     typical_verify_tree, verify_tree)
 
 
 TOKEN_KINDS = ("accepted", "recovered", "bonus", "target")
@@ -266,6 +270,10 @@ class RequestRun:
                 torch.randint(0, 2**63 - 1, (1,), generator=generator))
             self.noise = GumbelNoise(seed, target.vocab_size)
         self.generator = generator
+        # Medusa's typical acceptance (lossy) where the proposer asks for it, in sampled
+        # requests only: at temperature 0 it is greedy verification, which stays
+        self.typical = proposer.lossy_typical if proposer is not None and not params.greedy else None
+        stats.lossy = stats.lossy or self.typical is not None
         self.limit = min(target.max_context, len(prompt) + params.max_new_tokens)
         self.state = RequestState(list(prompt), 0, params, tuple(sorted(eos)), generator,
                                   target.vocab_size, self.noise)
@@ -349,7 +357,9 @@ class RequestRun:
             context = torch.tensor([state.tokens]) if params.repetition_penalty != 1.0 else None
             processed = process_logits(logits, params, context, drafts, state.num_generated,
                                        state.eos_token_ids)
-            if noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
+            if self.typical is not None and k:  # (a round without drafts samples as the rule says)
+                out, num_accepted = typical_verify(drafts, to_probs(processed, params), self.typical)
+            elif noise is not None:  # the tokens of positions n .. n+k are fixed by the noise
                 out, num_accepted = gumbel_verify(drafts, processed, noise.rows(n, k + 1, processed.device)[None])
             elif params.greedy:
                 out, num_accepted = greedy_verify(drafts, processed)
@@ -413,7 +423,9 @@ class RequestRun:
                 rows.append(process_logits(logits[:, r:r + 1], params, context, None,
                                            state.num_generated + depth[r], state.eos_token_ids)[0, 0])
             processed = torch.stack(rows)
-        if noise is not None:  # row r's token is at position n + its depth
+        if self.typical is not None:
+            path, last = typical_verify_tree(tree, to_probs(processed[None], params)[0], self.typical)
+        elif noise is not None:  # row r's token is at position n + its depth
             noise_rows = noise.rows(n, max(depth) + 1, processed.device)[torch.tensor(depth)]
             path, last = greedy_verify_tree(tree, processed + noise_rows[:, :processed.shape[-1]])
         elif params.greedy:

@@ -31,6 +31,7 @@ from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridPropos
 from .proposers.hybrid import HybridTuning
 from .schedule import AutoK, FixedK, HeuristicK, Schedule
 from .tree import MAX_NODES, MAX_TREE_WIDTH
+from .verify import LossyTypical
 
 # option -> how messages name it; each method names the ones it honours (MethodSpec.options):
 # draft (a draft model), draft_p_min (its p_min), ngram (prompt lookup's n-gram sizes),
@@ -47,6 +48,7 @@ OPTIONS = {
     "tree": "a draft tree width (draft_tree_width=; tree=) applies",
     "tree_nodes": "a dynamic draft tree's size (tree_nodes=; nodes=) applies",
     "head": "a draft head's directory (head_dir=; head=) applies",
+    "lossy_typical": "Medusa's typical acceptance, which changes the output (lossy_typical=; lossy-typical=), applies",
 }
 
 
@@ -109,7 +111,8 @@ def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
     as a chain or, with ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
     heads = _loaded_head(spec, target, "medusa")
     w = spec.draft_tree_width
-    return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None)
+    return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None,
+                          lossy_typical=spec.lossy_typical)
 
 
 def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
@@ -343,7 +346,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
                "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer,
                lambda spec, target, draft: _medusa(spec, target),
-               options=frozenset({"head", "tree"}), k=3),
+               options=frozenset({"head", "tree", "lossy_typical"}), k=3),
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
@@ -402,7 +405,10 @@ class SpeculativeConfig:
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
     (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes, or "auto": as many as
     verify at the cost of the chain's pass; None: none), ``head_dir``
-    (``head``: the directory of the ``medusa`` or ``eagle3`` method's head). Raises ValueError naming a bad
+    (``head``: the directory of the ``medusa`` or ``eagle3`` method's head), ``lossy_typical``
+    (``lossy-typical=EPS[/DELTA]``, medusa only: a :class:`~specdecode.verify.LossyTypical`,
+    or its EPS as a number; None, the default: lossless. Sampled requests are then verified
+    by Medusa's typical acceptance, which CHANGES THE OUTPUT). Raises ValueError naming a bad
     value, or an option the method does not honour (never silently ignored).
     """
 
@@ -421,6 +427,7 @@ class SpeculativeConfig:
     draft_tree_width: int = 1
     tree_nodes: int | str | None = None
     head_dir: str | None = None
+    lossy_typical: LossyTypical | float | None = None
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
     k_given: bool = field(default=False, init=False, repr=False, compare=False)
@@ -475,6 +482,12 @@ class SpeculativeConfig:
                                                or not 1 <= n <= MAX_NODES):
             raise ValueError(f"tree_nodes = {n!r} is invalid; allowed: an integer in 1..{MAX_NODES}, "
                              "'auto', or None (no dynamic tree)")
+        t = self.lossy_typical
+        if t is not None and not isinstance(t, LossyTypical):
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise ValueError(f"lossy_typical = {t!r} is invalid; allowed: None (lossless), EPS (a "
+                                 "number in (0, 1), e.g. 0.09) or a LossyTypical")
+            object.__setattr__(self, "lossy_typical", LossyTypical(t))
         if self.self_draft_dtype not in (None, *SELF_DRAFT_DTYPES):
             raise ValueError(f"self_draft_dtype = {self.self_draft_dtype!r} is invalid; allowed: "
                              f"{', '.join(SELF_DRAFT_DTYPES)}")
@@ -484,7 +497,8 @@ class SpeculativeConfig:
                  "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
                  "skip": self.skip_layers is not None or self.skip_profile is not None,
                  "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
-                 "tree": w != 1, "tree_nodes": n is not None, "head": self.head_dir is not None}
+                 "tree": w != 1, "tree_nodes": n is not None, "head": self.head_dir is not None,
+                 "lossy_typical": t is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -536,6 +550,7 @@ METHOD_OPTIONS = {
     "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v, MAX_TREE_WIDTH)}),
     "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES)}),
     "head": ("head", "DIR", lambda v: {"head_dir": v}),
+    "lossy-typical": ("lossy_typical", "EPS[/DELTA]", lambda v: {"lossy_typical": LossyTypical.parse(v)}),
 }
 
 
@@ -555,7 +570,7 @@ def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
     early-exit, dtype= for self-draft, tree= for draft, medusa and eagle3, nodes= for eagle3, head= for
-    medusa and eagle3); keys
+    medusa and eagle3, lossy-typical= for medusa); keys
     the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}
@@ -697,13 +712,17 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel,
     return entry.build(spec, target, draft if entry.needs_draft_model else None)
 
 
-def build_schedule(spec: SpeculativeConfig, target: LoadedModel,
-                   draft: LoadedModel | None = None) -> Schedule | None:
+def build_schedule(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None = None,
+                   proposer: Proposer | None = None) -> Schedule | None:
     """The K schedule of ``spec`` (None for plain decoding): fixed K, transformers'
     heuristic (both from K where given, else the method's default; for a draft of another
-    tokenizer than the target's, ``CrossTokenizerProposer.default_k``), or auto, which
-    profiles the target's forward times T(1..max_k+1) and, for methods with a draft model,
-    the draft's T(1) once (:func:`specdecode.profile.verify_profile`)."""
+    tokenizer than the target's, ``CrossTokenizerProposer.default_k``; for layer-skip with
+    a profile, the K the profile predicts best), or auto, which profiles the target's
+    forward times T(1..max_k+1) and, for methods with a draft model, the draft's T(1) once
+    (:func:`specdecode.profile.verify_profile`); for the self-speculative methods, auto's
+    first estimate of a draft step is the self-draft's ``cost`` (its share of the target's
+    T(1)) from ``proposer``, the request's proposer, until the request's own round times
+    replace it. Raises ValueError where building the layer-skip draft does (a bad profile)."""
     if spec.method.spec.proposer is None:
         return None
     k, lookahead = spec.num_speculative_tokens, 0
@@ -711,11 +730,16 @@ def build_schedule(spec: SpeculativeConfig, target: LoadedModel,
         lookahead = CrossTokenizerProposer.lookahead
         if not spec.k_given:
             k = CrossTokenizerProposer.default_k  # the draft method's default K for this pair
+    if spec.method is Method.LAYER_SKIP and not spec.k_given:
+        k = _layer_skip_draft(spec, target)[1]
     if spec.schedule is KSchedule.HEURISTIC:
         return HeuristicK(k, spec.max_speculative_tokens)
     if spec.schedule is KSchedule.AUTO:
-        draft_s = (verify_profile(draft, 0)[0]
-                   if spec.method.needs_draft_model and draft is not None else 0.0)
-        return AutoK(verify_profile(target, spec.max_speculative_tokens), spec.max_speculative_tokens,
-                     draft_seconds_per_token=draft_s, lookahead=lookahead)
+        times = verify_profile(target, spec.max_speculative_tokens)
+        if spec.method.needs_draft_model and draft is not None:
+            draft_s = verify_profile(draft, 0)[0]
+        else:  # a lookup costs nothing; a self-draft its share of the target's pass
+            costs = [m.cost for m in (proposer.models() if proposer is not None else ()) if hasattr(m, "cost")]
+            draft_s = times[0] * costs[0] if costs else 0.0
+        return AutoK(times, spec.max_speculative_tokens, draft_seconds_per_token=draft_s, lookahead=lookahead)
     return FixedK(k)

@@ -22,6 +22,9 @@ class SpecDecodingStats:
         a K schedule at work.
     Times in seconds: prefill_s (target + draft prefill), draft_s, verify_s (target forward +
     acceptance rule), total_s (wall time of the whole request).
+    lossy: True when a request's drafts were verified by a lossy rule (Medusa's typical
+        acceptance, ``medusa:lossy-typical=EPS``, in a sampled request): its output is not
+        the target's decoding or sampling distribution, and its speed not a lossless one.
     """
 
     num_drafts: int = 0
@@ -36,6 +39,7 @@ class SpecDecodingStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    lossy: bool = False
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,6 +99,7 @@ class SpecDecodingStats:
                 for key, v in counts.items():
                     mine[key] += v
         out.speculation_lengths = self.speculation_lengths + other.speculation_lengths
+        out.lossy = self.lossy or other.lossy
         return out
 
     def to_dict(self) -> dict:
@@ -117,4 +122,5 @@ class SpecDecodingStats:
             "verify_s": round(self.verify_s, 4),
             "other_s": round(self.other_s, 4),
             "total_s": round(self.total_s, 4),
+            "lossy": self.lossy,
         }

@@ -2,9 +2,15 @@
 tokens the target keeps, and the one recovered or bonus token after them — speculative
 sampling (:func:`rejection_sample`; :func:`greedy_verify`, its T -> 0 case), the
 drafter-invariant Gumbel rule (:func:`gumbel_verify`), and both over a draft tree
-(:func:`verify_tree`, :func:`greedy_verify_tree`)."""
+(:func:`verify_tree`, :func:`greedy_verify_tree`). All of these are lossless. One rule is
+not, and runs only where asked for by name: Medusa's typical acceptance
+(:class:`LossyTypical`, :func:`typical_verify`, :func:`typical_verify_tree`), which changes
+the output of sampled requests."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -200,3 +206,135 @@ def greedy_verify_tree(tree: DraftTree, target_logits: torch.Tensor) -> tuple[li
             return path, best[row]
         path.append(nxt)
         row = nxt + 1
+
+
+@dataclass(frozen=True)
+class LossyTypical:
+    """Medusa's typical acceptance: a LOSSY acceptance rule, which changes the output.
+
+    Cai et al., "Medusa" (arXiv:2401.10774), section 2.3.1; the Medusa repo's
+    ``evaluate_posterior`` (``posterior_threshold`` = eps, ``posterior_alpha`` = delta). At
+    sampling temperature T > 0 a drafted token x after a prefix is accepted when
+
+        p(x) > min(eps, delta * exp(-H(p)))
+
+    where p is the target's distribution after that prefix as the request samples it (every
+    logits processor applied: temperature, top-k/p, penalties) and H(p) = -sum p log p its
+    entropy (nats; Medusa's code takes log(p + 1e-5), a slightly smaller H; here the exact
+    one): a flat distribution (high H) accepts less likely tokens, a peaked one only tokens
+    near its top. Candidates are not compared with a sample of the target, so
+    the output is NOT distributed as the target's sampling: faster (longer accepted runs),
+    but another text. At T = 0 Medusa verifies greedily; so does this library (the engine
+    keeps greedy verification for greedy requests: lossless).
+
+    eps: in (0, 1), the threshold's cap (Medusa's default 0.09); delta: in (0, 1], the
+    scale of the entropy-dependent threshold (default sqrt(eps), as Medusa recommends: 0.3
+    for 0.09). Raises ValueError naming a bad value and what is allowed.
+    """
+
+    eps: float = 0.09
+    delta: float | None = None
+
+    def __post_init__(self):
+        def number(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not (number(self.eps) and 0 < self.eps < 1):
+            raise ValueError(f"lossy-typical eps = {self.eps!r} is invalid; allowed: a number in (0, 1) "
+                             "(Medusa's posterior_threshold, e.g. 0.09)")
+        if self.delta is None:
+            object.__setattr__(self, "delta", math.sqrt(self.eps))
+        elif not (number(self.delta) and 0 < self.delta <= 1):
+            raise ValueError(f"lossy-typical delta = {self.delta!r} is invalid; allowed: a number in (0, 1] "
+                             "(Medusa's posterior_alpha, e.g. 0.3), or none (sqrt(eps))")
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "delta", float(self.delta))
+
+    @classmethod
+    def parse(cls, text: str) -> "LossyTypical":
+        """A method option's value: "EPS" (delta = sqrt(EPS)) or "EPS/DELTA", e.g. "0.09"
+        or "0.09/0.3". Raises ValueError naming the text and what is allowed."""
+        parts = text.split("/")
+        try:
+            if len(parts) > 2:
+                raise ValueError
+            values = [float(x) for x in parts]
+        except ValueError:
+            raise ValueError(f"lossy-typical={text!r} is invalid; allowed: EPS or EPS/DELTA, numbers "
+                             "with 0 < EPS < 1 and 0 < DELTA <= 1, e.g. lossy-typical=0.09 "
+                             "(Medusa's default; DELTA = sqrt(EPS))") from None
+        return cls(*values)
+
+    def __str__(self) -> str:
+        return f"{self.eps:g}/{self.delta:g}"
+
+    def threshold(self, probs: torch.Tensor) -> torch.Tensor:
+        """min(eps, delta * exp(-H(p))) of each distribution: probs [..., V] -> [...]."""
+        entropy = torch.special.entr(probs.float()).sum(-1)  # -p log p, 0 where p = 0
+        return torch.clamp(self.delta * torch.exp(-entropy), max=self.eps)
+
+
+def typical_verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, rule: LossyTypical
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LOSSY: Medusa's typical acceptance (:class:`LossyTypical`) over a chain of drafts.
+    Draft token x_i is kept while p_i(x_i) > min(eps, delta * exp(-H(p_i))) (``rule``),
+    p_i the target's distribution before it; after the accepted prefix comes the target's
+    most likely token there, argmax p (as Medusa's ``generate`` does: its next round's first
+    candidate is the argmax of the last accepted position's logits). No random draw: the
+    output is a function of the drafts and the target, not a sample of the target.
+
+    draft_token_ids: [B,K] int64 (K may be 0); target_probs: [B,K+1,V] the processed target
+    distributions (sampled requests: ``to_probs`` of the processed logits). Returns
+    (output_ids [B,K+1] padded with -1, num_accepted [B]) as :func:`rejection_sample`.
+    Raises ValueError for rows of the wrong shape.
+    """
+    b, k = draft_token_ids.shape
+    if target_probs.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [{b},{k + 1},V]")
+    p = target_probs[:, :k].gather(2, draft_token_ids[..., None])[..., 0]  # [B,K]
+    accepted = p > rule.threshold(target_probs[:, :k])
+    num_accepted = accepted.long().cumprod(1).sum(1)
+    rows = torch.arange(b, device=p.device)
+    last = target_probs[rows, num_accepted].argmax(-1)
+    out = torch.full((b, k + 1), -1, dtype=torch.long, device=p.device)
+    keep = torch.arange(k, device=p.device)[None] < num_accepted[:, None]
+    out[:, :k] = torch.where(keep, draft_token_ids, out[:, :k])
+    out[rows, num_accepted] = last
+    return out, num_accepted
+
+
+def typical_verify_tree(tree: DraftTree, target_probs: torch.Tensor, rule: LossyTypical
+                        ) -> tuple[list[int], int]:
+    """LOSSY: Medusa's typical acceptance (:class:`LossyTypical`) over a draft tree.
+
+    Node i (token x below pass row r, its parent's) passes when p_r(x) > min(eps, delta *
+    exp(-H(p_r))); a node is accepted when it and every ancestor pass (ancestor closure).
+    The accepted path is the deepest accepted node's root-to-node path, ties broken as
+    Medusa breaks them, by the higher sum of log p along the path (then the node listed
+    first); the token after it is the target's argmax at the path's last row (Medusa's
+    ``generate``). No random draw.
+
+    tree: the drafts; target_probs: [N+1,V] processed target distributions of the pass rows
+    (row 0 after the root, row i+1 after node i). Returns (path, token) as
+    :func:`verify_tree`. Raises ValueError for rows of the wrong shape or a node's token
+    outside the vocabulary.
+    """
+    _check_tree_rows(tree, target_probs, "target_probs")
+    v = target_probs.shape[-1]
+    parents = tree.parents.tolist()
+    if tree.num_nodes and int(tree.token_ids.max()) >= v:
+        node = int(tree.token_ids.argmax())
+        raise ValueError(f"node {node} holds token {int(tree.token_ids[node])}, outside the vocabulary of {v}")
+    rows = tree.parents + 1  # [N] the pass row each node's token follows
+    p = target_probs[rows, tree.token_ids]  # [N]
+    passed = (p > rule.threshold(target_probs)[rows]).tolist()
+    logp = torch.log(p.double()).tolist()  # finite where passed: p > threshold > 0
+    depths = tree.depths().tolist()
+    score: list[float | None] = []  # the path's sum of log p where the node is accepted
+    best, best_key = -1, (0, 0.0)
+    for i, parent in enumerate(parents):
+        ok = passed[i] and (parent < 0 or score[parent] is not None)
+        score.append((logp[i] + (score[parent] if parent >= 0 else 0.0)) if ok else None)
+        if ok and (depths[i], score[i]) > best_key:
+            best, best_key = i, (depths[i], score[i])
+    return tree.path(best), int(target_probs[best + 1].argmax())

@@ -40,7 +40,8 @@ def summarize(records: list) -> dict:
     together, when the run has other workloads too) of the run's records: tokens/s median
     and mean, speedup vs ar, hf-ar and llamacpp-ar (median of per-generation ratios),
     speedup vs ar as Spec-Bench computes it (:func:`spec_bench_speedup`), mean acceptance
-    length, acceptance rate, time shares, mismatches."""
+    length, acceptance rate, time shares, mismatches, and ``lossy`` (the method changes the
+    output by design: its mismatches are not a bug, and it has no lossless check)."""
     by_key = {(r.method, r.subtask, r.prompt_id, r.turn): r for r in records}
     out: dict[str, dict[str, dict]] = {}
     subtasks = sorted({r.subtask for r in records})
@@ -82,6 +83,7 @@ def summarize(records: list) -> dict:
                                    if rs[0].verify_s is not None and seconds else None)
             checked = [r for r in rs if r.identical is not None]
             row["mismatches"] = sum(not r.identical for r in checked) if checked else None
+            row["lossy"] = any(r.lossy for r in rs)
             out[method][sub] = row
     return out
 
@@ -113,7 +115,7 @@ def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: st
         ("acceptance", lambda m, r: _fmt(r["acceptance_rate"], ".0%")),
         ("draft / verify time", lambda m, r: f"{r['draft_share']:.0%} / {r['verify_share']:.0%}"
          if r["draft_share"] is not None else "—"),
-        ("mismatches", lambda m, r: _fmt(r["mismatches"], "d")),
+        ("mismatches", lambda m, r: "lossy‡" if r.get("lossy") else _fmt(r["mismatches"], "d")),
         ("peak memory†", lambda m, r: _gib(r.get("peak_memory_bytes"))),
     ]
     rows = [(m, by[subtask]) for m, by in summary.items() if subtask in by]
@@ -128,8 +130,10 @@ def markdown_table(summary: dict, ceilings: dict[str, float | None], subtask: st
         ("ceiling", "ceiling = (K+1)·T(1)/T(K+1), a perfect free proposer"),
         ("τ", "τ = mean acceptance length"),
         ("†", "† peak resident memory of a process running the method alone (its models, one "
-              "generation of the longest prompt)"))
-        if any(header in h for h in shown)]
+              "generation of the longest prompt)"),
+        ("‡", "‡ lossy: the method changes the output by design (Medusa's typical acceptance, "
+              "lossy-typical=): not checked against ar, and its speed is not a lossless method's"))
+        if any(header in h for h in shown) or (header == "‡" and any("‡" in c for row in cells for c in row))]
     if notes:
         lines.append("\n" + "; ".join(notes))
     return "\n".join(lines)

@@ -34,7 +34,9 @@ from .workloads import Task, prompt_ids
 @dataclass
 class Record:
     """One generation: ``seconds`` is wall time including prefill; ``identical`` is the
-    lossless check against the reference method (None when not applicable)."""
+    lossless check against the reference method (None when not applicable); ``lossy``: the
+    method changed the output by design (Medusa's typical acceptance, ``lossy-typical=``):
+    no lossless check, and its speed is not a lossless method's."""
 
     method: str
     subtask: str
@@ -52,6 +54,7 @@ class Record:
     prefill_s: float | None = None
     identical: bool | None = None
     first_difference: int | None = None
+    lossy: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -239,7 +242,7 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                                  len(out.token_ids), out.seconds, out.token_ids,
                                  s.get("num_verify_passes"), s.get("num_draft_tokens"),
                                  s.get("num_accepted_tokens"), s.get("draft_s"), s.get("verify_s"),
-                                 s.get("prefill_s"))
+                                 s.get("prefill_s"), lossy=bool(s.get("lossy")))
                     if ref is not None and ref != label and ref in done:
                         diff = first_difference(out.token_ids, done[ref].token_ids)
                         rec.identical, rec.first_difference = diff is None, diff
@@ -344,8 +347,13 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
         print(f"\nWARNING: {mismatches} generation(s) differ from their reference (lossless check failed)")
     overall = {m: {k: v for k, v in rows["overall"].items()} for m, rows in summary.items()
                if "overall" in rows}
+    # rows that change the output by design: never counted as mismatches, never lossless
+    lossy = [m for m, rows in summary.items() if rows.get("overall", {}).get("lossy")]
+    if lossy:
+        print(f"\nLOSSY: {', '.join(lossy)} change the output by design (Medusa's typical acceptance): "
+              "not checked against ar, and their speedups are not those of lossless methods")
     overall_json = {"methods": overall, "ceiling": {m: c for m, c in ceilings.items()},
-                    "mismatches": mismatches, "peak_rss_bytes": peak_rss}
+                    "mismatches": mismatches, "lossy_methods": lossy, "peak_rss_bytes": peak_rss}
     if args is not None and getattr(args, "out", None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -167,14 +167,29 @@ def prompt_seed(prompt_ids: list[int]) -> int:
 CROSS_ROWS = {"draft-xtok": "draft", "hybrid-xtok": "hybrid"}
 
 
+# the row options that make a method lossy (Medusa's typical acceptance): such a row changes
+# the output by design, so it has no lossless check and the report marks it
+LOSSY_KEYS = frozenset(key for key, (option, _, _) in METHOD_OPTIONS.items() if option == "lossy_typical")
+
+
+def is_lossy(name: str, options: dict) -> bool:
+    """Whether a row (``parse_methods``' name and options) runs a lossy rule."""
+    return is_ours(name) and any(key in options for key in LOSSY_KEYS)
+
+
 def _row_config(name: str, opts: dict, temperature: float) -> tuple[str, SpeculativeConfig, str | None, dict]:
     """One of our rows' options, consumed from ``opts`` without loading anything: (the
     registry method, its SpeculativeConfig, the sampled run's acceptance rule or None, the
     draft model's options ``dtype=``, ``backend=``, ``model=`` where it has one). Raises
-    ValueError naming a bad option."""
+    ValueError naming a bad option, or ``lossy-typical=`` in a greedy run (it would change
+    nothing there)."""
     rule = sampled_rule(opts, temperature)
     name = CROSS_ROWS.get(name, name)
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
+    if spec.lossy_typical is not None and temperature == 0:
+        raise ValueError(f"option lossy-typical={spec.lossy_typical} applies to sampled runs (at temperature 0 "
+                         "Medusa's typical acceptance is greedy verification, the row would be plain "
+                         f"{name}): add --temperature T")
     draft_opts = {}
     if spec.method.needs_draft_model:
         draft_opts = {key: opts.pop(key) for key in ("dtype", "backend", "model") if key in opts}
@@ -248,7 +263,8 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
         if row in CROSS_ROWS and check_compatible(target, draft) != "cross":
             raise ValueError(f"{row} runs a draft of another tokenizer than the target's; "
                              f"{draft_name} has the target's: use {name}")
-    engine = Engine(target.lm, build_proposer(spec, target, draft), build_schedule(spec, target, draft))
+    proposer = build_proposer(spec, target, draft)
+    engine = Engine(target.lm, proposer, build_schedule(spec, target, draft, proposer))
 
     def run(prompt_ids, max_new_tokens):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
@@ -368,7 +384,8 @@ def build_runners(models: BenchModels, methods,
     None when the reference is not in the run or its tokens need not be equal: in a sampled
     run (``temperature`` > 0, ours only) a method of the rejection rule is equal to plain
     sampling in distribution only; gumbel methods are checked against ``ar`` when it is
-    gumbel too). Raises ValueError on unknown options, or peers in a sampled run."""
+    gumbel too; never for a lossy row, :func:`is_lossy`, whose output differs by design).
+    Raises ValueError on unknown options, or peers in a sampled run."""
     runners = {}
     labels = [label for label, _, _ in methods]
     if temperature > 0:
@@ -382,6 +399,8 @@ def build_runners(models: BenchModels, methods,
         if is_ours(name):
             runner, ref = ours(models, name, opts, temperature), "ar"
             if temperature > 0 and not (rules[label] == "gumbel" and rules.get("ar") == "gumbel"):
+                ref = None
+            if is_lossy(name, options):
                 ref = None
         else:
             runner, ref = PEERS[name].make(models, opts), PEERS[name].reference
@@ -402,5 +421,7 @@ def fixed_k(label: str) -> int | None:
         return None
     opts = dict(options)
     opts.pop("rule", None)  # (a sampled run's; K is the same)
+    for key in LOSSY_KEYS:
+        opts.pop(key, None)  # (likewise)
     spec = _row_config(name, opts, 0.0)[1]
     return spec.num_speculative_tokens if spec.schedule is KSchedule.FIXED else None

@@ -88,7 +88,8 @@ def add_parser(sub) -> None:
                         "only, each prompt seeded alike for every method; the option rule=gumbel "
                         "(default) or rule=rejection chooses a method's acceptance rule, e.g. "
                         "--methods ar,draft,draft:rule=rejection; gumbel methods are checked "
-                        "token for token against ar")
+                        "token for token against ar, except lossy rows (medusa:lossy-typical=EPS: "
+                        "they change the output by design, and the report marks them lossy)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="our target's dtype for every method of ours (default auto: q4 for "
                         "a GGUF target on an x86 CPU with AVX512-VNNI or AVX2, else int8); the "

@@ -191,7 +191,9 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
                         "layer-skip:profile=FILE (from `specdecode tune-skip`; neither: the target's "
                         "default profile, made once and cached), early-exit:layer=E, "
                         "self-draft:dtype=int8|int4, draft:tree=W (a draft tree W wide), "
-                        "medusa:head=DIR:tree=W, eagle3:head=DIR:tree=W:nodes=N|auto. "
+                        "medusa:head=DIR:tree=W, eagle3:head=DIR:tree=W:nodes=N|auto; "
+                        "medusa:lossy-typical=EPS[/DELTA] is LOSSY: Medusa's typical acceptance "
+                        "(arXiv:2401.10774) changes the output of sampled requests (--temperature > 0). "
                         f"Default: {default_method.value}")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="target weights. auto (default): q4 for a known model or a .gguf file on "

@@ -122,6 +122,9 @@ def _print_stats(label: str, stats: dict, finish: str, out) -> None:
             line += " | accepted by proposer: " + ", ".join(
                 f"{name} {c['num_accepted_tokens']}/{c['num_draft_tokens']}"
                 for name, c in stats["by_proposer"].items())
+    if stats.get("lossy"):
+        line += (" | LOSSY: Medusa's typical acceptance (lossy-typical=) changed the output; it is not "
+                 "the target's sampling")
     print(line, file=out)
 
 
@@ -204,10 +207,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # speculative sampling equals plain sampling in distribution, not token for token;
         # the gumbel rule with a seed gives plain sampling's very tokens
         same_tokens = params.greedy or (params.rule == "gumbel" and params.seed is not None)
-        identical = ar.token_ids == result.token_ids if same_tokens else None
+        lossy = result.stats.lossy  # its output differs by design: no lossless check
+        identical = ar.token_ids == result.token_ids if same_tokens and not lossy else None
         _print_stats("ar", ar.stats.to_dict(), ar.finish_reason, info)
         verdict = {True: "identical to plain decoding", False: "DIFFERENT from plain decoding",
                    None: "(speculative sampling: equal in distribution, not compared)"}[identical]
+        if lossy:
+            verdict = "(LOSSY method: changed by design, not compared)"
         if identical is False and target.lm.weight_format.startswith("llama.cpp"):
             verdict += (" (the llama.cpp backend: its passes over several tokens round "
                         "differently from one-token passes; --backend native is exact)")

@@ -18,6 +18,7 @@ from ..config import SamplingParams
 from ..sampling import GumbelNoise
 from ..models.base import CausalLM
 from ..tree import DraftTree
+from ..verify import LossyTypical
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ class Proposer(ABC):
     # output_hidden (FINAL, layer indices); the engine then runs the target through
     # forward_rows and calls take_hidden after the prefill and after every verify pass
     hidden_keys: tuple[int, ...] = ()
+    # None: the engine verifies this proposer's drafts with the lossless rules. A
+    # LossyTypical (medusa:lossy-typical=EPS): with Medusa's typical acceptance in sampled
+    # requests, which changes their output (greedy requests keep greedy verification)
+    lossy_typical: LossyTypical | None = None
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         """Start a request: ``state.tokens`` is the prompt; at most ``max_total_len`` tokens."""

@@ -8,6 +8,7 @@ import torch
 from ..heads import MedusaHeads
 from ..models.native import FINAL
 from ..tree import DraftTree
+from ..verify import LossyTypical
 from .base import DraftOutput, Proposer, RequestState
 
 
@@ -25,15 +26,25 @@ class MedusaProposer(Proposer):
     (:func:`~specdecode.tree.check_tree_target`). A round drafts nodes of depth <= K only. The
     candidates are point masses (lossless for every acceptance rule). The first round of a
     one-token prompt drafts nothing (no hidden state yet).
-    Raises ValueError for an empty or malformed tree, one deeper than the heads, or ranks
-    beyond their vocabulary.
+    lossy_typical: None (default: lossless), or a :class:`~specdecode.verify.LossyTypical`:
+    the engine then verifies this proposer's drafts in sampled requests with Medusa's typical
+    acceptance (:func:`~specdecode.verify.typical_verify`, over a tree
+    :func:`~specdecode.verify.typical_verify_tree`), which CHANGES THE OUTPUT (not the
+    target's sampling distribution); greedy requests keep greedy verification.
+    Raises ValueError for an empty or malformed tree, one deeper than the heads, ranks
+    beyond their vocabulary, or a lossy_typical that is not a LossyTypical or None.
     """
 
     name = "medusa"
     default_k = 3
     hidden_keys = (FINAL,)
 
-    def __init__(self, heads: MedusaHeads, tree: list[tuple[int, ...]] | None = None):
+    def __init__(self, heads: MedusaHeads, tree: list[tuple[int, ...]] | None = None,
+                 lossy_typical: LossyTypical | None = None):
+        if lossy_typical is not None and not isinstance(lossy_typical, LossyTypical):
+            raise ValueError(f"lossy_typical = {lossy_typical!r} is invalid; allowed: None (lossless) or "
+                             "a LossyTypical, e.g. LossyTypical(0.09)")
+        self.lossy_typical = lossy_typical
         self.heads = heads.eval()
         h, v = heads.num_heads, heads.vocab_size
         nodes = [tuple(p) for p in tree] if tree is not None else [(0,) * d for d in range(1, h + 1)]
