@@ -595,6 +595,9 @@ def test_generate_color_shades_each_token_by_who_supplied_it(capsys, dirs, targe
 def test_generate_layer_skip_from_the_command_line_is_the_targets_output(capsys, dirs):
     obj = run_json(capsys, dirs, "--method", "layer-skip:layers=1", "--compare")
     assert obj["identical"] is True and obj["stats"]["num_draft_tokens"] > 0
+    # early exit at layer 1 of 2 (the tiny target has no early-exit training: tested here only)
+    obj = run_json(capsys, dirs, "--method", "early-exit:layer=1", "--compare")
+    assert obj["identical"] is True and obj["stats"]["num_draft_tokens"] > 0
 
 
 def test_tune_skip_writes_a_profile_that_generate_loads(capsys, dirs, tmp_path):

@@ -18,6 +18,7 @@ from specdecode.batch import BatchEngine
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.heads import Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
+from specdecode.methods import SpeculativeConfig, build_proposer, speculative_config
 from specdecode.models.native import FINAL
 from specdecode.proposers import Eagle3Proposer, MedusaProposer, PromptLookupProposer
 from specdecode.schedule import FixedK
@@ -244,6 +245,24 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypat
     many = specdecode.generate(target, prompts, method=f"medusa:head={heads}:tree=2", max_new_tokens=24)
     assert [r.token_ids for r in many] == [specdecode.generate(target, p, method="ar", max_new_tokens=24).token_ids
                                            for p in prompts]
+    # Medusa's own node lists (medusa_choices) from a JSON file: the tree the proposer drafts
+    choices = tmp_path / "choices.json"
+    choices.write_text("[[0], [1], [0, 0], [0, 1], [2]]")
+    out = specdecode.generate(target, prompt, method=f"medusa:head={heads}:choices={choices}", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
+    spec = speculative_config(f"medusa:head={heads}:choices={choices}", False)
+    assert build_proposer(spec, target, None).nodes == [(0,), (1,), (2,), (0, 0), (0, 1)]
+    for text, message in [("[[0], [1, 0], [0, 0, 0]]", r"node \(1, 0\) has no parent \(1,\)"),
+                          ("[[0], [-1]]", "medusa_choices = .* is invalid; allowed: a non-empty list"),
+                          ("[]", "medusa_choices = .* is invalid"), ("[[0], [0, 0], [0, 0, 0]]", "allowed: a tuple of 1..2 candidate ranks"),
+                          ("{", "cannot read a Medusa tree from it")]:
+        choices.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            specdecode.generate(target, prompt, method=f"medusa:head={heads}:choices={choices}", max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"tree=W\) or its node list \(choices=FILE\), not both"):
+        SpeculativeConfig("medusa", draft_tree_width=2, medusa_choices=[[0]])
+    with pytest.raises(ValueError, match="node list .* applies to 'medusa', not 'eagle3'"):
+        SpeculativeConfig("eagle3", medusa_choices=[[0]])
     with pytest.raises(ValueError, match=r"no head for .* yet: `specdecode train medusa --target"):
         specdecode.generate(target, prompt, method="medusa", max_new_tokens=4)
     # without head= the method reads the target's default heads (where `train` writes them)

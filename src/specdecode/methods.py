@@ -10,6 +10,7 @@ the API's ``method=``, the bench's method list and options, and the validation o
 from __future__ import annotations
 
 import difflib
+import json
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
@@ -47,6 +48,7 @@ OPTIONS = {
     "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
     "tree": "a draft tree width (draft_tree_width=; tree=) applies",
     "tree_nodes": "a dynamic draft tree's size (tree_nodes=; nodes=) applies",
+    "medusa_choices": "a Medusa tree's node list (medusa_choices=; choices=) applies",
     "head": "a draft head's directory (head_dir=; head=) applies",
     "lossy_typical": "Medusa's typical acceptance, which changes the output (lossy_typical=; lossy-typical=), applies",
 }
@@ -108,11 +110,14 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
 
 def _medusa(spec: "SpeculativeConfig", target: LoadedModel) -> MedusaProposer:
     """The Medusa heads of ``spec.head_dir`` (default: the target's default heads) for this target,
-    as a chain or, with ``tree=W``, a tree (:meth:`MedusaProposer.siblings_tree`)."""
+    as a chain, with ``tree=W`` a tree (:meth:`MedusaProposer.siblings_tree`), or the static
+    tree of ``spec.medusa_choices`` (``choices=FILE``). Raises ValueError for a tree the
+    heads cannot draft (:class:`MedusaProposer`)."""
     heads = _loaded_head(spec, target, "medusa")
-    w = spec.draft_tree_width
-    return MedusaProposer(heads, MedusaProposer.siblings_tree(heads.num_heads, w) if w > 1 else None,
-                          lossy_typical=spec.lossy_typical)
+    w, nodes = spec.draft_tree_width, spec.medusa_choices
+    if nodes is None and w > 1:
+        nodes = MedusaProposer.siblings_tree(heads.num_heads, w)
+    return MedusaProposer(heads, nodes, lossy_typical=spec.lossy_typical)
 
 
 def _eagle3(spec: "SpeculativeConfig", target: LoadedModel) -> Eagle3Proposer:
@@ -244,7 +249,14 @@ def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
 
 
 def _exit_draft(spec: "SpeculativeConfig", target: LoadedModel):
-    """The early-exit draft: the first ``exit_layer`` layers and the LM head."""
+    """The early-exit draft: the first ``exit_layer`` layers and the LM head (LayerSkip,
+    arXiv:2404.16710). Its verify pass runs all layers over the round's K+1 tokens and
+    overwrites the first E layers' entries the draft wrote, as for every self-draft, rather
+    than starting at layer E from the draft's states (LayerSkip's cache reuse): a CPU verify
+    pass reads each layer's weights once whatever its rows, so reuse would save at most
+    (E/L)·(T(K+1) − T(1)) a round (about 0.15 T(1) at E = L/2 with the default target's
+    T(5) = 1.3 T(1)), for a second verify path. Raises ValueError without E or for E
+    outside 1..L-1."""
     lm = _native(target, "early-exit")
     nl = lm.args.n_layers
     if spec.exit_layer is None:
@@ -346,7 +358,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
                "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer,
                lambda spec, target, draft: _medusa(spec, target),
-               options=frozenset({"head", "tree", "lossy_typical"}), k=3),
+               options=frozenset({"head", "tree", "medusa_choices", "lossy_typical"}), k=3),
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
@@ -405,7 +417,9 @@ class SpeculativeConfig:
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
     (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes, or "auto": as many as
     verify at the cost of the chain's pass; None: none), ``head_dir``
-    (``head``: the directory of the ``medusa`` or ``eagle3`` method's head), ``lossy_typical``
+    (``head``: the directory of the ``medusa`` or ``eagle3`` method's head), ``medusa_choices``
+    (``choices=FILE``, a JSON file: Medusa's static tree as node paths of candidate ranks,
+    e.g. ((0,), (1,), (0, 0)), Medusa's ``medusa_choices``; not with tree=W), ``lossy_typical``
     (``lossy-typical=EPS[/DELTA]``, medusa only: a :class:`~specdecode.verify.LossyTypical`,
     or its EPS as a number; None, the default: lossless. Sampled requests are then verified
     by Medusa's typical acceptance, which CHANGES THE OUTPUT). Raises ValueError naming a bad
@@ -428,6 +442,7 @@ class SpeculativeConfig:
     tree_nodes: int | str | None = None
     head_dir: str | None = None
     lossy_typical: LossyTypical | float | None = None
+    medusa_choices: tuple[tuple[int, ...], ...] | None = None
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
     k_given: bool = field(default=False, init=False, repr=False, compare=False)
@@ -482,6 +497,20 @@ class SpeculativeConfig:
                                                or not 1 <= n <= MAX_NODES):
             raise ValueError(f"tree_nodes = {n!r} is invalid; allowed: an integer in 1..{MAX_NODES}, "
                              "'auto', or None (no dynamic tree)")
+        c = self.medusa_choices
+        if c is not None:
+            try:
+                c = tuple(tuple(int(r) if isinstance(r, int) and not isinstance(r, bool) else None
+                                for r in node) for node in c)
+            except TypeError:
+                c = ((None,),)
+            if not c or any(not node or None in node or min(node) < 0 for node in c):
+                raise ValueError(f"medusa_choices = {self.medusa_choices!r} is invalid; allowed: a "
+                                 "non-empty list of node paths, each a non-empty list of candidate ranks "
+                                 "(integers >= 0), e.g. [[0], [1], [0, 0]] (Medusa's medusa_choices)")
+            if w != 1:
+                raise ValueError("give a Medusa tree's width (tree=W) or its node list (choices=FILE), not both")
+            object.__setattr__(self, "medusa_choices", c)
         t = self.lossy_typical
         if t is not None and not isinstance(t, LossyTypical):
             if isinstance(t, bool) or not isinstance(t, (int, float)):
@@ -498,7 +527,7 @@ class SpeculativeConfig:
                  "skip": self.skip_layers is not None or self.skip_profile is not None,
                  "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
                  "tree": w != 1, "tree_nodes": n is not None, "head": self.head_dir is not None,
-                 "lossy_typical": t is not None}
+                 "lossy_typical": t is not None, "medusa_choices": c is not None}
         for option, is_given in given.items():
             if is_given and option not in spec.options:
                 raise ValueError(_inapplicable(option, spec.name))
@@ -550,6 +579,7 @@ METHOD_OPTIONS = {
     "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v, MAX_TREE_WIDTH)}),
     "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES)}),
     "head": ("head", "DIR", lambda v: {"head_dir": v}),
+    "choices": ("medusa_choices", "FILE", lambda v: {"medusa_choices": _medusa_choices_file(v)}),
     "lossy-typical": ("lossy_typical", "EPS[/DELTA]", lambda v: {"lossy_typical": LossyTypical.parse(v)}),
 }
 
@@ -566,11 +596,22 @@ BENCH_ROW_OPTIONS = {  # key -> (the command line's option, the Python API's arg
 }
 
 
+def _medusa_choices_file(path: str) -> list:
+    """A Medusa tree's node list from a JSON file (Medusa's ``medusa_choices``: a list of node
+    paths of candidate ranks, e.g. ``[[0], [1], [0, 0]]``). Raises ValueError naming the file
+    when it cannot be read or is not JSON (the nodes are checked by SpeculativeConfig)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"choices={path}: cannot read a Medusa tree from it ({e}); give a JSON file "
+                         "of node paths such as [[0], [1], [0, 0]]") from None
+
+
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
     dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
     early-exit, dtype= for self-draft, tree= for draft, medusa and eagle3, nodes= for eagle3, head= for
-    medusa and eagle3, lossy-typical= for medusa); keys
+    medusa and eagle3, choices= and lossy-typical= for medusa); keys
     the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
     honoured = METHODS[method].options
     out = {}
