@@ -43,6 +43,15 @@ def test_the_real_evaluation_sets_are_in_the_filter():
     assert data.word_runs(_humaneval_problems()[7]["prompt"]) & runs
 
 
+def test_tune_skips_calibration_prompts_are_not_the_benchs():
+    """The layer-skip search calibrates on prompts that share no 8-word run with Spec-Bench or
+    HumanEval (the prompts its profile is measured on), by the training data's own filter."""
+    from specdecode.layer_skip import CALIBRATION_PROMPTS
+    runs = data.evaluation_runs()
+    for _, text in CALIBRATION_PROMPTS:
+        assert data.word_runs(text) and not data.word_runs(text) & runs, text
+
+
 class _Trickle(io.StringIO):
     """A stream that returns at most 7 characters a read, so records straddle reads."""
 
