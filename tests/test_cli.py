@@ -621,6 +621,26 @@ def test_tune_skip_writes_a_profile_that_generate_loads(capsys, dirs, tmp_path):
     assert len(SkipProfile.load(tmp_path / "saved.json", 2).skip) == 1
 
 
+def test_tune_skip_over_sublayers_from_the_command_line(capsys, dirs, tmp_path):
+    """--sublayers (opt-in): each layer's attention and MLP are candidates; generate loads
+    the profile, and attn=/mlp= name sublayers by hand; the output stays the target's."""
+    with pytest.raises(SystemExit) as exc:
+        run(capsys, "tune-skip", "--help")
+    text = capsys.readouterr().out
+    assert exc.value.code == 0 and "--sublayers" in text and "twice the evaluations" in " ".join(text.split())
+    out = tmp_path / "sub.json"
+    code, text, err = run(capsys, "tune-skip", "--target", dirs["target"], "--out", out, "--sublayers",
+                          "--max-new-tokens", 8, "--threads", 1)
+    assert code == 0, err
+    profile = json.loads(out.read_text())
+    assert profile["n_layers"] == 2 and "single_sublayer_agreement" in profile["calibration"]
+    assert all("skip_attn" in e and "skip_mlp" in e for e in profile["search"])
+    obj = run_json(capsys, dirs, "--method", f"layer-skip:profile={out}", "--compare")
+    assert obj["identical"] is True
+    obj = run_json(capsys, dirs, "--method", "layer-skip:attn=1:mlp=0", "--compare")
+    assert obj["identical"] is True and obj["stats"]["num_draft_tokens"] > 0
+
+
 def test_self_draft_int4_copy_of_the_int8_target_is_its_output(capsys, dirs):
     from specdecode.models import quant
 

@@ -139,6 +139,48 @@ def test_fused_layer_subsets_and_hidden_states(kind):
     assert not torch.equal(oa.hidden[0], oa.hidden[2])
 
 
+def test_fused_sublayer_skips_give_the_modules_bits(kind):
+    """A draft pass with attention and MLP sublayers skipped (the kernel's layer-list flags,
+    fused.SKIP_ATTN / SKIP_MLP) runs fused with the modules' bits: logits, hidden states,
+    the cache, and which layers hold the new positions (a skipped attention writes none);
+    rows of their own lengths included. And the flags are not ignored: each changes the
+    logits."""
+    if kind is None:
+        return
+    a, b = _pair(kind)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 96, (3, 6), generator=g)
+    for m in (a, b):
+        _run(m, x, [6, 4, 5])
+    step = torch.randint(0, 96, (3, 3), generator=g)
+    called = []
+    real = fused.run
+    fused.run = lambda *args: called.append(args) or real(*args)
+    try:
+        oa = a.forward_rows(step, [3, 2, 3], skip_attn=[1], skip_mlp=[0, 2], output_hidden=(0, 1, FINAL))
+    finally:
+        fused.run = real
+    ob = _run(b, step, [3, 2, 3], skip_attn=[1], skip_mlp=[0, 2], output_hidden=(0, 1, FINAL))
+    assert called and called[0][-2:] == (frozenset({1}), frozenset({0, 2}))  # through the stack
+    assert torch.equal(oa.logits, ob.logits)
+    for key in ob.hidden:
+        assert torch.equal(oa.hidden[key], ob.hidden[key])
+    _same_caches(a, b, [9, 6, 8])
+    # layer 1's attention did not run: it holds none of the new positions, the others all
+    assert a._layer_lengths == b._layer_lengths == [[9, 6, 8], [6, 4, 5], [9, 6, 8]]
+    # each flag changes the pass (fused), and the modules agree on each
+    a.rollback_rows([6, 4, 5]), b.rollback_rows([6, 4, 5])
+    full = _run(a, step, [3, 2, 3]).logits
+    for skips in (dict(skip_attn=[1]), dict(skip_mlp=[2]), dict(skip_attn=[0], skip_mlp=[0])):
+        a.rollback_rows([6, 4, 5]), b.rollback_rows([6, 4, 5])
+        got = _run(a, step, [3, 2, 3], **skips).logits
+        assert torch.equal(got, _run(b, step, [3, 2, 3], **skips).logits)
+        assert not torch.equal(got[0], full[0])
+    # both sublayers of a layer skipped = the layer skipped
+    a.rollback_rows([6, 4, 5])
+    assert torch.equal(got, _run(a, step, [3, 2, 3], layers=[1, 2]).logits)
+
+
 def test_fused_tree_passes_give_the_modules_bits(kind):
     """Draft-tree passes (a mask and depth positions per row, rows of their own lengths) run
     fused with the modules' bits: logits, hidden states and the cache of every node."""

@@ -284,6 +284,41 @@ def test_layer_subset_equals_transformers_with_those_layers(lm, hf):
     assert diff(m(seq[:, 9:])[0], ref(hf, seq[0].tolist())[0][9:]) <= TOL
 
 
+def test_sublayer_skips_equal_the_residual_stream_without_them(lm, hf):
+    """skip_attn=[1], skip_mlp=[2] equals transformers with layer 1's attention output and
+    layer 2's MLP output zeroed (their o_proj, down_proj weights: the residual stream passes
+    through unchanged), and differs from the full model; a skipped attention writes no cache
+    (a full pass over its positions is refused until rolled back), a skipped MLP alone
+    writes its layer's keys and values as the full pass does."""
+    cut = copy.deepcopy(hf)
+    with torch.no_grad():
+        cut.model.layers[1].self_attn.o_proj.weight.zero_()
+        cut.model.layers[2].mlp.down_proj.weight.zero_()
+    seq = ids(1, 12, seed=22)
+    m = lm.fork()
+    m.allocate(1, 32)
+    got = [m.forward_rows(seq[:, :8], skip_attn=[1], skip_mlp=[2], output_hidden=(1, FINAL))]
+    got += [m.forward_rows(seq[:, t:t + 1], skip_attn=[1], skip_mlp=[2]) for t in range(8, 10)]
+    expect, hs = ref(cut, seq[0, :10].tolist())
+    logits = torch.cat([o.logits for o in got], 1)[0]
+    assert diff(logits, expect) <= TOL
+    assert hdiff(got[0].hidden[1][0], hs[2][:8]) <= TOL and hdiff(got[0].hidden[FINAL][0], hs[-1][:8]) <= TOL
+    assert diff(logits, ref(hf, seq[0, :10].tolist())[0]) > 0.1  # the skips are not ignored
+    assert m._layer_lengths == [[10], [0], [10]]
+    with pytest.raises(ValueError, match="layer 1 holds 0 positions of row 0, which holds 10"):
+        m(seq[:, 10:11])
+    m.forward_rows(seq[:, 10:11], skip_attn=[1])  # a draft with it skipped may go on
+    m.rollback(0)
+    assert diff(m(seq[:, :12])[0], ref(hf, seq[0].tolist())[0]) <= TOL
+    # the MLP of the last layer alone skipped: every layer's keys and values are the full pass's
+    mlp_only = lm.fork()
+    mlp_only.allocate(1, 32)
+    mlp_only.forward_rows(seq[:, :9], skip_mlp=[2])
+    assert mlp_only._layer_lengths is None and mlp_only.seq_len == 9
+    for c, c0 in zip(mlp_only.caches, m.caches):
+        assert diff(c.k[:, :, :9], c0.k[:, :, :9]) <= TOL and diff(c.v[:, :, :9], c0.v[:, :, :9]) <= TOL
+
+
 def test_chunked_forward_rows_keeps_hidden_states(lm):
     m = lm.fork()
     m.allocate(1, 64)
@@ -327,6 +362,10 @@ def test_bad_input_raises_value_errors(lm):
         (lambda: m.forward_rows(x, output_hidden=(3,)), "output_hidden key 3 is not allowed"),
         (lambda: m.forward_rows(x, layers=[0, 2], output_hidden=(1,)),
          r"layer that runs \(\[0, 2\]"),
+        (lambda: m.forward_rows(x, skip_attn=[3]), r"skip_attn=\[3\]: allowed: distinct layers that run \(0..2"),
+        (lambda: m.forward_rows(x, layers=[0, 2], skip_mlp=[1]), r"skip_mlp=\[1\]: .*\(\[0, 2\]\)"),
+        (lambda: m.forward_rows(x, skip_attn=[0, 0]), r"skip_attn=\[0, 0\]: allowed: distinct"),
+        (lambda: m.forward_rows(x, skip_mlp=[True]), r"skip_mlp=\[True\]"),
         (lambda: m.rollback_rows([1]), "got 1 lengths for 2 cache rows"),
         (lambda: m.rollback_rows([1, 3]), r"cannot roll back row 1 to 3: it holds 2 .*0..2"),
         (lambda: m.rollback(3), "cannot roll back to 3: cache holds 2 positions in its shortest"),

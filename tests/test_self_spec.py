@@ -10,17 +10,17 @@ import warnings
 import pytest
 import torch
 
-from helpers import PROMPTS, randint, ref, run, tiny_model
+from helpers import KERNEL_SHAPES, PROMPTS, randint, ref, run, tiny_model
 from lossless import EV, N_RUNS, assert_lossless, probs_of
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
-from specdecode import methods
+from specdecode import layer_skip, methods
 from specdecode.methods import (Method, SpeculativeConfig, build_proposer, build_schedule, speculative_config,
                                 split_method)
 from specdecode.profile import verify_profile
 from specdecode.models.loading import LoadedModel
-from specdecode.models import native
+from specdecode.models import fused, native, quant
 from specdecode.models.native import SelfDraft
 from specdecode.proposers import DraftModelProposer
 
@@ -40,8 +40,8 @@ def _cache(lm, n):
 class _Recording(DraftModelProposer):
     """Records the target's cache after every round (on_accept runs after the rollback)."""
 
-    def __init__(self, target, layers, weights=None):
-        super().__init__(target.self_draft(layers, weights), lazy_prefill=True)
+    def __init__(self, target, layers, weights=None, **skips):
+        super().__init__(target.self_draft(layers, weights, **skips), lazy_prefill=True)
         self.target, self.snapshots = target, []
 
     def on_accept(self, state):
@@ -72,6 +72,57 @@ def test_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, layers):
             else:
                 torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+
+
+SUBLAYER_SKIPS = [  # (layers run, skipped attention sublayers, skipped MLP sublayers)
+    (None, (1, 2), ()), (None, (), (1, 3)), ([0, 1, 3], (3,), (0,)), ([0, 2], (0,), (0, 2))]
+
+
+@pytest.mark.parametrize("int8", [None, "kn", "vnni"], ids=["fp32", "int8", "int8-fused"])
+@pytest.mark.parametrize("layers,attn,mlp", SUBLAYER_SKIPS, ids=["attn-1-2", "mlp-1-3", "mixed", "mostly-mlp"])
+def test_sublayer_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, layers, attn, mlp,
+                                                                          monkeypatch):
+    """A draft that skips attention and/or MLP sublayers (SWIFT, arXiv:2410.06916): greedy
+    output equals plain decoding, and after every round the cache the target reads equals
+    plain decoding's (int8: bit for bit; "int8-fused": the layer stack in one C call, its
+    sublayer flags; the others: the modules)."""
+    if int8 == "vnni" and quant.vnni_kernel()[0] is None:
+        pytest.skip("the fused layer stack of int8 'vnni' linears needs the AVX512-VNNI kernel")
+    tgt = tiny_model(0, n_layers=LAYERS, int8=int8, **(KERNEL_SHAPES if int8 == "vnni" else {}))
+    flags, real = [], fused.run
+    monkeypatch.setattr(fused, "run", lambda *args: flags.append(args[-2:]) or real(*args))
+    prompt = PROMPTS["twenty"]
+    plain = Engine(tgt, None, None).generate(prompt, GREEDY).run()
+    full = _cache(tgt, tgt.seq_len)
+    proposer = _Recording(tgt, layers, skip_attn=attn, skip_mlp=mlp)
+    gen, blocks = run(tgt, proposer, 3, prompt, GREEDY)
+    assert gen.token_ids == plain.token_ids
+    assert gen.stats.num_draft_tokens > 0 and len(proposer.snapshots) == len(blocks)
+    assert gen.stats.acceptance_rate < 1.0  # the skips change the draft
+    if int8 == "vnni":  # the draft passes ran through the stack, with their flags
+        assert (frozenset(attn), frozenset(mlp)) in flags
+    for n, snap in proposer.snapshots:
+        for (k, v), (k0, v0) in zip(snap, full):
+            if int8:
+                assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
+            else:
+                torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_sublayer_self_draft_checks_its_sublayers_and_estimates_its_cost():
+    tgt = _target()
+    a, m = native.sublayer_weights(tgt.args)
+    assert tgt.self_draft([0, 2]).cost == 0.5
+    assert tgt.self_draft(None, skip_attn=(1,), skip_mlp=(2, 3)).cost == pytest.approx(
+        (4 * (a + m) - a - 2 * m) / (4 * (a + m)))
+    for kw, words in [(dict(skip_attn=(4,)), r"skip_attn=\[4\]: allowed: .*0..3"),
+                      (dict(skip_mlp=(2, 1)), r"skip_mlp=\[2, 1\]: allowed: sorted unique"),
+                      (dict(layers=[0, 2], skip_attn=(1,)), r"skip_attn=\[1\]: .*\(\[0, 2\]\)")]:
+        with pytest.raises(ValueError, match=words):
+            tgt.self_draft(**kw)
+    # drafts of other sublayers never share a pass (SelfDraft.forward_together)
+    assert tgt.self_draft(None, skip_attn=(1,)).same_pass() != tgt.self_draft(None, skip_mlp=(1,)).same_pass()
 
 
 def test_a_draft_that_wrote_below_the_targets_length_would_be_caught():
@@ -306,6 +357,80 @@ def test_skip_profile_errors_name_the_file_and_the_fix(tmp_path):
         SkipProfile.load(tmp_path / "m.json")
 
 
+def test_sublayer_profiles_round_trip_and_old_files_still_load(tmp_path):
+    """skip_attn / skip_mlp in a profile: saved and loaded alike; a profile without them
+    (every older file) loads with none and is written without them; a layer whose two
+    sublayers are listed is a skipped layer; bad lists are named."""
+    sub = SkipProfile((0,), 2, 0.8, 0.6, 1.2, LAYERS, skip_attn=(1, 3), skip_mlp=(2,))
+    sub.save(tmp_path / "s.json")
+    assert SkipProfile.load(tmp_path / "s.json", LAYERS) == sub
+    assert sub.layers() == [1, 2, 3]
+    whole = SkipProfile((1,), 3, 0.9, 0.5, 1.1, LAYERS)
+    assert "skip_attn" not in whole.to_json() and "skip_mlp" not in whole.to_json()
+    old = {"skip": [1], "k": 3, "acceptance": 0.9, "draft_cost": 0.5, "predicted_speedup": 1.1,
+           "n_layers": LAYERS, "target": "", "weight_format": "", "calibration": None, "search": [],
+           "format": 1}  # a profile as tune-skip wrote it before sublayers
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = SkipProfile.load(tmp_path / "old.json", LAYERS)
+    assert loaded == whole and loaded.skip_attn == loaded.skip_mlp == ()
+    # sublayers only (no whole layer), and both sublayers of one layer
+    for extra, expect in [(dict(skip=[], skip_attn=[2]), ((), (2,), ())),
+                          (dict(skip=[], skip_attn=[1, 2], skip_mlp=[2]), ((2,), (1,), ())),
+                          (dict(skip=[1], skip_attn=[1, 3]), ((1,), (3,), ()))]:
+        (tmp_path / "e.json").write_text(json.dumps(old | extra))
+        p = SkipProfile.load(tmp_path / "e.json", LAYERS)
+        assert (p.skip, p.skip_attn, p.skip_mlp) == expect
+    for extra, words in [(dict(skip_attn=[9]), r"skipped attention sublayers \[9\]: allowed: .*0..3"),
+                         (dict(skip_mlp=[1, 1]), r"skipped MLP sublayers \[1, 1\]: allowed: distinct"),
+                         (dict(skip_mlp="2"), "skip_mlp = '2' is not a list"),
+                         (dict(skip=[], skip_attn=[], skip_mlp=[]), "no layer to skip"),
+                         (dict(skip=[0, 1], skip_attn=[2, 3], skip_mlp=[2, 3]), "leaves no draft")]:
+        (tmp_path / "e.json").write_text(json.dumps(old | extra))
+        with pytest.raises(ValueError, match=f"e.json: .*{words}.*tune-skip"):
+            SkipProfile.load(tmp_path / "e.json", LAYERS)
+
+
+def test_tune_skip_over_sublayers_writes_a_profile_the_method_loads(tmp_path):
+    from helpers import local_tokenizer
+
+    lm = _target("kn", vocab_size=len(local_tokenizer()))
+    target = _loaded(lm)
+    prompts = (("completion", "a b c d e f"), ("completion", "g h i j k"))
+    calls = []
+    real = layer_skip.draft_cost
+
+    def spy(lm_, layers, *args, **kw):
+        calls.append((tuple(layers), kw.get("skip_attn", ()), kw.get("skip_mlp", ())))
+        return real(lm_, layers, *args, **kw)
+
+    layer_skip.draft_cost = spy
+    try:
+        profile = tune_skip(target, max_new_tokens=12, progress=False, prompts=prompts, sublayers=True)
+    finally:
+        layer_skip.draft_cost = real
+    agreement = profile.calibration["single_sublayer_agreement"]
+    assert len(agreement["attn"]) == len(agreement["mlp"]) == LAYERS
+    assert profile.skip or profile.skip_attn or profile.skip_mlp
+    best = max(profile.search, key=lambda e: e["predicted_speedup"])
+    assert (list(profile.skip), list(profile.skip_attn), list(profile.skip_mlp), profile.k) == \
+        (best["skip"], best["skip_attn"], best["skip_mlp"], best["k"])
+    # each candidate's cost was measured with its sublayers skipped
+    assert len(calls) == len(profile.search)
+    assert sorted(calls) == sorted((tuple(i for i in range(LAYERS) if i not in e["skip"]), tuple(e["skip_attn"]),
+                                    tuple(e["skip_mlp"])) for e in profile.search)
+    assert any(e["skip_attn"] or e["skip_mlp"] for e in profile.search)
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert SkipProfile.load(path, LAYERS) == profile
+    spec = speculative_config(f"layer-skip:profile={path}", False)
+    proposer = build_proposer(spec, target, None)
+    d = proposer.draft
+    assert (d.layers, d.skip_attn, d.skip_mlp, d.cost) == (profile.layers(), profile.skip_attn, profile.skip_mlp,
+                                                             profile.draft_cost)
+    gen, _ = run(lm, proposer, spec.num_speculative_tokens, PROMPTS["twenty"], GREEDY)
+    assert gen.token_ids == Engine(lm, None, None).generate(PROMPTS["twenty"], GREEDY).run().token_ids
+
+
 # -- the methods' options
 
 def test_method_strings_carry_their_own_options():
@@ -342,6 +467,42 @@ def test_method_strings_carry_their_own_options():
         SpeculativeConfig("layer-skip", skip_layers=(1,), skip_profile="x.json")
     with pytest.raises(ValueError, match="'layer-skip' and 'self', not 'draft'"):
         SpeculativeConfig("draft", skip_layers=(1,))
+
+
+def test_sublayer_options_parse_build_and_name_bad_values():
+    """attn= and mlp= (skip_attn, skip_mlp): parsed, combinable with layers=, for layer-skip
+    and self only; a layer with both sublayers listed is skipped whole; bad values named."""
+    assert split_method("layer-skip:attn=3+5:mlp=7") == ("layer-skip", {"skip_attn": (3, 5), "skip_mlp": (7,)})
+    assert split_method("self:layers=1:attn=2-3") == ("self", {"skip_layers": (1,), "skip_attn": (2, 3)})
+    spec = speculative_config("layer-skip:mlp=0+2", False)
+    assert spec.skip_mlp == (0, 2) and spec.skip_layers is None and spec.skips_given
+    for text, words in [("layer-skip:attn=x", r"attn='x' is invalid; .*e.g. attn=3\+5-8\+12"),
+                        ("layer-skip:mlp=2-1", r"mlp='2-1' is invalid"), ("layer-skip:attn=", "no value"),
+                        ("early-exit:attn=1", "takes no option.*allowed: layer"),
+                        ("draft:mlp=1", r"takes no option \['mlp'\]")]:
+        with pytest.raises(ValueError, match=words):
+            split_method(text)
+    for kw, words in [(dict(skip_attn="3"), "skip_attn = '3' is invalid; allowed: layer indices"),
+                      (dict(skip_mlp=(-1,)), r"skip_mlp = \(-1,\) is invalid"),
+                      (dict(skip_mlp=3), "skip_mlp = 3 is invalid"),
+                      (dict(skip_attn=(True,)), r"skip_attn = \(True,\) is invalid"),
+                      (dict(skip_attn=(1,), skip_profile="x.json"), "not both")]:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig("layer-skip", **kw)
+    with pytest.raises(ValueError, match="'layer-skip' and 'self', not 'early-exit'"):
+        SpeculativeConfig("early-exit", exit_layer=1, skip_attn=(1,))
+    target = _loaded(_target("kn"))
+    d = build_proposer(SpeculativeConfig("layer-skip", skip_layers=(3,), skip_attn=(0, 1), skip_mlp=(1, 2)),
+                       target, None).draft
+    assert (d.layers, d.skip_attn, d.skip_mlp) == ([0, 2], (0,), (2,))  # layer 1: both sublayers
+    for kw, words in [(dict(skip_attn=(7,)), r"skipped attention sublayers \[7\]: allowed: .*0..3"),
+                      (dict(skip_mlp=(1, 1)), r"skipped MLP sublayers \[1, 1\]"),
+                      (dict(skip_layers=(0, 1), skip_attn=(2, 3), skip_mlp=(2, 3)), "leaves no draft")]:
+        with pytest.raises(ValueError, match=words):
+            build_proposer(SpeculativeConfig("layer-skip", **kw), target, None)
+    # the self method's hybrid drafts with them too
+    hybrid = build_proposer(SpeculativeConfig("self", skip_attn=(1,)), target, None)
+    assert [(m.layers, m.skip_attn) for m in hybrid.models() if hasattr(m, "skip_attn")] == [([0, 1, 2, 3], (1,))]
 
 
 def test_methods_build_their_self_drafts_and_refuse_bad_values(monkeypatch):

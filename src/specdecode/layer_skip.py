@@ -2,8 +2,10 @@
 
 A layer-skip draft is the target with some decoder layers left out (the residual stream
 passes through them), drafting on the target's own KV cache
-(:class:`~specdecode.models.native.SelfDraft`); the full model verifies. Which layers to skip
-is found on a few calibration prompts and written to a small JSON profile.
+(:class:`~specdecode.models.native.SelfDraft`); the full model verifies. It may also leave out
+single sublayers, a layer's attention or its MLP (SWIFT, arXiv:2410.06916, skips the two
+separately): the residual stream passes through the skipped one. Which layers (and
+sublayers) to skip is found on a few calibration prompts and written to a small JSON profile.
 
 The search (:func:`tune_skip`), and why it is not Bayesian optimisation (SWIFT,
 arXiv:2410.06916, and Draft & Verify, arXiv:2309.08168, use it: about a thousand
@@ -16,6 +18,11 @@ from an exact measurement, so a few dozen evaluations suffice:
    when the predicted speedup has fallen twice in a row; then try n - 1 and n + 1 around
    the best. Layer importance is close to additive for the few layers that are worth skipping
    (the profile lists every evaluated candidate, so this can be checked).
+
+With ``sublayers`` (``tune-skip --sublayers``, opt-in) the candidates of both steps are each
+layer's attention and MLP sublayers separately, 2 x n_layers of them: about twice the
+evaluations; a layer both of whose sublayers are chosen is skipped whole. Each candidate's
+cost is measured as a whole-layer one's is (:func:`draft_cost`).
 
 The acceptance of a candidate is measured teacher-forced: for each position of the target's
 own greedy continuation of a prompt, whether the draft, given the true context in the
@@ -31,7 +38,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +48,9 @@ from .models.base import busy_lock
 from .models.loading import LoadedModel
 from .profile import profile_path, verify_profile
 
+# Profile format 1. skip_attn and skip_mlp (skipped sublayers) came later within it: a
+# profile without them skips whole layers only, and one that skips no sublayer is written
+# without them, so older files load unchanged and files of whole layers read as before.
 PROFILE_FORMAT = 1
 MAX_K = 8  # speculation lengths the search considers
 
@@ -63,12 +73,15 @@ CALIBRATION_PROMPTS: tuple[tuple[str, str], ...] = (
 class SkipProfile:
     """The layers a layer-skip draft skips, and what choosing them measured.
 
-    skip: skipped layer indices (sorted). k: the speculation length K it predicts best.
+    skip: skipped layer indices (sorted). skip_attn, skip_mlp: layers (not in skip, sorted)
+    whose attention, or MLP, sublayer alone is skipped (absent in older profiles: none). k:
+    the speculation length K it predicts best.
     acceptance: the teacher-forced agreement of the draft's next token with the target's
     (0..1). draft_cost: a draft pass's time over the target's T(1). predicted_speedup: over
     plain decoding, from the cost model (module docstring). n_layers, target, weight_format:
     the model it was made for. calibration: prompts and tokens measured. search: every
-    evaluated candidate (skip, acceptance, draft_cost, k, predicted_speedup).
+    evaluated candidate (skip, acceptance, draft_cost, k, predicted_speedup; with sublayers also
+    skip_attn, skip_mlp).
     """
 
     skip: tuple[int, ...]
@@ -81,14 +94,19 @@ class SkipProfile:
     weight_format: str = ""
     calibration: dict | None = None
     search: tuple[dict, ...] = ()
+    skip_attn: tuple[int, ...] = ()
+    skip_mlp: tuple[int, ...] = ()
 
     def layers(self) -> list[int]:
-        """The layers the draft runs."""
+        """The layers the draft runs (some of them with a sublayer skipped: skip_attn,
+        skip_mlp)."""
         return [i for i in range(self.n_layers) if i not in self.skip]
 
     def to_json(self) -> str:
-        """The profile as :meth:`save` writes it and :meth:`load` reads it."""
-        return json.dumps(asdict(self) | {"format": PROFILE_FORMAT}, indent=1) + "\n"
+        """The profile as :meth:`save` writes it and :meth:`load` reads it (without
+        skip_attn / skip_mlp when empty: see PROFILE_FORMAT)."""
+        d = {k: v for k, v in asdict(self).items() if v or k not in ("skip_attn", "skip_mlp")}
+        return json.dumps(d | {"format": PROFILE_FORMAT}, indent=1) + "\n"
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -115,7 +133,7 @@ class SkipProfile:
             raise ValueError(f"layer-skip profile {path}: " + "; ".join(
                 filter(None, [missing and f"missing {', '.join(missing)}", unknown and f"unknown fields "
                               f"{', '.join(unknown)}"])) + f"; {make}")
-        types = {"skip": list, "k": int, "n_layers": int, "acceptance": (int, float), "draft_cost": (int, float),
+        types = {"skip": list, "skip_attn": list, "skip_mlp": list, "k": int, "n_layers": int, "acceptance": (int, float), "draft_cost": (int, float),
                  "predicted_speedup": (int, float), "search": list}
         wrong = [n for n, t in types.items() if n in d and (not isinstance(d[n], t) or isinstance(d[n], bool))]
         if wrong:
@@ -124,30 +142,45 @@ class SkipProfile:
                 + f"; {make}")
         if not 1 <= d["k"] <= config.MAX_K:
             raise ValueError(f"layer-skip profile {path}: k = {d['k']} is invalid; allowed 1..{config.MAX_K}; {make}")
-        p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ()))})
+        p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ())),
+                   "skip_attn": tuple(d.get("skip_attn", ())), "skip_mlp": tuple(d.get("skip_mlp", ()))})
         if n_layers is not None and p.n_layers != n_layers:
             raise ValueError(f"layer-skip profile {path} was made for a model of {p.n_layers} layers, "
                              f"this target has {n_layers}: run `specdecode tune-skip` for it")
         try:
-            check_skip(p.skip, p.n_layers)
+            skip, attn, mlp = check_skips(p.skip, p.skip_attn, p.skip_mlp, p.n_layers)
         except ValueError as e:
             raise ValueError(f"layer-skip profile {path}: {e}; {make}") from None
-        return p
+        return replace(p, skip=skip, skip_attn=attn, skip_mlp=mlp)
 
 
 def check_skip(skip, n_layers: int) -> tuple[int, ...]:
     """``skip`` as a sorted tuple; ValueError unless it lists at least one layer, distinct
     layers of 0..n_layers-1, and leaves at least one to run."""
-    if not skip:
+    return check_skips(skip, (), (), n_layers)[0]
+
+
+def check_skips(skip, skip_attn, skip_mlp, n_layers: int
+                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(skipped layers, skipped attention sublayers, skipped MLP sublayers) as sorted tuples,
+    a layer whose attention and MLP are both listed moved to the skipped layers, and the
+    sublayers of a skipped layer dropped (skipped with it). ValueError unless they list at
+    least one layer or sublayer, each list distinct layers of 0..n_layers-1 (the message
+    names the list and its values), and at least one layer runs."""
+    skip, skip_attn, skip_mlp = (list(x or ()) for x in (skip, skip_attn, skip_mlp))
+    if not (skip or skip_attn or skip_mlp):
         raise ValueError("no layer to skip: the draft would be the target itself; list the "
-                         f"layers to skip (of 0..{n_layers - 1})")
-    bad = [i for i in skip if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
-    if bad or len(set(skip)) != len(skip):
-        raise ValueError(f"skipped layers {list(skip)}: allowed: distinct layer indices in "
-                         f"0..{n_layers - 1}")
-    if len(skip) >= n_layers:
+                         f"layers (or attention / MLP sublayers) to skip (of 0..{n_layers - 1})")
+    for what, ids in (("skipped layers", skip), ("skipped attention sublayers", skip_attn),
+                      ("skipped MLP sublayers", skip_mlp)):
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"{what} {ids}: allowed: distinct layer indices in 0..{n_layers - 1}")
+    whole = set(skip) | (set(skip_attn) & set(skip_mlp))
+    if len(whole) >= n_layers:
         raise ValueError(f"skipping all {n_layers} layers leaves no draft: skip fewer")
-    return tuple(sorted(skip))
+    return (tuple(sorted(whole)), tuple(sorted(set(skip_attn) - whole)),
+            tuple(sorted(set(skip_mlp) - whole)))
 
 
 def calibration_samples(target: LoadedModel, max_new_tokens: int = 32,
@@ -189,10 +222,12 @@ class _Evaluator:
             n = len(ids) - 1
             self.snapshots.append([(c.k[:, :, :n].clone(), c.v[:, :, :n].clone()) for c in lm.caches])
 
-    def matches(self, layers: list[int], positions: int | None = None) -> list[list[bool]]:
-        """For each sample, whether the draft over ``layers`` predicts each continuation token
-        (the first ``positions`` of each, default all), in order."""
-        lm, draft = self.lm, self.lm.self_draft(layers)
+    def matches(self, layers: list[int], positions: int | None = None, skip_attn=(),
+                skip_mlp=()) -> list[list[bool]]:
+        """For each sample, whether the draft over ``layers`` (with the attention sublayers of
+        ``skip_attn`` and the MLP sublayers of ``skip_mlp`` skipped) predicts each
+        continuation token (the first ``positions`` of each, default all), in order."""
+        lm, draft = self.lm, self.lm.self_draft(layers, skip_attn=skip_attn, skip_mlp=skip_mlp)
         out = []
         for (ids, n0), snap in zip(self.samples, self.snapshots):
             n = len(ids) - 1
@@ -211,13 +246,15 @@ class _Evaluator:
         return out
 
 
-def draft_cost(lm, layers: list[int], context: int = 128, repeats: int = 9) -> float:
-    """A self-draft pass's time over a full one-token pass (``layers``: those it runs),
-    interleaved, medians of ``repeats``, after ``context`` random cached tokens."""
+def draft_cost(lm, layers: list[int], context: int = 128, repeats: int = 9, skip_attn=(),
+               skip_mlp=()) -> float:
+    """A self-draft pass's time over a full one-token pass (``layers``: those it runs;
+    ``skip_attn``, ``skip_mlp``: its skipped sublayers), interleaved, medians of
+    ``repeats``, after ``context`` random cached tokens."""
     lm.allocate(1, context + 2)
     g = torch.Generator().manual_seed(0)
     lm.forward(torch.randint(0, lm.vocab_size, (1, context), generator=g), num_logits=0)
-    draft, x = lm.self_draft(layers), torch.tensor([[1]])
+    draft, x = lm.self_draft(layers, skip_attn=skip_attn, skip_mlp=skip_mlp), torch.tensor([[1]])
     full, part = [], []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
@@ -254,11 +291,14 @@ def predicted_speedup(matches: list[list[bool]], cost: float, verify_ratio: list
 
 
 def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int = 12,
-              progress: bool = True, prompts: tuple[tuple[str, str], ...] = CALIBRATION_PROMPTS) -> SkipProfile:
+              progress: bool = True, prompts: tuple[tuple[str, str], ...] = CALIBRATION_PROMPTS,
+              sublayers: bool = False) -> SkipProfile:
     """Choose the layers the target's layer-skip draft skips (module docstring): the
-    candidate of the highest predicted speedup. Uses the target's KV cache (not while it
-    generates); ``progress`` draws a bar on stderr. Raises ValueError for a target outside
-    the native runtime (no layer subsets), RuntimeError while the target generates."""
+    candidate of the highest predicted speedup. ``sublayers``: the candidates are each
+    layer's attention and MLP sublayers separately (about twice the evaluations). Uses the
+    target's KV cache (not while it generates); ``progress`` draws a bar on stderr. Raises
+    ValueError for a target outside the native runtime (no layer subsets), RuntimeError
+    while the target generates."""
     lm = target.lm
     if not hasattr(lm, "self_draft"):
         raise ValueError(f"layer skipping needs the native runtime; this target is {type(lm).__name__}")
@@ -269,47 +309,60 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
                            "cache), so the layers its draft skips cannot be measured now: run "
                            "`specdecode tune-skip` first, or give the layers (layer-skip:layers=...)")
     try:
-        return _tune(target, times, max_new_tokens, rank_positions, progress, prompts)
+        return _tune(target, times, max_new_tokens, rank_positions, progress, prompts, sublayers)
     finally:
         lock.release()
 
 
-def _tune(target, times, max_new_tokens, rank_positions, progress, prompts) -> SkipProfile:
+def _tune(target, times, max_new_tokens, rank_positions, progress, prompts, sublayers=False) -> SkipProfile:
     from tqdm import tqdm
 
     lm = target.lm
     nl = lm.args.n_layers
     ratio = [t / times[0] for t in times]
+    # the candidates: layers, or with sublayers (layer, 0) attention and (layer, 1) MLP
+    units = [(i, part) for part in (0, 1) for i in range(nl)] if sublayers else list(range(nl))
+    nu = len(units)
     # at least one layer runs (the draft must have one); at most two thirds are skipped
-    sizes = [n for n in range(2, (2 * nl) // 3 + 1, 2) if n < nl] or [1]
-    bar = tqdm(total=len(prompts) + nl + len(sizes) + 2, desc="tune-skip", unit="eval",
+    sizes = [n for n in range(2, (2 * nu) // 3 + 1, 2) if n < nu] or [1]
+    bar = tqdm(total=len(prompts) + nu + len(sizes) + 2, desc="tune-skip", unit="eval",
                disable=not progress, leave=False)
     samples = []
     for p in prompts:
         samples += calibration_samples(target, max_new_tokens, (p,))
         bar.update()
     ev = _Evaluator(lm, samples)
-    single = []
-    for layer in range(nl):
-        m = ev.matches([i for i in range(nl) if i != layer], rank_positions)
+
+    def skips(chosen) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        if not sublayers:
+            return tuple(sorted(chosen)), (), ()
+        return check_skips((), [i for i, part in chosen if part == 0],
+                           [i for i, part in chosen if part == 1], nl)
+
+    def agreement(m) -> float:
         hits = [h for row in m for h in row]
-        single.append(sum(hits) / max(1, len(hits)))
+        return sum(hits) / max(1, len(hits))
+
+    single = []
+    for unit in units:
+        skip, attn, mlp = skips([unit])
+        single.append(agreement(ev.matches([i for i in range(nl) if i not in skip], rank_positions,
+                                           attn, mlp)))
         bar.update()
-    order = sorted(range(nl), key=lambda i: (-single[i], i))  # most skippable first
-    costs: dict[int, float] = {}
+    order = sorted(range(nu), key=lambda u: (-single[u], u))  # most skippable first
     evaluated: dict[int, dict] = {}
 
     def evaluate(n: int) -> float:
         if n not in evaluated:
-            skip = tuple(sorted(order[:n]))
+            skip, attn, mlp = skips([units[u] for u in order[:n]])
             layers = [i for i in range(nl) if i not in skip]
-            m = ev.matches(layers)
-            hits = [h for row in m for h in row]
-            if n not in costs:
-                costs[n] = draft_cost(lm, layers)
-            k, speed = predicted_speedup(m, costs[n], ratio)
-            evaluated[n] = dict(skip=list(skip), acceptance=round(sum(hits) / max(1, len(hits)), 4),
-                                draft_cost=round(costs[n], 4), k=k, predicted_speedup=round(speed, 4))
+            m = ev.matches(layers, None, attn, mlp)
+            cost = draft_cost(lm, layers, skip_attn=attn, skip_mlp=mlp)
+            k, speed = predicted_speedup(m, cost, ratio)
+            evaluated[n] = dict(skip=list(skip), acceptance=round(agreement(m), 4),
+                                draft_cost=round(cost, 4), k=k, predicted_speedup=round(speed, 4))
+            if sublayers:
+                evaluated[n] |= dict(skip_attn=list(attn), skip_mlp=list(mlp))
             bar.update()
         return evaluated[n]["predicted_speedup"]
 
@@ -322,16 +375,21 @@ def _tune(target, times, max_new_tokens, rank_positions, progress, prompts) -> S
             break
     best = max(evaluated, key=lambda n: evaluated[n]["predicted_speedup"])
     for n in (best - 1, best + 1):
-        if 1 <= n < nl:
+        if 1 <= n < nu:
             evaluate(n)
     bar.close()
     best = max(evaluated, key=lambda n: evaluated[n]["predicted_speedup"])
     e = evaluated[best]
+    calibration = dict(prompts=len(prompts), tokens=sum(len(i) - n for i, n in samples))
+    if sublayers:
+        calibration["single_sublayer_agreement"] = dict(attn=[round(a, 4) for a in single[:nl]],
+                                                         mlp=[round(a, 4) for a in single[nl:]])
+    else:
+        calibration["single_layer_agreement"] = [round(a, 4) for a in single]
     return SkipProfile(tuple(e["skip"]), e["k"], e["acceptance"], e["draft_cost"],
-                       e["predicted_speedup"], nl, target.name, lm.weight_format,
-                       dict(prompts=len(prompts), tokens=sum(len(i) - n for i, n in samples),
-                            single_layer_agreement=[round(a, 4) for a in single]),
-                       tuple(evaluated[n] for n in sorted(evaluated)))
+                       e["predicted_speedup"], nl, target.name, lm.weight_format, calibration,
+                       tuple(evaluated[n] for n in sorted(evaluated)),
+                       tuple(e.get("skip_attn", ())), tuple(e.get("skip_mlp", ())))
 
 
 def default_profile_path(target: LoadedModel) -> Path:

@@ -21,7 +21,7 @@ import torch
 
 from .config import MAX_K, KSchedule, check_k
 from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir
-from .layer_skip import SkipProfile, check_skip, default_profile, default_profile_path
+from .layer_skip import SkipProfile, check_skips, default_profile, default_profile_path
 from .models.base import lm_device, module_device
 from .models.loading import LoadedModel, check_compatible, load
 from .models.native import SUPPORTED_MODEL_TYPES
@@ -43,7 +43,8 @@ OPTIONS = {
     "draft_p_min": "draft_p_min applies",
     "ngram": "n-gram sizes (min_ngram, max_ngram) apply",
     "suffix_cache": "suffix_cache applies",
-    "skip": "skipped layers (skip_layers=, skip_profile=; layers=, profile=) apply",
+    "skip": "skipped layers (skip_layers=, skip_attn=, skip_mlp=, skip_profile=; layers=, attn=, mlp=, "
+            "profile=) apply",
     "exit_layer": "an exit layer (exit_layer=; layer=) applies",
     "self_draft_dtype": "a self-draft precision (self_draft_dtype=; dtype=) applies",
     "tree": "a draft tree width (draft_tree_width=; tree=) applies",
@@ -222,15 +223,16 @@ def _native(target: LoadedModel, method: str):
 
 
 def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
-    """The layer-skip draft (a SelfDraft): all layers but ``skip_layers``, or those of the
-    profile ``skip_profile``, or of the target's cached default profile (made on first use);
-    its ``cost`` the profile's measured one; and the K the profile predicts best (without a
-    profile, the method's default)."""
+    """The layer-skip draft (a SelfDraft): all layers but ``skip_layers``, with the attention
+    sublayers of ``skip_attn`` and the MLP sublayers of ``skip_mlp`` skipped (SWIFT,
+    arXiv:2410.06916), or those of the profile ``skip_profile``, or of the target's cached
+    default profile (made on first use); its ``cost`` the profile's measured one; and the K
+    the profile predicts best (without a profile, the method's default)."""
     lm = _native(target, spec.method.value)
     nl = lm.args.n_layers
     profile = None
-    if spec.skip_layers is not None:
-        skip = check_skip(spec.skip_layers, nl)
+    if spec.skips_given:
+        skip, attn, mlp = check_skips(spec.skip_layers, spec.skip_attn, spec.skip_mlp, nl)
     else:
         profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
             else default_profile(target)
@@ -241,8 +243,8 @@ def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
             warnings.warn(f"layer-skip profile {spec.skip_profile} was tuned for {' '.join(made_for)}; "
                           f"this target is {' '.join(here)}: its layers and K may not suit it; make "
                           "one for it with `specdecode tune-skip --target NAME --out FILE`", stacklevel=2)
-        skip = profile.skip
-    draft = lm.self_draft([i for i in range(nl) if i not in skip])
+        skip, attn, mlp = profile.skip, profile.skip_attn, profile.skip_mlp
+    draft = lm.self_draft([i for i in range(nl) if i not in skip], skip_attn=attn, skip_mlp=mlp)
     if profile is not None:
         draft.cost = profile.draft_cost
     return draft, profile.k if profile is not None else METHODS["layer-skip"].default_k
@@ -410,9 +412,10 @@ class SpeculativeConfig:
     the heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
     schedules. The other fields are :data:`OPTIONS`, each honoured by the methods that name
     it: ``draft_p_min`` (None = the method's default), ``max_ngram`` / ``min_ngram``
-    (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_profile`` (``skip``: the layers a
-    layer-skip draft skips, or a ``tune-skip`` profile file; neither: the target's cached
-    default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
+    (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` /
+    ``skip_profile`` (``skip``: the layers a layer-skip draft skips, the layers whose attention
+    or MLP sublayer alone it skips (SWIFT, arXiv:2410.06916; combinable with skip_layers), or
+    a ``tune-skip`` profile file; none: the target's cached default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
     None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
     (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes, or "auto": as many as
@@ -436,6 +439,8 @@ class SpeculativeConfig:
     suffix_cache: str = "request"
     skip_layers: tuple[int, ...] | None = None
     skip_profile: str | None = None
+    skip_attn: tuple[int, ...] | None = None
+    skip_mlp: tuple[int, ...] | None = None
     exit_layer: int | None = None
     self_draft_dtype: str | None = None
     draft_tree_width: int = 1
@@ -446,6 +451,11 @@ class SpeculativeConfig:
     # whether K was given (else the method's default, or a cross-tokenizer draft's: see
     # build_schedule)
     k_given: bool = field(default=False, init=False, repr=False, compare=False)
+
+    @property
+    def skips_given(self) -> bool:
+        """Whether skipped layers or sublayers are given (skip_layers, skip_attn, skip_mlp)."""
+        return any(v is not None for v in (self.skip_layers, self.skip_attn, self.skip_mlp))
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -474,15 +484,22 @@ class SpeculativeConfig:
                              "are invalid; allowed: integers with 1 <= min_ngram <= max_ngram <= 32")
         if self.suffix_cache not in ("request", "session"):
             raise ValueError(f"suffix_cache = {self.suffix_cache!r} is invalid; allowed: 'request', 'session'")
-        if self.skip_layers is not None:
-            if isinstance(self.skip_layers, (str, bytes)) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.skip_layers):
-                raise ValueError(f"skip_layers = {self.skip_layers!r} is invalid; allowed: layer "
-                                 "indices (integers >= 0)")
-            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-            if self.skip_profile is not None:
-                raise ValueError("give the skipped layers or a profile, not both: layers= or profile= in "
-                                 "a method string, skip_layers or skip_profile in the API")
+        for name in ("skip_layers", "skip_attn", "skip_mlp"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                ok = not isinstance(value, (str, bytes)) and all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+            except TypeError:  # not iterable
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} = {value!r} is invalid; allowed: layer indices (integers >= 0)")
+            object.__setattr__(self, name, tuple(value))
+        if self.skips_given and self.skip_profile is not None:
+            raise ValueError("give the skipped layers or a profile, not both: layers= or profile= in "
+                             "a method string, skip_layers or skip_profile in the API (attn=, mlp=, "
+                             "skip_attn and skip_mlp name skipped sublayers, as layers= does layers)")
         if self.skip_profile is not None and not isinstance(self.skip_profile, (str, Path)):
             raise ValueError(f"skip_profile = {self.skip_profile!r} is invalid; allowed: a file path")
         e = self.exit_layer
@@ -524,7 +541,7 @@ class SpeculativeConfig:
                  "ngram": (self.min_ngram, self.max_ngram) != (SpeculativeConfig.min_ngram,
                                                                SpeculativeConfig.max_ngram),
                  "suffix_cache": self.suffix_cache != SpeculativeConfig.suffix_cache,
-                 "skip": self.skip_layers is not None or self.skip_profile is not None,
+                 "skip": self.skips_given or self.skip_profile is not None,
                  "exit_layer": e is not None, "self_draft_dtype": self.self_draft_dtype is not None,
                  "tree": w != 1, "tree_nodes": n is not None, "head": self.head_dir is not None,
                  "lossy_typical": t is not None, "medusa_choices": c is not None}
@@ -537,8 +554,8 @@ class SpeculativeConfig:
                              f"{self.max_speculative_tokens})")
 
 
-def _layer_list(value: str) -> tuple[int, ...]:
-    """"3+5-8+12" (or with commas) -> (3, 5, 6, 7, 8, 12)."""
+def _layer_list(value: str, key: str = "layers") -> tuple[int, ...]:
+    """"3+5-8+12" (or with commas) -> (3, 5, 6, 7, 8, 12); errors name the option ``key``."""
     out = []
     try:
         if any(c.isspace() for c in value):  # "3 +5": int() took each part, spaces and all
@@ -552,8 +569,8 @@ def _layer_list(value: str) -> tuple[int, ...]:
     except ValueError:
         out = []
     if not out:
-        raise ValueError(f"layers={value!r} is invalid; allowed: layer indices joined by '+', "
-                         "ranges as A-B with A <= B, e.g. layers=3+5-8+12") from None
+        raise ValueError(f"{key}={value!r} is invalid; allowed: layer indices joined by '+', "
+                         f"ranges as A-B with A <= B, e.g. {key}=3+5-8+12") from None
     return tuple(out)
 
 
@@ -573,6 +590,8 @@ def _positive(key: str, value: str, most: int | None = None) -> int:
 # option, what its value is (for help texts), its SpeculativeConfig fields from the text)
 METHOD_OPTIONS = {
     "layers": ("skip", "3+5-8", lambda v: {"skip_layers": _layer_list(v)}),
+    "attn": ("skip", "3+5", lambda v: {"skip_attn": _layer_list(v, "attn")}),
+    "mlp": ("skip", "7", lambda v: {"skip_mlp": _layer_list(v, "mlp")}),
     "profile": ("skip", "FILE", lambda v: {"skip_profile": v}),
     "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": v}),
@@ -609,7 +628,7 @@ def _medusa_choices_file(path: str) -> list:
 
 def method_options(method: str, opts: dict) -> dict:
     """The SpeculativeConfig fields of a method's own options (consumed from ``opts``, a
-    dict of key=value texts: layers=, profile= for layer-skip and self, layer= for
+    dict of key=value texts: layers=, attn=, mlp=, profile= for layer-skip and self, layer= for
     early-exit, dtype= for self-draft, tree= for draft, medusa and eagle3, nodes= for eagle3, head= for
     medusa and eagle3, choices= and lossy-typical= for medusa); keys
     the method does not honour are left in ``opts``. Raises ValueError for a bad value."""
@@ -697,7 +716,7 @@ def prepare(spec: SpeculativeConfig, target: LoadedModel) -> None:
     """Measure now what ``spec``'s method measures once on ``target`` (the layer-skip
     profile of layer-skip and self without given layers, :func:`~specdecode.layer_skip.default_profile`):
     before a batched engine holds the target, which it then cannot measure."""
-    if spec.method.value in ("layer-skip", "self") and spec.skip_layers is None \
+    if spec.method.value in ("layer-skip", "self") and not spec.skips_given \
             and spec.skip_profile is None:
         default_profile(target)
 

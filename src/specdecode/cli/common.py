@@ -187,7 +187,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
     p.add_argument("--method", default=default_method.value, type=method_arg,
                    metavar="METHOD[:KEY=VALUE...]",
                    help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
-                        + ". Own options: layer-skip:layers=3+5-8 (the layers skipped) or "
+                        + ". Own options: layer-skip:layers=3+5-8 (the layers skipped; "
+                        "attn=3+5:mlp=7 skips only those layers' attention or MLP sublayers) or "
                         "layer-skip:profile=FILE (from `specdecode tune-skip`; neither: the target's "
                         "default profile, made once and cached), early-exit:layer=E, "
                         "self-draft:dtype=int8|int4, draft:tree=W (a draft tree W wide), "

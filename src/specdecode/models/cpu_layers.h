@@ -62,7 +62,10 @@ void linear(const int64_t* p, const float* in, int64_t m, int64_t k, int64_t n, 
 // cache slot, or -1 for padding (computed, not cached); lens [B*T]: how many slots each query
 // sees: 0..lens-1, or with `seen` (a draft tree, [B*T, S]) seen[b*T+t, 0..lens-1]
 // (sd_attend_slots). F: the MLP width. hid: null, or nrun pointers (0 for none) to [B*T, dim]
-// floats that get x after that layer (the hidden states asked for).
+// floats that get x after that layer (the hidden states asked for). An entry of which is a
+// layer index in its low 32 bits, with flags above (fused.SKIP_ATTN, fused.SKIP_MLP): bit 32
+// skips the layer's attention sublayer (no cache write either), bit 33 its MLP sublayer; the
+// residual stream passes through a skipped sublayer (SWIFT, arXiv:2410.06916).
 void run_layers(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
                 const int64_t* cp, const int64_t* which, int64_t nrun, int64_t H, int64_t Hkv,
                 int64_t D, int64_t F, int64_t L, float eps, const float* cos_tab,
@@ -73,35 +76,41 @@ void run_layers(float* x, int64_t B, int64_t T, int64_t dim, const int64_t* wp,
     fh.resize(M * dim); fq.resize(M * qd); fk.resize(M * kd); fv.resize(M * kd);
     fa.resize(M * qd); fo.resize(M * dim); fg.resize(M * F); fu.resize(M * F);
     for (int64_t i = 0; i < nrun; i++) {
-        const int64_t* w = wp + which[i] * (2 + 7 * LW);
+        const int64_t layer = which[i] & 0xffffffffLL;
+        const bool attn = !(which[i] & (1LL << 32)), mlp = !(which[i] & (1LL << 33));
+        const int64_t* w = wp + layer * (2 + 7 * LW);
         const int64_t* lw = w + 2;
-        float* kc = (float*)cp[which[i] * 2];
-        float* vc = (float*)cp[which[i] * 2 + 1];
-        sd_rmsnorm(x, M, dim, (const float*)w[0], eps, fh.data());
-        linear(lw, fh.data(), M, dim, qd, fq.data());
-        linear(lw + LW, fh.data(), M, dim, kd, fk.data());
-        linear(lw + 2 * LW, fh.data(), M, dim, kd, fv.data());
-        rope(fq.data(), M, H, D, cos_tab, sin_tab, pos);
-        rope(fk.data(), M, Hkv, D, cos_tab, sin_tab, pos);
-        for (int64_t m = 0; m < M; m++) {
-            if (slots[m] < 0) continue;
-            const int64_t b = m / T;
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t at = ((b * Hkv + h) * L + slots[m]) * D;
-                memcpy(kc + at, fk.data() + (m * Hkv + h) * D, D * sizeof(float));
-                memcpy(vc + at, fv.data() + (m * Hkv + h) * D, D * sizeof(float));
+        float* kc = (float*)cp[layer * 2];
+        float* vc = (float*)cp[layer * 2 + 1];
+        if (attn) {
+            sd_rmsnorm(x, M, dim, (const float*)w[0], eps, fh.data());
+            linear(lw, fh.data(), M, dim, qd, fq.data());
+            linear(lw + LW, fh.data(), M, dim, kd, fk.data());
+            linear(lw + 2 * LW, fh.data(), M, dim, kd, fv.data());
+            rope(fq.data(), M, H, D, cos_tab, sin_tab, pos);
+            rope(fk.data(), M, Hkv, D, cos_tab, sin_tab, pos);
+            for (int64_t m = 0; m < M; m++) {
+                if (slots[m] < 0) continue;
+                const int64_t b = m / T;
+                for (int64_t h = 0; h < Hkv; h++) {
+                    const int64_t at = ((b * Hkv + h) * L + slots[m]) * D;
+                    memcpy(kc + at, fk.data() + (m * Hkv + h) * D, D * sizeof(float));
+                    memcpy(vc + at, fv.data() + (m * Hkv + h) * D, D * sizeof(float));
+                }
             }
+            sd_attend_slots(fq.data(), B, T, H, D, T * qd, qd, D, kc, vc, Hkv, L, lens, seen, S,
+                            scale, fa.data());
+            linear(lw + 3 * LW, fa.data(), M, qd, dim, fo.data());
+            for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
         }
-        sd_attend_slots(fq.data(), B, T, H, D, T * qd, qd, D, kc, vc, Hkv, L, lens, seen, S, scale,
-                        fa.data());
-        linear(lw + 3 * LW, fa.data(), M, qd, dim, fo.data());
-        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
-        sd_rmsnorm(x, M, dim, (const float*)w[1], eps, fh.data());
-        linear(lw + 4 * LW, fh.data(), M, dim, F, fg.data());
-        linear(lw + 5 * LW, fh.data(), M, dim, F, fu.data());
-        sd_silu_mul(fg.data(), fu.data(), M * F, fg.data());
-        linear(lw + 6 * LW, fg.data(), M, F, dim, fo.data());
-        for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
+        if (mlp) {
+            sd_rmsnorm(x, M, dim, (const float*)w[1], eps, fh.data());
+            linear(lw + 4 * LW, fh.data(), M, dim, F, fg.data());
+            linear(lw + 5 * LW, fh.data(), M, dim, F, fu.data());
+            sd_silu_mul(fg.data(), fu.data(), M * F, fg.data());
+            linear(lw + 6 * LW, fg.data(), M, F, dim, fo.data());
+            for (int64_t j = 0; j < M * dim; j++) x[j] = x[j] + fo[j];
+        }
         if (hid != nullptr && hid[i] != 0) memcpy((float*)hid[i], x, M * dim * sizeof(float));
     }
 }

@@ -149,9 +149,15 @@ def stack(model) -> LayerStack | None:
     return built
 
 
+# flags of an entry of the kernel's layer list (``which`` in cpu_layers.h), above the layer
+# index: skip the layer's attention, or its MLP, sublayer (the residual passes through)
+SKIP_ATTN = 1 << 32
+SKIP_MLP = 1 << 33
+
+
 def run(model, layer_stack: LayerStack, x: torch.Tensor, run_layers, caches, pos: torch.Tensor,
         slots: torch.Tensor, lens: torch.Tensor, seen: torch.Tensor | None = None,
-        hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        hidden: dict[int, torch.Tensor] | None = None, skip_attn=(), skip_mlp=()) -> torch.Tensor:
     """Run the decoder layers ``run_layers`` (indices) of ``model`` over x, in place.
 
     x: fp32 [B, T, dim] (the embeddings of the new tokens); caches: the model's per-layer
@@ -159,8 +165,10 @@ def run(model, layer_stack: LayerStack, x: torch.Tensor, run_layers, caches, pos
     slots: int64 [B, T] cache slots, -1 for padding; lens: int64 [B, T] the slots each query
     sees (``Prefixes.lens``); seen: None (slots 0..lens-1) or a draft tree's int64 [B, T, S]
     (``Prefixes.slots``); hidden: layer index -> an fp32 [B, T, dim] tensor that gets the
-    residual stream after that layer (contiguous; layers in ``run_layers``). Returns x, the
-    residual stream after the last layer.
+    residual stream after that layer (contiguous; layers in ``run_layers``); skip_attn,
+    skip_mlp: layers of ``run_layers`` whose attention (which then writes no cache) or MLP
+    sublayer is skipped, passed as the flags :data:`SKIP_ATTN` and :data:`SKIP_MLP` of their
+    entries. Returns x, the residual stream after the last layer.
     """
     a = model.args
     b, t, dim = x.shape
@@ -172,7 +180,8 @@ def run(model, layer_stack: LayerStack, x: torch.Tensor, run_layers, caches, pos
     if hidden:
         hid = torch.tensor([hidden[i].data_ptr() if i in hidden else 0 for i in which],
                            dtype=torch.int64)
-    which = torch.tensor(which, dtype=torch.int64)
+    which = torch.tensor([i | (SKIP_ATTN if i in skip_attn else 0) | (SKIP_MLP if i in skip_mlp else 0)
+                          for i in which], dtype=torch.int64)
     pos, slots, lens = pos.contiguous(), slots.contiguous(), lens.contiguous()
     layer_stack.fn(x.data_ptr(), b, t, dim, layer_stack.pointers.data_ptr(),
                    cache_ptrs.data_ptr(), which.data_ptr(), which.numel(), a.n_heads,

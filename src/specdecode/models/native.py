@@ -450,9 +450,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, where, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, where, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, where, mask, cache, attn: bool = True, mlp: bool = True):
+        """attn, mlp: False skips that sublayer, the residual stream passing through it
+        (SWIFT, arXiv:2410.06916, skips attention and MLP sublayers separately); a skipped
+        attention writes nothing to ``cache``."""
+        if attn:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, where, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x)) if mlp else x
 
 
 class _Body(nn.Module):
@@ -602,10 +606,11 @@ class Transformer(nn.Module):
         return other
 
     def self_draft(self, layers: list[int] | None = None,
-                   weights: "Transformer | None" = None, vocab: int | str | None = "auto") -> "SelfDraft":
+                   weights: "Transformer | None" = None, vocab: int | str | None = "auto",
+                   skip_attn=(), skip_mlp=()) -> "SelfDraft":
         """This model as its own draft model, drafting on its own KV cache: see
         :class:`SelfDraft`."""
-        return SelfDraft(self, layers, weights, vocab)
+        return SelfDraft(self, layers, weights, vocab, skip_attn, skip_mlp)
 
     def draft_head(self, m: int) -> nn.Module:
         """The LM head over token ids 0..m-1 only (:func:`~specdecode.models.quant.first_rows`:
@@ -739,7 +744,8 @@ class Transformer(nn.Module):
     def forward_rows(self, input_ids: torch.Tensor, lengths: list[int] | None = None,
                      num_logits: int | None = None, attn_mask: torch.Tensor | None = None,
                      position_ids: torch.Tensor | None = None, output_hidden=(),
-                     layers: list[int] | None = None, head: nn.Module | None = None) -> ForwardOutput:
+                     layers: list[int] | None = None, head: nn.Module | None = None,
+                     skip_attn=(), skip_mlp=()) -> ForwardOutput:
         """Append new tokens to each row, rows with their own lengths and positions.
 
         input_ids: [B, T] token ids (B = the allocated batch). Row b appends its first
@@ -762,6 +768,11 @@ class Transformer(nn.Module):
         (draft with a subset, roll back, verify with all layers).
         head: the output layer instead of the model's LM head (a draft's restricted one,
         :meth:`draft_head`): logits [.., m] over its m rows.
+        skip_attn, skip_mlp: layers (of those that run) whose attention, or MLP, sublayer is
+        skipped, the residual stream passing through it (SWIFT, arXiv:2410.06916). A layer
+        whose attention is skipped reads and writes no cache: for the cache it is a skipped
+        layer (see ``layers``); one whose MLP only is skipped writes its keys and values as a
+        layer that runs.
 
         Runs in chunks of PREFILL_CHUNK when T exceeds it, unless lengths differ or
         attn_mask is given. Raises ValueError, before anything runs, for input that is not
@@ -802,7 +813,9 @@ class Transformer(nn.Module):
         n = t if num_logits is None else num_logits
         if not (isinstance(n, int) and 0 <= n <= t):
             raise ValueError(f"num_logits={num_logits!r} is out of range (allowed: 0..{t})")
-        run = self._check_layers(layers, output_hidden, lens)
+        skip_attn, skip_mlp = tuple(skip_attn), tuple(skip_mlp)
+        run, attn_run = self._check_layers(layers, output_hidden, lens, skip_attn, skip_mlp)
+        skip_attn, skip_mlp = frozenset(skip_attn), frozenset(skip_mlp)
         # ids (and masks, positions, built from them) may come from anywhere: the engine makes
         # them on the CPU; they go where the weights are
         input_ids = input_ids.to(self.device)
@@ -818,7 +831,8 @@ class Transformer(nn.Module):
                 e = min(t, s + step)
                 pos = None if position_ids is None else position_ids[:, s:e]
                 outs.append(self.forward_rows(input_ids[:, s:e], None, max(0, e - max(s, t - n)),
-                                              None, pos, output_hidden, layers, head))
+                                              None, pos, output_hidden, layers, head, skip_attn,
+                                              skip_mlp))
             hidden = {k: torch.cat([o.hidden[k] for o in outs], 1) for k in outs[0].hidden}
             return ForwardOutput(torch.cat([o.logits for o in outs], 1), hidden)
 
@@ -879,17 +893,17 @@ class Transformer(nn.Module):
             hidden = {i: x.new_empty(x.shape) for i in run if i in want}
             x = fused.run(self, layer_stack, x, run, self.caches,
                           pos.masked_fill(~valid, 0) if ragged else pos, slots, mask.lens,
-                          mask.slots, hidden)
+                          mask.slots, hidden, skip_attn, skip_mlp)
         else:
             blocks = zip(self.model.layers, self.caches) if layers is None else \
                 ((self.model.layers[i], self.caches[i]) for i in layers)
             for i, (layer, cache) in zip(run, blocks):
-                x = layer(x, cos, sin, where, mask, cache)
+                x = layer(x, cos, sin, where, mask, cache, i not in skip_attn, i not in skip_mlp)
                 if want and i in want:
                     hidden[i] = x
         if want and FINAL in want:
             hidden[FINAL] = self.model.norm(x)
-        self._advance(run, layers, lens)
+        self._advance(attn_run, layers is not None or bool(skip_attn), lens)
 
         head = self.lm_head if head is None else head
         if n == 0:
@@ -915,8 +929,10 @@ class Transformer(nn.Module):
             return SDPA_MIN_TOKENS - 1
         return t
 
-    def _check_layers(self, layers, output_hidden, lens) -> range | list[int]:
-        """Validate ``layers`` and ``output_hidden``; return the layers to run."""
+    def _check_layers(self, layers, output_hidden, lens, skip_attn=(), skip_mlp=()
+                      ) -> tuple[range | list[int], range | list[int]]:
+        """Validate ``layers``, ``output_hidden`` and the skipped sublayers; return the layers
+        to run and those of them whose attention runs (which read and write the cache)."""
         nl = self.args.n_layers
         run = range(nl)
         if layers is not None:
@@ -929,8 +945,15 @@ class Transformer(nn.Module):
             if not (k == FINAL or (isinstance(k, int) and k in run)):
                 raise ValueError(f"output_hidden key {k!r} is not allowed: FINAL (-1) or a layer "
                                  f"that runs ({'0..' + str(nl - 1) if layers is None else run})")
+        for name, sub in (("skip_attn", skip_attn), ("skip_mlp", skip_mlp)):
+            sub = list(sub)
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i in run for i in sub) \
+                    or len(set(sub)) != len(sub):
+                raise ValueError(f"{name}={sub}: allowed: distinct layers that run "
+                                 f"({'0..' + str(nl - 1) if layers is None else run})")
+        attn_run = [i for i in run if i not in set(skip_attn)] if skip_attn else run
         if self._layer_lengths is not None:
-            for i in run:
+            for i in attn_run:
                 rows = zip(self._layer_lengths[i], self.row_lengths, lens)
                 for row, (held, s, n) in enumerate(rows):
                     if n and held != s:
@@ -938,7 +961,7 @@ class Transformer(nn.Module):
                             f"layer {i} holds {held} positions of row {row}, which holds {s}: "
                             f"a pass that skipped layer {i} wrote {held}..{s - 1}; roll the row "
                             f"back to {held} before running layer {i}")
-        return run
+        return run, attn_run
 
     def _check_tree(self, attn_mask, position_ids, valid):
         """Validate the mask and positions of new tokens (``valid`` [B, T]: not padding);
@@ -966,10 +989,11 @@ class Transformer(nn.Module):
                                  f"0..{self.max_len - 1} (the allocated max_len)")
         return attn_mask, position_ids
 
-    def _advance(self, run, layers, lens):
-        """Move the row pointers past the new tokens; track layers a pass skipped."""
+    def _advance(self, run, partial: bool, lens):
+        """Move the row pointers past the new tokens; track layers a pass skipped (``run``:
+        the layers that wrote the cache; ``partial``: whether some did not)."""
         new = [s + n for s, n in zip(self.row_lengths, lens)]
-        if layers is not None or self._layer_lengths is not None:
+        if partial or self._layer_lengths is not None:
             ll = self._layer_lengths or [list(self.row_lengths) for _ in range(self.args.n_layers)]
             ll = [list(h) for h in ll]
             for i in run:
@@ -1079,6 +1103,21 @@ class Transformer(nn.Module):
         return model.eval()
 
 
+def sublayer_share(args: ModelArgs, layers, skip_attn=(), skip_mlp=()) -> float:
+    """The share of the decoder layers' weights a pass over ``layers`` reads when the
+    attention sublayers of ``skip_attn`` and the MLP sublayers of ``skip_mlp`` are skipped
+    (a memory-bound pass's cost over a full one's, before it is measured)."""
+    a, m = sublayer_weights(args)
+    read = sum((0 if i in skip_attn else a) + (0 if i in skip_mlp else m) for i in layers)
+    return read / (args.n_layers * (a + m))
+
+
+def sublayer_weights(args: ModelArgs) -> tuple[int, int]:
+    """The weights of one layer's attention (q, k, v, o) and MLP (gate, up, down) sublayers."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return args.dim * (2 * q + 2 * kv), 3 * args.dim * args.intermediate_size
+
+
 class SelfDraft:
     """The target as its own draft model (self-speculative decoding): a subset of its layers
     (layer skipping, Draft & Verify arXiv:2309.08168, SWIFT arXiv:2410.06916; early exit,
@@ -1099,23 +1138,38 @@ class SelfDraft:
       decoding's after every round).
 
     target: the native Transformer that verifies. layers: sorted unique layer indices to run
-    (None: all; the final norm and LM head always run). weights: a Transformer of the same
+    (None: all; the final norm and LM head always run). skip_attn, skip_mlp: layers of those
+    whose attention, or MLP, sublayer the draft skips, the residual stream passing through
+    it (SWIFT, arXiv:2410.06916, skips the two separately): a layer whose attention is
+    skipped writes no keys or values (for the cache it is a skipped layer, whose drafted
+    slots the verify pass fills), one whose MLP only is skipped writes them as the other
+    layers the draft runs do (overwritten by the verify pass alike). weights: a Transformer of the same
     architecture whose layers and head draft instead of the target's (its activations'
     dtype must be the target's cache dtype). vocab: the first token ids its LM head covers
     ("auto": ``DRAFT_VOCAB`` for a vocabulary more than twice that, else all; None: all);
     its logits of the other ids are -inf. Rows: row 0 of a one-row target, or the row a
     batched engine gives the request (:meth:`bind`).
-    Raises ValueError for bad layers, weights of another shape or dtype, or a bad vocab.
+    Raises ValueError for bad layers or sublayers, weights of another shape or dtype, or a
+    bad vocab.
     """
 
     def __init__(self, target: Transformer, layers: list[int] | None = None,
-                 weights: Transformer | None = None, vocab: int | str | None = "auto"):
+                 weights: Transformer | None = None, vocab: int | str | None = "auto",
+                 skip_attn=(), skip_mlp=()):
         nl = target.args.n_layers
         if layers is not None:
             layers = list(layers)
             if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < nl for i in layers) \
                     or any(a >= b for a, b in zip(layers, layers[1:])):
                 raise ValueError(f"layers={layers}: allowed: sorted unique layer indices in 0..{nl - 1}")
+        runs = range(nl) if layers is None else layers
+        for name, sub in (("skip_attn", skip_attn), ("skip_mlp", skip_mlp)):
+            sub = list(sub)
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i in runs for i in sub) \
+                    or any(a >= b for a, b in zip(sub, sub[1:])):
+                raise ValueError(f"{name}={sub}: allowed: sorted unique layer indices of the layers "
+                                 f"the draft runs ({'0..' + str(nl - 1) if layers is None else layers})")
+        self.skip_attn, self.skip_mlp = tuple(skip_attn), tuple(skip_mlp)
         source = target if weights is None else weights
         if weights is not None:
             if (weights.args.n_layers, weights.args.dim, weights.args.n_kv_heads, weights.args.head_dim,
@@ -1129,9 +1183,10 @@ class SelfDraft:
         self.target, self.layers = target, layers
         self._lm = copy.copy(source)  # its own pointers; weights shared, caches set per pass
         self.row, self._len = 0, 0
-        # a draft pass's cost over the target's T(1): the share of layers it runs until
-        # measured (layer_skip.draft_cost; the layer-skip methods set it from their profile)
-        self.cost = (len(layers) if layers is not None else nl) / nl
+        # a draft pass's cost over the target's T(1): the share of the layers' weights it
+        # reads until measured (layer_skip.draft_cost; the layer-skip methods set it from
+        # their profile)
+        self.cost = sublayer_share(target.args, runs, self.skip_attn, self.skip_mlp)
         v = target.args.vocab_size
         if vocab == "auto":
             vocab = DRAFT_VOCAB if v > 2 * DRAFT_VOCAB else None
@@ -1173,7 +1228,8 @@ class SelfDraft:
     def same_pass(self) -> tuple:
         """Drafts with equal keys (one target, layers and weights) can run their rows' passes
         as one (:meth:`forward_together`)."""
-        return id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model), self.vocab
+        return (id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model), self.vocab,
+                self.skip_attn, self.skip_mlp)
 
     @staticmethod
     def forward_together(passes: list[tuple["SelfDraft", torch.Tensor, int]]) -> list[torch.Tensor]:
@@ -1202,7 +1258,8 @@ class SelfDraft:
         lm.caches = [c.rows(first, stop) for c in t.caches]
         lm.max_len, lm._cos, lm._sin = t.max_len, t._cos, t._sin
         lm.row_lengths, lm._layer_lengths = starts, None
-        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers, head=d0._head).logits
+        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers, head=d0._head,
+                                 skip_attn=d0.skip_attn, skip_mlp=d0.skip_mlp).logits
         if d0._head is not None:  # tokens past the draft's head are never drafted
             full = logits.new_full((*logits.shape[:2], t.args.vocab_size), float("-inf"))
             full[..., :d0.vocab] = logits
