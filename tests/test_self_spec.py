@@ -49,6 +49,18 @@ class _Recording(DraftModelProposer):
         self.snapshots.append((len(state.tokens) - 1, _cache(self.target, self.target.seq_len)))
 
 
+def _assert_no_trace(snapshots, full, exact: bool) -> None:
+    """Every round's cache (positions 0..n-1 the target reads) equals plain decoding's
+    ``full`` cache: bit for bit where ``exact`` (int8), else to fp32 rounding."""
+    for n, snap in snapshots:
+        for (k, v), (k0, v0) in zip(snap, full):
+            if exact:
+                assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
+            else:
+                torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("int8", [None, "kn"], ids=["fp32", "int8"])
 @pytest.mark.parametrize("layers", [[0, 2], [0], [0, 1, 2, 3]], ids=["skip-1-3", "exit-1", "all"])
 def test_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, layers):
@@ -64,14 +76,9 @@ def test_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, layers):
     assert gen.stats.num_draft_tokens > 0 and len(proposer.snapshots) == len(blocks)
     if layers == [0, 1, 2, 3]:  # the full model as its own draft: every draft is accepted
         assert gen.stats.acceptance_rate == 1.0
-    for n, snap in proposer.snapshots:
+    for n, _ in proposer.snapshots:
         assert n == tgt.seq_len or n <= len(prompt) + len(plain.token_ids)
-        for (k, v), (k0, v0) in zip(snap, full):
-            if int8:
-                assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
-            else:
-                torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+    _assert_no_trace(proposer.snapshots, full, exact=bool(int8))
 
 
 SUBLAYER_SKIPS = [  # (layers run, skipped attention sublayers, skipped MLP sublayers)
@@ -86,9 +93,9 @@ def test_sublayer_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, 
     output equals plain decoding, and after every round the cache the target reads equals
     plain decoding's (int8: bit for bit; "int8-fused": the layer stack in one C call, its
     sublayer flags; the others: the modules)."""
-    if int8 == "vnni" and quant.vnni_kernel()[0] is None:
-        pytest.skip("the fused layer stack of int8 'vnni' linears needs the AVX512-VNNI kernel")
-    tgt = tiny_model(0, n_layers=LAYERS, int8=int8, **(KERNEL_SHAPES if int8 == "vnni" else {}))
+    fused_here = int8 == "vnni" and quant.vnni_kernel()[0] is not None
+    tgt = tiny_model(0, n_layers=LAYERS, int8="vnni" if fused_here else int8 and "kn",
+                     **(KERNEL_SHAPES if int8 == "vnni" else {}))
     flags, real = [], fused.run
     monkeypatch.setattr(fused, "run", lambda *args: flags.append(args[-2:]) or real(*args))
     prompt = PROMPTS["twenty"]
@@ -99,15 +106,10 @@ def test_sublayer_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, 
     assert gen.token_ids == plain.token_ids
     assert gen.stats.num_draft_tokens > 0 and len(proposer.snapshots) == len(blocks)
     assert gen.stats.acceptance_rate < 1.0  # the skips change the draft
-    if int8 == "vnni":  # the draft passes ran through the stack, with their flags
+    if fused_here:  # the draft passes ran through the stack, with their flags (without the
+        # AVX512-VNNI kernel this case runs int8 "kn" modules, as the one above)
         assert (frozenset(attn), frozenset(mlp)) in flags
-    for n, snap in proposer.snapshots:
-        for (k, v), (k0, v0) in zip(snap, full):
-            if int8:
-                assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
-            else:
-                torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+    _assert_no_trace(proposer.snapshots, full, exact=bool(int8))
 
 
 def test_sublayer_self_draft_checks_its_sublayers_and_estimates_its_cost():
@@ -165,10 +167,7 @@ def test_self_draft_at_a_lower_precision_is_lossless():
     # the int8 copy wrote its drafts into the fp32 target's buffers: none is left where the
     # target reads, after any round
     assert proposer.snapshots
-    for n, snap in proposer.snapshots:
-        for (k, v), (k0, v0) in zip(snap, full):
-            torch.testing.assert_close(k, k0[:, :n], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(v, v0[:, :n], rtol=1e-5, atol=1e-5)
+    _assert_no_trace(proposer.snapshots, full, exact=False)
 
 
 def test_self_draft_rejects_weights_of_another_shape_or_dtype():

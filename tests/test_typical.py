@@ -313,8 +313,7 @@ def test_medusa_heads_lossy_alone_and_in_a_batch(tree):
     from specdecode.schedule import FixedK
 
     target = tiny_model(0, int8="nk", **KERNEL_SHAPES)
-    if tree is not None and not target.exact_trees:
-        pytest.skip("draft trees need the CPU attention kernels")
+    assert tree is None or target.exact_trees, "this project's machines run the CPU attention kernels"
     heads = _heads(target)
     prompt = PROMPTS["twenty"]
     greedy = SamplingParams(max_new_tokens=30)
