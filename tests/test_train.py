@@ -281,6 +281,15 @@ def test_recorded_features_are_the_targets_answers_and_states(deep_target_dir, t
     again = record(target, prompts, tmp_path / "f", max_new_tokens=12, batch=2, progress=False)
     assert len(again["done"]) == 5 and [s["file"] for s in again["shards"][:len(shards)]] == shards
     assert sum(s["sequences"] for s in again["shards"]) == 5
+    # a smaller run on the same directory (--features with a lower --max-prompts) reads its own
+    # prompts' sequences only (was: every recorded one, 400 where the run said 120)
+    every = load_sequences(tmp_path / "f", False) + load_sequences(tmp_path / "f", True)
+    assert len(every) == 5
+    for chosen in (prompts[:2], prompts[3:], [prompts[4], prompts[0]]):
+        mine = load_sequences(tmp_path / "f", False, {p.key for p in chosen}) + \
+            load_sequences(tmp_path / "f", True, {p.key for p in chosen})
+        want = {tuple(specdecode.generate(target, p.text, max_new_tokens=12).prompt_token_ids) for p in chosen}
+        assert {tuple(q.tokens[:q.start].tolist()) for q in mine} == want
     with pytest.raises(ValueError, match="max_new_tokens: 12 there, 13 now"):
         record(target, prompts, tmp_path / "f", max_new_tokens=13, progress=False)
     (tmp_path / "bad").mkdir()

@@ -178,16 +178,19 @@ def _feature_pass(lm, seqs: list[list[int]], starts: list[int], layers: list[int
             "topk_ids": torch.cat(ids), "topk_logp": torch.cat(logps)}
 
 
-def load_sequences(out: str | Path, held_out: bool) -> list[Sequence]:
-    """The recorded sequences of one split (training: held_out False). Raises ValueError for a
-    directory without features or a damaged shard."""
+def load_sequences(out: str | Path, held_out: bool, keys: set[str] | None = None) -> list[Sequence]:
+    """The recorded sequences of one split (training: held_out False); with ``keys``, only
+    those of these prompts (``Prompt.key``: a run's own prompts, where the directory holds a
+    larger run's too). Raises ValueError for a directory without features or a damaged shard."""
     out = Path(out)
     manifest = read_manifest(out)
     if manifest is None:
         raise ValueError(f"{out} holds no recorded features (features.json is missing)")
     seqs = []
+    done = iter(manifest["done"])  # the prompts' keys, shard after shard, as record() adds them
     for shard in manifest["shards"]:
-        if shard["held_out"] != held_out:
+        shard_keys = [next(done, None) for _ in range(shard["sequences"])]
+        if shard["held_out"] != held_out or (keys is not None and not keys.intersection(shard_keys)):
             continue
         try:
             t = load_file(str(out / shard["file"]))
@@ -196,6 +199,8 @@ def load_sequences(out: str | Path, held_out: bool) -> list[Sequence]:
                              "the directory, and record again") from None
         off = t["offsets"].tolist()
         for s in range(len(off) - 1):
+            if keys is not None and shard_keys[s] not in keys:
+                continue
             a, b = off[s], off[s + 1]
             seqs.append(Sequence(t["tokens"][a:b].long(), int(t["starts"][s]), t["final"][a:b],
                                  t["aux"][a:b], t["topk_ids"][a:b].long(), t["topk_logp"][a:b]))

@@ -206,13 +206,15 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
         record(target, prompts, features, max_new_tokens=recipe.max_new_tokens)
     state.wait_for_everyone()
     if not state.is_main_process:  # the same prompts; any German is read from what the first process wrote
-        _, summary = prompts_of_the_run()
+        prompts, summary = prompts_of_the_run()
     manifest = read_manifest(features)
-    train_seqs, held = load_sequences(features, False), load_sequences(features, True)
+    # this run's prompts only: a features directory may hold a larger run's too (--features)
+    keys = {p.key for p in prompts}
+    train_seqs, held = load_sequences(features, False, keys), load_sequences(features, True, keys)
     info = {"target": target.name, "target_weights": lm.weight_format,
             "data": {"sources": list(recipe.data), "prompts": summary,
                      "sequences": {"train": len(train_seqs), "held_out": len(held)},
-                     "answer_tokens": sum(s["answer_tokens"] for s in manifest["shards"]),
+                     "answer_tokens": sum(len(s.tokens) - s.start for s in train_seqs + held),
                      "max_new_tokens": recipe.max_new_tokens},
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
             "precision": resolve_precision(recipe.precision, state.device),
