@@ -154,12 +154,6 @@ class SkipProfile:
         return replace(p, skip=skip, skip_attn=attn, skip_mlp=mlp)
 
 
-def check_skip(skip, n_layers: int) -> tuple[int, ...]:
-    """``skip`` as a sorted tuple; ValueError unless it lists at least one layer, distinct
-    layers of 0..n_layers-1, and leaves at least one to run."""
-    return check_skips(skip, (), (), n_layers)[0]
-
-
 def check_skips(skip, skip_attn, skip_mlp, n_layers: int
                 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(skipped layers, skipped attention sublayers, skipped MLP sublayers) as sorted tuples,
