@@ -157,6 +157,50 @@ def test_the_hidden_state_is_the_one_that_predicted_the_last_committed_token():
         torch.testing.assert_close(spy.prefill, want, rtol=0, atol=0)
 
 
+class _Counting(torch.nn.Module):
+    """A module that passes to ``inner`` and records the input shape of every call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, []
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x):
+        self.calls.append(tuple(x.shape))
+        return self.inner(x)
+
+
+def test_heads_read_the_targets_own_lm_head_once_for_all_heads():
+    """Served heads with ``original_lm_head`` read the target's own (here int8) lm_head
+    module in place: their logits are that module's on the stacked block outputs, from one
+    call for all heads (a drafting step reads the table once, not once per head); they hold
+    no copy of the table; moving or quantizing the heads leaves the target's module alone;
+    they cannot be saved (they lack the table); a module of another size is refused."""
+    target = tiny_model(0, int8="nk", **KERNEL_SHAPES)
+    table = _random_heads(target, num_heads=3, seed=5, shared=False)  # random blocks to copy
+    own = _Counting(target.lm_head)
+    heads = MedusaHeads(target.args.dim, target.vocab_size, 3, lm_head=own)
+    heads.load_state_dict({k: v for k, v in table.state_dict().items() if k.startswith("blocks.")})
+    assert set(heads.state_dict()) == {k for k in table.state_dict() if k.startswith("blocks.")}
+    assert not any(t.numel() >= target.vocab_size * target.args.dim for t in heads.buffers())
+    h = torch.randn(2, target.args.dim)
+    with torch.no_grad():
+        got = heads(h)
+        want = target.lm_head(torch.stack([b(h) for b in heads.blocks])).float()
+    assert own.calls == [(3, 2, target.args.dim)]
+    torch.testing.assert_close(got, want[..., :target.vocab_size], rtol=0, atol=0)
+    kind = type(target.lm_head)
+    heads.to("cpu").quantize_("nk")
+    assert type(target.lm_head) is kind and heads._target_lm_head is own
+    assert type(heads.blocks[0].layers[0]).__name__ == "Int8Linear"
+    with pytest.raises(ValueError, match="read the target's own lm_head module"):
+        heads.save("/nonexistent")
+    with pytest.raises(ValueError, match=r"maps .* features; .* give heads made for this target"):
+        MedusaHeads(target.args.dim + 8, target.vocab_size, 2, lm_head=target.lm_head)
+    with pytest.raises(ValueError, match=r"need .* -> >= "):
+        MedusaHeads(target.args.dim, target.vocab_size + 1, 2, lm_head=target.lm_head)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
                                     SamplingParams(max_new_tokens=40, temperature=0.9, seed=2)],
                          ids=["greedy", "gumbel"])
@@ -240,6 +284,15 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypat
         out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
         assert out.token_ids == plain.token_ids
         assert out.stats.num_draft_tokens > 0
+    # heads sharing the output layer (original_lm_head) read the target's own module, no copy
+    shared = MedusaHeads(lm.args.dim, lm.vocab_size, 2, lm_head=model.lm_head.weight.detach()[:lm.vocab_size])
+    shared.load_state_dict(_random_heads(lm, num_heads=2, seed=3).state_dict(), strict=False)
+    shared = shared.save(tmp_path / "shared")
+    out = specdecode.generate(target, prompt, method=f"medusa:head={shared}", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
+    loaded = [h for key, h in target.heads.items() if key[1] == str(shared.resolve())]
+    assert len(loaded) == 1 and loaded[0]._target_lm_head is lm.lm_head
+    assert "shared_lm_head" not in dict(loaded[0].named_buffers())
     # a list of prompts runs in the batched engine, trees included: each equals its plain decoding
     prompts = [prompt, "x = [1, 2, 3", "Hello there"]
     many = specdecode.generate(target, prompts, method=f"medusa:head={heads}:tree=2", max_new_tokens=24)
@@ -269,9 +322,10 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypat
     _random_heads(lm, num_heads=2, seed=1).save(default_head_dir(target.name, "medusa"))
     out = specdecode.generate(target, prompt, method="medusa", max_new_tokens=24)
     assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
-    other = MedusaHeads(lm.args.dim + 8, lm.vocab_size, 2).save(tmp_path / "other")
-    with pytest.raises(ValueError, match="give heads made for this target"):
-        specdecode.generate(target, prompt, method=f"medusa:head={other}", max_new_tokens=4)
+    for shared in (None, torch.zeros(lm.vocab_size, lm.args.dim + 8)):
+        other = MedusaHeads(lm.args.dim + 8, lm.vocab_size, 2, lm_head=shared).save(tmp_path / "other")
+        with pytest.raises(ValueError, match="give heads made for this target"):
+            specdecode.generate(target, prompt, method=f"medusa:head={other}", max_new_tokens=4)
 
 
 def test_default_head_dir_per_target_and_kind(tmp_path, monkeypatch):

@@ -418,6 +418,18 @@ def test_tune_skip_over_sublayers_writes_a_profile_the_method_loads(tmp_path):
     assert sorted(calls) == sorted((tuple(i for i in range(LAYERS) if i not in e["skip"]), tuple(e["skip_attn"]),
                                     tuple(e["skip_mlp"])) for e in profile.search)
     assert any(e["skip_attn"] or e["skip_mlp"] for e in profile.search)
+    # the candidates grow by the least agreement lost per weight byte skipped: an attention
+    # sublayer here holds fewer bytes than an MLP one
+    weight = {(i, part): layer_skip._weight_bytes(lm, i, part) for i in range(LAYERS) for part in (0, 1)}
+    assert weight[(0, 0)] < weight[(0, 1)]
+    single = {(i, part): agreement[name][i] for i in range(LAYERS) for part, name in ((0, "attn"), (1, "mlp"))}
+    order = sorted(single, key=lambda u: ((1 - single[u]) / weight[u], u))
+
+    def units(e):
+        return {(i, part) for i in e["skip"] for part in (0, 1)} | {(i, 0) for i in e["skip_attn"]} | \
+            {(i, 1) for i in e["skip_mlp"]}
+    two = [units(e) for e in profile.search if len(units(e)) == 2]
+    assert two == [set(order[:2])]
     path = tmp_path / "p.json"
     profile.save(path)
     assert SkipProfile.load(path, LAYERS) == profile

@@ -79,6 +79,19 @@ def read_head_dir(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.Te
     return config, tensors
 
 
+class DraftHead(nn.Module):
+    """What both head kinds share: int8 serving."""
+
+    def quantize_(self, layout: str) -> "DraftHead":
+        """Replace every linear the head holds (not the target's modules it reads) by its int8
+        :class:`~specdecode.models.quant.Int8Linear` in ``layout``, in place: a drafting step
+        reads a quarter of the bytes (a step is memory-bound on a CPU: an fp32 EAGLE-3 head is
+        about a fifth of an int8 135M target's weights). Drafts only: the output stays the
+        target's. Not for training (the int8 weights are buffers). Returns the head."""
+        quantize_linears(self, layout)
+        return self
+
+
 class ResidualBlock(nn.Module):
     """``num_layers`` times x <- x + silu(W x + b), W [dim, dim] (Medusa's ResBlock)."""
 
@@ -92,26 +105,39 @@ class ResidualBlock(nn.Module):
         return x
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftHead):
     """``num_heads`` Medusa heads over hidden states of size ``dim``.
 
     lm_head: None to give each head its own projection [vocab_size, dim] (zeros until trained
-    or loaded), or the target's projection weight [vocab_size, dim], shared by every head
-    (``original_lm_head``: a head is then only its residual block, ``num_layers * dim * (dim
-    + 1)`` parameters). The blocks start as the identity (zero weights and biases), Medusa's
-    initialisation: with the target's projection, every head first guesses the token the
-    target itself would predict next.
-    Raises ValueError for sizes that are not positive integers or a lm_head of another shape.
+    or loaded), or the target's projection shared by every head (``original_lm_head``: a head
+    is then only its residual block, ``num_layers * dim * (dim + 1)`` parameters): its weight
+    [vocab_size, dim] (kept as an fp32 buffer, not saved with the blocks' state: for
+    training), or the target's own lm_head module ([..., dim] -> [..., >= vocab_size]; an
+    ``nn.Linear`` or the int8 / Q4_K linear of a quantized target), read in place, so that
+    serving the heads costs no second copy of the vocabulary (0.9 GB in fp32 for the default
+    target) and a drafting step reads the target's quantized table once for all heads. The
+    blocks start as the identity (zero weights and biases), Medusa's initialisation: with
+    the target's projection, every head first guesses the token the target itself would
+    predict next.
+    Raises ValueError for sizes that are not positive integers, a lm_head weight of another
+    shape, or a lm_head module whose in_features is not ``dim`` or whose out_features is
+    below ``vocab_size``.
     """
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 lm_head: torch.Tensor | None = None):
+                 lm_head: torch.Tensor | nn.Module | None = None):
         super().__init__()
         for name, v in (("dim", dim), ("vocab_size", vocab_size), ("num_heads", num_heads),
                         ("num_layers", num_layers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Medusa {name}={v!r} is invalid; allowed: an integer >= 1")
-        if lm_head is not None and tuple(lm_head.shape) != (vocab_size, dim):
+        if isinstance(lm_head, nn.Module):
+            got = (getattr(lm_head, "in_features", None), getattr(lm_head, "out_features", None))
+            if got[0] != dim or not isinstance(got[1], int) or got[1] < vocab_size:
+                raise ValueError(f"the target's lm_head module maps {got[0]} -> {got[1]} features; "
+                                 f"Medusa heads of size {dim} over {vocab_size} tokens need {dim} -> "
+                                 f">= {vocab_size}: give heads made for this target")
+        elif lm_head is not None and tuple(lm_head.shape) != (vocab_size, dim):
             raise ValueError(f"the shared lm_head has shape {tuple(lm_head.shape)}, expected "
                              f"[{vocab_size}, {dim}] (vocab_size, dim)")
         self.dim, self.vocab_size, self.num_layers = dim, vocab_size, num_layers
@@ -119,8 +145,11 @@ class MedusaHeads(nn.Module):
         for p in self.blocks.parameters():
             nn.init.zeros_(p)
         self.original_lm_head = lm_head is not None
+        # the target's module, outside the heads' modules: never saved, moved, trained or quantized
+        self.__dict__["_target_lm_head"] = lm_head if isinstance(lm_head, nn.Module) else None
         if self.original_lm_head:
-            self.register_buffer("shared_lm_head", lm_head.detach().float().clone(), persistent=False)
+            if self._target_lm_head is None:
+                self.register_buffer("shared_lm_head", lm_head.detach().float().clone(), persistent=False)
             self.lm_heads = nn.ModuleList()
         else:
             self.lm_heads = nn.ModuleList(nn.Linear(dim, vocab_size, bias=False) for _ in range(num_heads))
@@ -138,16 +167,23 @@ class MedusaHeads(nn.Module):
         if hidden.shape[-1] != self.dim:
             raise ValueError(f"hidden states of size {hidden.shape[-1]} given to Medusa heads of "
                              f"size {self.dim}")
-        h = hidden.float()
-        outs = []
-        for i, block in enumerate(self.blocks):
-            x = block(h)
-            outs.append(x @ self.shared_lm_head.t() if self.original_lm_head else self.lm_heads[i](x))
-        return torch.stack(outs)
+        dev = module_device(self.blocks)
+        x = torch.stack([block(hidden.to(dev).float()) for block in self.blocks])  # [H, ..., dim]
+        own = self._target_lm_head
+        if own is not None:  # one pass over the table for every head (a step is memory-bound)
+            logits = own(x.to(module_device(own), hidden.dtype))[..., :self.vocab_size].float().to(dev)
+        elif self.original_lm_head:
+            logits = x @ self.shared_lm_head.t()
+        else:
+            logits = torch.stack([head(xi) for head, xi in zip(self.lm_heads, x)])
+        return logits
 
     def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, **extra) -> Path:
         """Write the heads as a vLLM Medusa directory (see the module docstring); ``extra``
         goes into config.json (e.g. what the heads were trained on). Returns the directory."""
+        if self._target_lm_head is not None:
+            raise ValueError("these Medusa heads read the target's own lm_head module, which they do "
+                             "not hold: save the heads built with the target's lm_head weight")
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {f"blocks.{i}.layers.{j}.{kind}": getattr(layer, kind).detach().to(dtype).contiguous()
@@ -168,11 +204,13 @@ class MedusaHeads(nn.Module):
         return out
 
     @classmethod
-    def load(cls, path: str | Path) -> "MedusaHeads":
+    def load(cls, path: str | Path, lm_head: nn.Module | None = None) -> "MedusaHeads":
         """Heads from a vLLM Medusa directory (fp32); without ``medusa_fc_bias: true`` in its
-        config the blocks have no biases, as vLLM loads them. Raises ValueError naming what is wrong:
-        a missing or unreadable file, another architecture, or tensors of the wrong names or
-        shapes."""
+        config the blocks have no biases, as vLLM loads them. ``lm_head``: the target's own
+        lm_head module, which heads with ``original_lm_head`` then read instead of the
+        directory's copy of it (ignored for heads with their own projections). Raises
+        ValueError naming what is wrong: a missing or unreadable file, another architecture,
+        tensors of the wrong names or shapes, or a lm_head module of another size."""
         path = Path(path)
         config, tensors = read_head_dir(path, "medusa")
         try:
@@ -181,7 +219,9 @@ class MedusaHeads(nn.Module):
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}/config.json lacks or has a bad {e}") from None
         shared = tensors.get("lm_heads.0.weight") if config.get("original_lm_head") else None
-        m = cls(dim, vocab, heads, layers, lm_head=shared.float() if shared is not None else None)
+        if shared is not None and lm_head is not None:
+            shared = lm_head
+        m = cls(dim, vocab, heads, layers, lm_head=shared.float() if isinstance(shared, torch.Tensor) else shared)
         state = {k: v.float() for k, v in tensors.items() if not (m.original_lm_head and k.startswith("lm_heads."))}
         want = m.state_dict()
         if not config.get("medusa_fc_bias", False):  # vLLM's default: blocks without biases
@@ -224,7 +264,7 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order.sort().values.to(torch.int64)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
     """EAGLE-3 draft head (Li et al., arXiv:2503.01840), in the layout vLLM and SGLang load
     as ``LlamaForCausalLMEagle3`` (../shared/docs/HEADS.md;
     ``vllm/model_executor/models/llama_eagle3.py``).
@@ -307,15 +347,6 @@ class Eagle3Head(nn.Module):
         if own is None:
             return self.embed.device
         return module_device(own)
-
-    def quantize_(self, layout: str) -> "Eagle3Head":
-        """Replace every linear (fc, the layer's projections, lm_head) by its int8
-        :class:`~specdecode.models.quant.Int8Linear` in ``layout``, in place: a drafting step
-        reads a quarter of the bytes (a step is memory-bound on a CPU: the fp32 head is about
-        a fifth of an int8 135M target's weights). Drafts only: the output stays the
-        target's. Not for training (the int8 weights are buffers). Returns the head."""
-        quantize_linears(self, layout)
-        return self
 
     @property
     def draft_ids(self) -> torch.Tensor:

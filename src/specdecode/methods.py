@@ -156,21 +156,21 @@ def _loaded_head(spec: "SpeculativeConfig", target: LoadedModel, kind: str):
     if key in target.heads:
         return target.heads[key]
     device = module_device(lm)
+    # the target's own tables (output layer, embedding), not copies: read in place, in its dtype
     if kind == "medusa":
-        head = MedusaHeads.load(path)
+        head = MedusaHeads.load(path, lm.lm_head)
         if (head.dim, head.vocab_size) != (lm.args.dim, lm.vocab_size):
             raise ValueError(f"the Medusa heads in {path} are for hidden size {head.dim} and "
                              f"{head.vocab_size} tokens; this target has {lm.args.dim} and "
                              f"{lm.vocab_size}: give heads made for this target")
-        head.to(device)
     else:
         if not aux_layers(lm.args.n_layers):
             raise ValueError(f"EAGLE-3 fuses three target layers; this target has {lm.args.n_layers} "
                              "(at least 7 needed)")
-        head = Eagle3Head.load(path, lm.args, lm.model.embed_tokens)  # the target's own table, not a copy
-        head.to(device)
-        if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
-            head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
+        head = Eagle3Head.load(path, lm.args, lm.model.embed_tokens)
+    head.to(device)
+    if _PRECISION.get(lm.weight_format.split("-")[0], 0) <= _PRECISION["int8"] and device.type == "cpu":
+        head.quantize_(best_layout("draft"))  # a quantized target's head drafts in int8 too
     target.heads[key] = head.eval()
     return head
 
