@@ -19,6 +19,8 @@ from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.heads import Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.methods import SpeculativeConfig, build_proposer, speculative_config
+from specdecode.models import quant
+from specdecode.models import native
 from specdecode.models.native import FINAL
 from specdecode.proposers import Eagle3Proposer, MedusaProposer, PromptLookupProposer
 from specdecode.schedule import FixedK
@@ -197,8 +199,15 @@ def test_heads_read_the_targets_own_lm_head_once_for_all_heads():
         heads.save("/nonexistent")
     with pytest.raises(ValueError, match=r"maps .* features; .* give heads made for this target"):
         MedusaHeads(target.args.dim + 8, target.vocab_size, 2, lm_head=target.lm_head)
-    with pytest.raises(ValueError, match=r"need .* -> >= "):
-        MedusaHeads(target.args.dim, target.vocab_size + 1, 2, lm_head=target.lm_head)
+    # a head over the first ids only (a draft head, FR-Spec): the other ids are never drafted
+    first = quant.first_rows(target.lm_head, 16)
+    part = MedusaHeads(target.args.dim, target.vocab_size, 3, lm_head=first)
+    part.load_state_dict({k: v for k, v in table.state_dict().items() if k.startswith("blocks.")})
+    with torch.no_grad():
+        got = part(h)
+        assert part(h, 2).shape == (2, 2, target.vocab_size)
+    torch.testing.assert_close(got[..., :16], want[..., :16], rtol=0, atol=0)
+    assert torch.all(got[..., 16:] == -torch.inf)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
@@ -293,6 +302,17 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypat
     loaded = [h for key, h in target.heads.items() if key[1] == str(shared.resolve())]
     assert len(loaded) == 1 and loaded[0]._target_lm_head is lm.lm_head
     assert "shared_lm_head" not in dict(loaded[0].named_buffers())
+    # a target of a large vocabulary gives them its output layer over the first ids only,
+    # as a self-draft's (native.DRAFT_VOCAB: 32,768 of the default target's 151,936)
+    monkeypatch.setattr(native, "DRAFT_VOCAB", 32)
+    assert lm.args.vocab_size > 64
+    first = MedusaHeads.load(shared).save(tmp_path / "first")
+    out = specdecode.generate(target, prompt, method=f"medusa:head={first}", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids
+    loaded = [h for key, h in target.heads.items() if key[1] == str(first.resolve())]
+    assert loaded[0]._target_lm_head.out_features == 32 and loaded[0]._target_lm_head is lm.draft_head(32)
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     # a list of prompts runs in the batched engine, trees included: each equals its plain decoding
     prompts = [prompt, "x = [1, 2, 3", "Hello there"]
     many = specdecode.generate(target, prompts, method=f"medusa:head={heads}:tree=2", max_new_tokens=24)
@@ -414,8 +434,8 @@ def _perfect_medusa(heads: MedusaHeads, full: list[int], finals: torch.Tensor, s
     ``seen`` per call."""
     forward = heads.forward
 
-    def perfect(hidden):
-        logits = forward(hidden).clone()
+    def perfect(hidden, num_heads=None):
+        logits = forward(hidden, num_heads).clone()
         d = (finals - hidden.float()).norm(dim=-1)
         p = int(d.argmin())
         seen.append((p, float(d[p]) / float(finals[p].norm())))

@@ -21,7 +21,7 @@ from specdecode.methods import (Method, SpeculativeConfig, build_proposer, build
 from specdecode.profile import verify_profile
 from specdecode.models.loading import LoadedModel
 from specdecode.models import fused, native, quant
-from specdecode.models.native import SelfDraft
+from specdecode.models.native import SelfDraft, sublayer_weights
 from specdecode.proposers import DraftModelProposer
 
 GREEDY = SamplingParams(max_new_tokens=40)
@@ -418,9 +418,9 @@ def test_tune_skip_over_sublayers_writes_a_profile_the_method_loads(tmp_path):
     assert sorted(calls) == sorted((tuple(i for i in range(LAYERS) if i not in e["skip"]), tuple(e["skip_attn"]),
                                     tuple(e["skip_mlp"])) for e in profile.search)
     assert any(e["skip_attn"] or e["skip_mlp"] for e in profile.search)
-    # the candidates grow by the least agreement lost per weight byte skipped: an attention
+    # the candidates grow by the least agreement lost per weight skipped: an attention
     # sublayer here holds fewer bytes than an MLP one
-    weight = {(i, part): layer_skip._weight_bytes(lm, i, part) for i in range(LAYERS) for part in (0, 1)}
+    weight = {(i, part): sublayer_weights(lm.args)[part] for i in range(LAYERS) for part in (0, 1)}
     assert weight[(0, 0)] < weight[(0, 1)]
     single = {(i, part): agreement[name][i] for i in range(LAYERS) for part, name in ((0, "attn"), (1, "mlp"))}
     order = sorted(single, key=lambda u: ((1 - single[u]) / weight[u], u))

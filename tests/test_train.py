@@ -17,7 +17,7 @@ from specdecode.cli import main
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.train import data, run
 from specdecode.models.loading import checkpoint_tensor
-from specdecode.train.features import TOPK, Sequence, load_sequences, read_manifest, record
+from specdecode.train.features import TOPK, Sequence, load_sequences, read_manifest, record, recording_seconds
 from specdecode.train.loop import Task, train
 from specdecode.train.medusa import chain_acceptance, medusa_examples, medusa_loss, medusa_task
 from tiny_dirs import _llama_config, _randomize, local_tokenizer, tiny_dirs_in
@@ -290,6 +290,15 @@ def test_recorded_features_are_the_targets_answers_and_states(deep_target_dir, t
             load_sequences(tmp_path / "f", True, {p.key for p in chosen})
         want = {tuple(specdecode.generate(target, p.text, max_new_tokens=12).prompt_token_ids) for p in chosen}
         assert {tuple(q.tokens[:q.start].tolist()) for q in mine} == want
+    # and counts the time its own prompts' answers took, not the directory's
+    shards = again["shards"]
+    assert all(sh["seconds"] > 0 for sh in shards)
+    assert recording_seconds(again, {p.key for p in prompts}) == pytest.approx(sum(sh["seconds"] for sh in shards), abs=0.2)
+    first = shards[0]["seconds"] / shards[0]["sequences"]
+    assert recording_seconds(again, {again["done"][0]}) == pytest.approx(first, abs=0.1)
+    assert recording_seconds(again, set()) == 0
+    old = {**again, "shards": [{k: v for k, v in sh.items() if k != "seconds"} for sh in shards]}
+    assert recording_seconds(old, {p.key for p in prompts[:2]}) == pytest.approx(again["recording_seconds"] * 2 / 5, abs=0.1)
     with pytest.raises(ValueError, match="max_new_tokens: 12 there, 13 now"):
         record(target, prompts, tmp_path / "f", max_new_tokens=13, progress=False)
     (tmp_path / "bad").mkdir()

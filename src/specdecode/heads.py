@@ -112,16 +112,18 @@ class MedusaHeads(DraftHead):
     or loaded), or the target's projection shared by every head (``original_lm_head``: a head
     is then only its residual block, ``num_layers * dim * (dim + 1)`` parameters): its weight
     [vocab_size, dim] (kept as an fp32 buffer, not saved with the blocks' state: for
-    training), or the target's own lm_head module ([..., dim] -> [..., >= vocab_size]; an
-    ``nn.Linear`` or the int8 / Q4_K linear of a quantized target), read in place, so that
-    serving the heads costs no second copy of the vocabulary (0.9 GB in fp32 for the default
-    target) and a drafting step reads the target's quantized table once for all heads. The
+    training), or the target's own lm_head module ([..., dim] -> [..., N]; an ``nn.Linear``
+    or the int8 / Q4_K linear of a quantized target), read in place, so that serving the
+    heads costs no second copy of the vocabulary (0.9 GB in fp32 for the default target) and
+    a drafting step reads the target's quantized table once for all heads. A module of N <
+    vocab_size outputs covers the first N ids only (the target's
+    :meth:`~specdecode.models.native.Transformer.draft_head`, FR-Spec arXiv:2502.14856): the
+    other ids get -inf and are never drafted. The
     blocks start as the identity (zero weights and biases), Medusa's initialisation: with
     the target's projection, every head first guesses the token the target itself would
     predict next.
     Raises ValueError for sizes that are not positive integers, a lm_head weight of another
-    shape, or a lm_head module whose in_features is not ``dim`` or whose out_features is
-    below ``vocab_size``.
+    shape, or a lm_head module whose in_features is not ``dim``.
     """
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
@@ -133,10 +135,10 @@ class MedusaHeads(DraftHead):
                 raise ValueError(f"Medusa {name}={v!r} is invalid; allowed: an integer >= 1")
         if isinstance(lm_head, nn.Module):
             got = (getattr(lm_head, "in_features", None), getattr(lm_head, "out_features", None))
-            if got[0] != dim or not isinstance(got[1], int) or got[1] < vocab_size:
+            if got[0] != dim or not isinstance(got[1], int) or got[1] < 1:
                 raise ValueError(f"the target's lm_head module maps {got[0]} -> {got[1]} features; "
-                                 f"Medusa heads of size {dim} over {vocab_size} tokens need {dim} -> "
-                                 f">= {vocab_size}: give heads made for this target")
+                                 f"Medusa heads of size {dim} need {dim} -> the token ids: give "
+                                 "heads made for this target")
         elif lm_head is not None and tuple(lm_head.shape) != (vocab_size, dim):
             raise ValueError(f"the shared lm_head has shape {tuple(lm_head.shape)}, expected "
                              f"[{vocab_size}, {dim}] (vocab_size, dim)")
@@ -160,18 +162,21 @@ class MedusaHeads(DraftHead):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden [..., dim] (the target's final normed hidden states) -> logits
         [num_heads, ..., vocab_size] fp32: head i's guess of the token i + 2 places after the
-        hidden state's position."""
+        hidden state's position. ``num_heads``: the first that many heads only (default all)."""
         if hidden.shape[-1] != self.dim:
             raise ValueError(f"hidden states of size {hidden.shape[-1]} given to Medusa heads of "
                              f"size {self.dim}")
+        blocks = self.blocks[:num_heads] if num_heads is not None else self.blocks
         dev = module_device(self.blocks)
-        x = torch.stack([block(hidden.to(dev).float()) for block in self.blocks])  # [H, ..., dim]
+        x = torch.stack([block(hidden.to(dev).float()) for block in blocks])  # [H, ..., dim]
         own = self._target_lm_head
         if own is not None:  # one pass over the table for every head (a step is memory-bound)
             logits = own(x.to(module_device(own), hidden.dtype))[..., :self.vocab_size].float().to(dev)
+            if logits.shape[-1] < self.vocab_size:  # a head over the first ids: the rest never drafted
+                logits = nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-torch.inf)
         elif self.original_lm_head:
             logits = x @ self.shared_lm_head.t()
         else:

@@ -22,11 +22,12 @@ from an exact measurement, so a few dozen evaluations suffice:
 With ``sublayers`` (``tune-skip --sublayers``, opt-in) the candidates of both steps are each
 layer's attention and MLP sublayers separately, 2 x n_layers of them: about twice the
 evaluations; a layer both of whose sublayers are chosen is skipped whole. Step 1 then ranks
-by agreement lost per weight byte skipped, (1 - agreement) / bytes, not by agreement alone:
-a one-token pass is bound by the bytes of weights it reads, and an attention sublayer holds
-an eighth of a layer's (5.5 M of 46.8 M parameters in the default target), so ranking by
-agreement alone fills the draft with attention sublayers that save little. Each
-candidate's cost is measured as a whole-layer one's is (:func:`draft_cost`).
+by agreement lost per weight skipped, (1 - agreement) / the sublayer's weights
+(:func:`~specdecode.models.native.sublayer_weights`), not by agreement alone: a one-token
+pass is bound by the bytes of weights it reads, and an attention sublayer holds an eighth of
+a layer's (5.5 M of 46.8 M parameters in the default target), so ranking by agreement alone
+fills the draft with attention sublayers that save little. Each candidate's cost is
+measured as a whole-layer one's is (:func:`draft_cost`).
 
 The acceptance of a candidate is measured teacher-forced: for each position of the target's
 own greedy continuation of a prompt, whether the draft, given the true context in the
@@ -50,6 +51,7 @@ import torch
 from . import config
 from .models.base import busy_lock
 from .models.loading import LoadedModel
+from .models.native import sublayer_weights
 from .profile import profile_path, verify_profile
 
 # Profile format 1. skip_attn and skip_mlp (skipped sublayers) came later within it: a
@@ -348,8 +350,8 @@ def _tune(target, times, max_new_tokens, rank_positions, progress, prompts, subl
                                            attn, mlp)))
         bar.update()
     # most skippable first: for whole layers (equal bytes) the best agreement; for sublayers
-    # the least agreement lost per weight byte skipped (module docstring)
-    weight = [_weight_bytes(lm, *unit) for unit in units] if sublayers else [1] * nu
+    # the least agreement lost per weight skipped (module docstring)
+    weight = [sublayer_weights(lm.args)[unit[1]] for unit in units] if sublayers else [1] * nu
     order = sorted(range(nu), key=lambda u: ((1 - single[u]) / weight[u], u))
     evaluated: dict[int, dict] = {}
 
@@ -391,14 +393,6 @@ def _tune(target, times, max_new_tokens, rank_positions, progress, prompts, subl
                        e["predicted_speedup"], nl, target.name, lm.weight_format, calibration,
                        tuple(evaluated[n] for n in sorted(evaluated)),
                        tuple(e.get("skip_attn", ())), tuple(e.get("skip_mlp", ())))
-
-
-def _weight_bytes(lm, layer: int, part: int) -> int:
-    """The bytes of weights (parameters and buffers) of layer ``layer``'s attention (part 0)
-    or MLP (part 1) sublayer."""
-    block = lm.model.layers[layer]
-    module = block.self_attn if part == 0 else block.mlp
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def default_profile_path(target: LoadedModel) -> Path:

@@ -24,7 +24,7 @@ from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head
 from .layer_skip import SkipProfile, check_skips, default_profile, default_profile_path
 from .models.base import lm_device, module_device
 from .models.loading import LoadedModel, check_compatible, load
-from .models.native import SUPPORTED_MODEL_TYPES
+from .models.native import SUPPORTED_MODEL_TYPES, auto_draft_vocab
 from .models.quant import best_layout, q4k_kernel
 from .profile import prefill_profile, verify_profile
 from .proposers import (CrossTokenizerProposer, DraftModelProposer, HybridProposer,
@@ -156,9 +156,11 @@ def _loaded_head(spec: "SpeculativeConfig", target: LoadedModel, kind: str):
     if key in target.heads:
         return target.heads[key]
     device = module_device(lm)
-    # the target's own tables (output layer, embedding), not copies: read in place, in its dtype
+    # the target's own tables (output layer, embedding), not copies: read in place, in its
+    # dtype; Medusa's output layer over the first ids only, as a self-draft's (FR-Spec)
     if kind == "medusa":
-        head = MedusaHeads.load(path, lm.lm_head)
+        vocab = auto_draft_vocab(lm.args.vocab_size)
+        head = MedusaHeads.load(path, lm.lm_head if vocab is None else lm.draft_head(vocab))
         if (head.dim, head.vocab_size) != (lm.args.dim, lm.vocab_size):
             raise ValueError(f"the Medusa heads in {path} are for hidden size {head.dim} and "
                              f"{head.vocab_size} tokens; this target has {lm.args.dim} and "

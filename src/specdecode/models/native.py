@@ -471,14 +471,20 @@ class _Body(nn.Module):
 
 FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head's input)
 
-# A self-draft's LM head covers only the first DRAFT_VOCAB token ids of a vocabulary more
-# than twice as large (FR-Spec, arXiv:2502.14856, restricts a draft's head to frequent
-# tokens): byte-level BPE numbers its merges in the order it learned them, the most frequent
+# A draft's LM head (a self-draft's, Medusa heads') covers only the first DRAFT_VOCAB token
+# ids of a vocabulary more than twice as large (FR-Spec, arXiv:2502.14856, restricts a
+# draft's head to frequent tokens): byte-level BPE numbers its merges in the order it learned them, the most frequent
 # pairs first, so the lowest ids are the most used (the default target's first 32,768 of
 # 151,936 cover 90-96 % of its answers' tokens: BENCHMARKS.md section 8). Its head then reads a
 # fifth of the bytes; a token outside it is never drafted, and the verify pass, which has
 # the whole vocabulary, still emits it: the output does not change.
 DRAFT_VOCAB = 32768
+
+
+def auto_draft_vocab(vocab_size: int) -> int | None:
+    """The first token ids a draft's LM head covers by default: ``DRAFT_VOCAB`` for a
+    vocabulary more than twice that, else None (all)."""
+    return DRAFT_VOCAB if vocab_size > 2 * DRAFT_VOCAB else None
 
 
 @dataclass
@@ -1189,7 +1195,7 @@ class SelfDraft:
         self.cost = sublayer_share(target.args, runs, self.skip_attn, self.skip_mlp)
         v = target.args.vocab_size
         if vocab == "auto":
-            vocab = DRAFT_VOCAB if v > 2 * DRAFT_VOCAB else None
+            vocab = auto_draft_vocab(v)
         if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool)
                                       and 16 <= vocab <= v and vocab % 16 == 0):
             raise ValueError(f"vocab={vocab!r}: allowed: 'auto', None (the whole vocabulary) or a "

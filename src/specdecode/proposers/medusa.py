@@ -83,7 +83,7 @@ class MedusaProposer(Proposer):
             return DraftOutput.empty()
         nodes = [p for p in self.nodes if len(p) <= k]
         with torch.no_grad():
-            logits = self.heads(self._hidden)  # [num_heads, V]
+            logits = self.heads(self._hidden, max(len(p) for p in nodes))  # [depth, V]
         v = min(logits.shape[-1], state.target_vocab_size)
         ranked = logits[:, :v].topk(min(v, 1 + max(max(p) for p in nodes)), dim=-1).indices.tolist()
         tokens = [ranked[len(p) - 1][p[-1]] for p in nodes]

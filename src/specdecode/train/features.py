@@ -140,14 +140,15 @@ def record(target: LoadedModel, prompts: list[Prompt], out: str | Path, *, max_n
             tmp = out / (name + ".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, out / name)
+            seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
             manifest["shards"].append({"file": name, "held_out": held, "sequences": len(group),
                                        "tokens": int(tensors["tokens"].numel()),
-                                       "answer_tokens": sum(len(s) - st for s, st in zip(seqs, starts))})
+                                       "answer_tokens": sum(len(s) - st for s, st in zip(seqs, starts)),
+                                       "seconds": round(seconds, 3)})
             manifest["done"].extend(p.key for p in group)
             # the recording's own time, over every call that added to it (resumed or reused runs)
-            manifest["recording_seconds"] = round(manifest.get("recording_seconds", 0.0)
-                                                  + time.perf_counter() - t0, 1)
-            t0 = time.perf_counter()
+            manifest["recording_seconds"] = round(manifest.get("recording_seconds", 0.0) + seconds, 1)
             _write_json(_manifest_path(out), manifest)
             bar.update(len(group))
     finally:
@@ -176,6 +177,21 @@ def _feature_pass(lm, seqs: list[list[int]], starts: list[int], layers: list[int
             "starts": torch.tensor(starts, dtype=torch.int64),
             "final": torch.cat(finals), "aux": torch.cat(auxes),
             "topk_ids": torch.cat(ids), "topk_logp": torch.cat(logps)}
+
+
+def recording_seconds(manifest: dict, keys: set[str]) -> float:
+    """The seconds the target spent recording the answers of the prompts ``keys`` (a run's
+    own, where the directory holds a larger run's too): each shard's time times the share of
+    its sequences among them (directories recorded before shards kept their time: the
+    directory's time times the share of all its prompts)."""
+    done = manifest["done"]
+    if not all("seconds" in shard for shard in manifest["shards"]):
+        return round(manifest.get("recording_seconds", 0.0) * len(keys.intersection(done)) / max(1, len(done)), 1)
+    total, it = 0.0, iter(done)
+    for shard in manifest["shards"]:
+        mine = sum(next(it, None) in keys for _ in range(shard["sequences"]))
+        total += shard["seconds"] * mine / max(1, shard["sequences"])
+    return round(total, 3)
 
 
 def load_sequences(out: str | Path, held_out: bool, keys: set[str] | None = None) -> list[Sequence]:

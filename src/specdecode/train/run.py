@@ -31,7 +31,7 @@ from ..tokenmap import pair_mode
 from .data import DEFAULT_SOURCES, parse_sources, training_prompts
 from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
-from .features import load_sequences, read_manifest, record
+from .features import load_sequences, read_manifest, record, recording_seconds
 from .loop import PRECISIONS, STATE_FILE, Task, resolve_precision, train
 from .medusa import medusa_task
 
@@ -218,7 +218,7 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
                      "max_new_tokens": recipe.max_new_tokens},
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
             "precision": resolve_precision(recipe.precision, state.device),
-            "recording_seconds": manifest.get("recording_seconds", round(time.perf_counter() - t0, 1))}
+            "recording_seconds": recording_seconds(manifest, keys) if manifest else round(time.perf_counter() - t0, 1)}
     return train_seqs, held, info
 
 
