@@ -498,10 +498,13 @@ def test_the_eagle3_method_through_the_api(tmp_path, monkeypatch):
     plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24)
     for method, nodes in ((f"eagle3:head={saved}", 4), (f"eagle3:head={saved}:tree=3", 12),
                           (f"eagle3:head={saved}:nodes=6:tree=3", 6)):
-        out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
+        out = specdecode.generate(target, prompt, method=method, max_new_tokens=24, num_speculative_tokens=4)
         assert out.token_ids == plain.token_ids, method
         # the first round's draft: K = 4 tokens, or the tree's nodes
         assert out.stats.speculation_lengths[0] == nodes and out.stats.num_draft_tokens > 0, method
+        # without a K, auto schedules it (the heads' default): the same output
+        out = specdecode.generate(target, prompt, method=method, max_new_tokens=24)
+        assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0, method
     # a list of prompts runs in the batched engine (a dynamic tree): each equals its plain decoding
     prompts = [prompt, "x = [1, 2, 3", "Hello there"]
     many = specdecode.generate(target, prompts, method=f"eagle3:head={saved}:nodes=6", max_new_tokens=24)
@@ -512,7 +515,8 @@ def test_the_eagle3_method_through_the_api(tmp_path, monkeypatch):
     # forward times T(1..n) (here set: flat up to 8 rows, then a step): 7 (T(8) <= 1.05 T(5))
     target.forward_seconds = [0.01] * 8 + [0.02] * (MAX_K + 1 - 8)
     assert verify_profile(target, MAX_K) == target.forward_seconds
-    out = specdecode.generate(target, prompt, method=f"eagle3:head={saved}:nodes=auto", max_new_tokens=24)
+    out = specdecode.generate(target, prompt, method=f"eagle3:head={saved}:nodes=auto", max_new_tokens=24,
+                              num_speculative_tokens=4)
     assert out.token_ids == plain.token_ids and out.stats.speculation_lengths[0] == 7
     loaded = list(target.heads.values())
     assert len(loaded) == 1  # loaded once for all five

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import MockLM, hashed_logits
 from specdecode.config import SamplingParams
-from specdecode.methods import SpeculativeConfig
+from specdecode.methods import SpeculativeConfig, speculative_config
 from specdecode.engine import Engine
 from specdecode.proposers import DraftModelProposer, DraftOutput, PromptLookupProposer, Proposer
 from specdecode.schedule import AutoK, FixedK, HeuristicK
@@ -251,6 +251,25 @@ def test_inapplicable_options_raise():
         SpeculativeConfig("draft", 4, KSchedule.FIXED, 8)
     with pytest.raises(ValueError, match="draft_p_min applies to 'draft' and 'hybrid'"):
         SpeculativeConfig("suffix", draft_p_min=0.5)
+
+
+def test_the_draft_heads_default_to_auto_k_and_a_given_k_is_fixed():
+    """With neither K nor a schedule given, the draft heads' methods schedule K by auto (a
+    head trained here is weak: its papers' K of 3-4 made `eagle3` 0.81x plain decoding)
+    from their default K; a K given fixes it; the other methods stay at a fixed K; the CLI's
+    method strings and the bench rows take the same defaults."""
+    from specdecode.config import KSchedule
+
+    for name, k in (("eagle3", 4), ("medusa", 3)):
+        spec = SpeculativeConfig(name)
+        assert (spec.schedule, spec.num_speculative_tokens, spec.k_given) == (KSchedule.AUTO, k, False)
+        assert SpeculativeConfig(name, 2).schedule is KSchedule.FIXED
+        assert SpeculativeConfig(name, schedule="heuristic").schedule is KSchedule.HEURISTIC
+        assert SpeculativeConfig(name, max_speculative_tokens=6).max_speculative_tokens == 6
+        assert speculative_config(f"{name}:head=/x", False).schedule is KSchedule.AUTO
+        assert speculative_config(f"{name}:head=/x", False, num_speculative_tokens=1).schedule is KSchedule.FIXED
+    for name in ("draft", "layer-skip", "suffix", "prompt-lookup", "self"):
+        assert SpeculativeConfig(name).schedule is KSchedule.FIXED
 
 
 def test_auto_k_does_not_count_a_probes_catch_up_as_draft_cost():

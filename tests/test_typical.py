@@ -357,7 +357,8 @@ def test_the_bench_refuses_it_in_greedy_runs_and_never_checks_it_as_lossless(mon
                                          r"applies to sampled runs .* add --temperature T"):
         runners.check_rows(methods, 0.0)
     runners.check_rows(methods, 0.8)
-    assert runners.fixed_k("medusa:lossy-typical=0.09") == 3
+    assert runners.fixed_k("medusa:k=3:lossy-typical=0.09") == 3
+    assert runners.fixed_k("medusa:lossy-typical=0.09") is None  # the heads' default K schedule: auto
     assert runners.is_lossy("medusa", {"lossy-typical": "0.09"}) and not runners.is_lossy("medusa", {})
 
     def fake_ours(models, name, opts, temperature=0.0):

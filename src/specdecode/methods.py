@@ -66,6 +66,10 @@ class MethodSpec:
     build: (config, target, draft or None) -> the request's proposer (None for plain decoding).
     needs_draft_model: a draft model must be given (and is checked against the target).
     options: the :data:`OPTIONS` it honours; giving another is an error.
+    schedule: its K schedule where no K and no schedule is given: fixed K, or for the draft
+        heads auto (a head trained on this machine's budget agrees 20-45 % of the time, and
+        their papers' K of 3-4 then verifies rows it rarely gets right: `eagle3` 0.81x plain
+        decoding at K 4, 1.03x with auto; BENCHMARKS.md section 11).
     """
 
     name: str
@@ -75,6 +79,7 @@ class MethodSpec:
     needs_draft_model: bool = False
     options: frozenset[str] = frozenset()
     k: int | None = None  # its default K where it is not its proposer class's
+    schedule: KSchedule = KSchedule.FIXED
 
     @property
     def default_k(self) -> int | None:
@@ -362,12 +367,13 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
                "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer,
                lambda spec, target, draft: _medusa(spec, target),
-               options=frozenset({"head", "tree", "medusa_choices", "lossy_typical"}), k=3),
+               options=frozenset({"head", "tree", "medusa_choices", "lossy_typical"}), k=3,
+               schedule=KSchedule.AUTO),
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
                lambda spec, target, draft: _eagle3(spec, target),
-               options=frozenset({"head", "tree", "tree_nodes"}), k=4),
+               options=frozenset({"head", "tree", "tree_nodes"}), k=4, schedule=KSchedule.AUTO),
     MethodSpec("self", "suffix matching or the layer-skip draft, whichever promises more tokens/s "
                "(no second model)", HybridProposer, _self_hybrid,
                options=frozenset({"skip", "draft_p_min", "suffix_cache"})),
@@ -412,7 +418,8 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` is the speculation length K (draft tokens per verify pass;
     None = the method's default, ``METHODS[name].default_k``): fixed, or the starting K of
     the heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
-    schedules. The other fields are :data:`OPTIONS`, each honoured by the methods that name
+    schedules. With neither a K nor a schedule given, the schedule is the method's
+    (``METHODS[name].schedule``: auto for the draft heads, else fixed). The other fields are :data:`OPTIONS`, each honoured by the methods that name
     it: ``draft_p_min`` (None = the method's default), ``max_ngram`` / ``min_ngram``
     (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` /
     ``skip_profile`` (``skip``: the layers a layer-skip draft skips, the layers whose attention
@@ -473,6 +480,8 @@ class SpeculativeConfig:
             raise ValueError(f"method {spec.name!r} proposes nothing: a speculation length K "
                              f"(num_speculative_tokens={k!r}) does not apply")
         object.__setattr__(self, "k_given", self.num_speculative_tokens is not None)
+        if not self.k_given and self.schedule is KSchedule.FIXED:  # neither given: the method's
+            object.__setattr__(self, "schedule", spec.schedule)
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", spec.default_k or 1)
         check_k("num_speculative_tokens (K)", self.num_speculative_tokens)
