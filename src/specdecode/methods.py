@@ -67,9 +67,9 @@ class MethodSpec:
     needs_draft_model: a draft model must be given (and is checked against the target).
     options: the :data:`OPTIONS` it honours; giving another is an error.
     schedule: its K schedule where no K and no schedule is given: fixed K, or for the draft
-        heads auto (a head trained on this machine's budget agrees 20-45 % of the time, and
-        their papers' K of 3-4 then verifies rows it rarely gets right: `eagle3` 0.81x plain
-        decoding at K 4, 1.03x with auto; BENCHMARKS.md section 11).
+        heads auto (a head trained on a CPU's budget is weak, and their papers' fixed K of
+        3-4 then verifies rows it rarely gets right, slower than plain decoding:
+        BENCHMARKS.md section 11).
     """
 
     name: str
@@ -419,9 +419,9 @@ class SpeculativeConfig:
     None = the method's default, ``METHODS[name].default_k``): fixed, or the starting K of
     the heuristic schedule; ``max_speculative_tokens`` caps K under the heuristic and auto
     schedules. With neither a K nor a schedule given, the schedule is the method's
-    (``METHODS[name].schedule``: auto for the draft heads, else fixed). The other fields are :data:`OPTIONS`, each honoured by the methods that name
-    it: ``draft_p_min`` (None = the method's default), ``max_ngram`` / ``min_ngram``
-    (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` /
+    (``METHODS[name].schedule``: auto for the draft heads, else fixed). The other fields are
+    :data:`OPTIONS`, each honoured by the methods that name it: ``draft_p_min`` (None = the
+    method's default), ``max_ngram`` / ``min_ngram`` (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` /
     ``skip_profile`` (``skip``: the layers a layer-skip draft skips, the layers whose attention
     or MLP sublayer alone it skips (SWIFT, arXiv:2410.06916; combinable with skip_layers), or
     a ``tune-skip`` profile file; none: the target's cached default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;

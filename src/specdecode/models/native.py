@@ -473,11 +473,12 @@ FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head'
 
 # A draft's LM head (a self-draft's, Medusa heads') covers only the first DRAFT_VOCAB token
 # ids of a vocabulary more than twice as large (FR-Spec, arXiv:2502.14856, restricts a
-# draft's head to frequent tokens): byte-level BPE numbers its merges in the order it learned them, the most frequent
-# pairs first, so the lowest ids are the most used (the default target's first 32,768 of
-# 151,936 cover 90-96 % of its answers' tokens: BENCHMARKS.md section 8). Its head then reads a
-# fifth of the bytes; a token outside it is never drafted, and the verify pass, which has
-# the whole vocabulary, still emits it: the output does not change.
+# draft's head to frequent tokens): byte-level BPE numbers its merges in the order it
+# learned them, the most frequent pairs first, so the lowest ids are the most used (the
+# default target's first 32,768 of 151,936 cover 90-96 % of its answers' tokens:
+# BENCHMARKS.md section 8). Its head then reads a fifth of the bytes; a token outside it is
+# never drafted, and the verify pass, which has the whole vocabulary, still emits it: the
+# output does not change.
 DRAFT_VOCAB = 32768
 
 
