@@ -118,10 +118,9 @@ class MedusaHeads(DraftHead):
     a drafting step reads the target's quantized table once for all heads. A module of N <
     vocab_size outputs covers the first N ids only (the target's
     :meth:`~specdecode.models.native.Transformer.draft_head`, FR-Spec arXiv:2502.14856): the
-    other ids get -inf and are never drafted. The
-    blocks start as the identity (zero weights and biases), Medusa's initialisation: with
-    the target's projection, every head first guesses the token the target itself would
-    predict next.
+    other ids get -inf and are never drafted. The blocks start as the identity (zero weights
+    and biases), Medusa's initialisation: with the target's projection, every head first
+    guesses the token the target itself would predict next.
     Raises ValueError for sizes that are not positive integers, a lm_head weight of another
     shape, or a lm_head module whose in_features is not ``dim``.
     """
@@ -171,7 +170,8 @@ class MedusaHeads(DraftHead):
                              f"size {self.dim}")
         blocks = self.blocks[:num_heads] if num_heads is not None else self.blocks
         dev = module_device(self.blocks)
-        x = torch.stack([block(hidden.to(dev).float()) for block in blocks])  # [H, ..., dim]
+        h = hidden.to(dev).float()
+        x = torch.stack([block(h) for block in blocks])  # [H, ..., dim]
         own = self._target_lm_head
         if own is not None:  # one pass over the table for every head (a step is memory-bound)
             logits = own(x.to(module_device(own), hidden.dtype))[..., :self.vocab_size].float().to(dev)

@@ -421,11 +421,12 @@ class SpeculativeConfig:
     schedules. With neither a K nor a schedule given, the schedule is the method's
     (``METHODS[name].schedule``: auto for the draft heads, else fixed). The other fields are
     :data:`OPTIONS`, each honoured by the methods that name it: ``draft_p_min`` (None = the
-    method's default), ``max_ngram`` / ``min_ngram`` (``ngram``), ``suffix_cache``, ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` /
-    ``skip_profile`` (``skip``: the layers a layer-skip draft skips, the layers whose attention
-    or MLP sublayer alone it skips (SWIFT, arXiv:2410.06916; combinable with skip_layers), or
-    a ``tune-skip`` profile file; none: the target's cached default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype`` (int8 or int4;
-    None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
+    method's default), ``max_ngram`` / ``min_ngram`` (``ngram``), ``suffix_cache``,
+    ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` / ``skip_profile`` (``skip``: the layers a
+    layer-skip draft skips, the layers whose attention or MLP sublayer alone it skips (SWIFT,
+    arXiv:2410.06916; combinable with skip_layers), or a ``tune-skip`` profile file; none: the
+    target's cached default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype``
+    (int8 or int4; None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
     (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes, or "auto": as many as
     verify at the cost of the chain's pass; None: none), ``head_dir``

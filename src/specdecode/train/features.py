@@ -186,12 +186,18 @@ def recording_seconds(manifest: dict, keys: set[str]) -> float:
     directory's time times the share of all its prompts)."""
     done = manifest["done"]
     if not all("seconds" in shard for shard in manifest["shards"]):
-        return round(manifest.get("recording_seconds", 0.0) * len(keys.intersection(done)) / max(1, len(done)), 1)
-    total, it = 0.0, iter(done)
+        return round(manifest.get("recording_seconds", 0.0) * len(keys.intersection(done)) / max(1, len(done)), 3)
+    return round(sum(shard["seconds"] * sum(k in keys for k in shard_keys) / max(1, shard["sequences"])
+                     for shard, shard_keys in _shards_with_keys(manifest)), 3)
+
+
+def _shards_with_keys(manifest: dict) -> list[tuple[dict, list[str | None]]]:
+    """Each shard of ``manifest`` with its sequences' prompt keys (``done`` lists them shard
+    after shard, as :func:`record` adds them)."""
+    done, out = iter(manifest["done"]), []
     for shard in manifest["shards"]:
-        mine = sum(next(it, None) in keys for _ in range(shard["sequences"]))
-        total += shard["seconds"] * mine / max(1, shard["sequences"])
-    return round(total, 3)
+        out.append((shard, [next(done, None) for _ in range(shard["sequences"])]))
+    return out
 
 
 def load_sequences(out: str | Path, held_out: bool, keys: set[str] | None = None) -> list[Sequence]:
@@ -203,9 +209,7 @@ def load_sequences(out: str | Path, held_out: bool, keys: set[str] | None = None
     if manifest is None:
         raise ValueError(f"{out} holds no recorded features (features.json is missing)")
     seqs = []
-    done = iter(manifest["done"])  # the prompts' keys, shard after shard, as record() adds them
-    for shard in manifest["shards"]:
-        shard_keys = [next(done, None) for _ in range(shard["sequences"])]
+    for shard, shard_keys in _shards_with_keys(manifest):
         if shard["held_out"] != held_out or (keys is not None and not keys.intersection(shard_keys)):
             continue
         try:
