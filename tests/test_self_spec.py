@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -609,7 +610,10 @@ def test_the_k_controls_drive_the_self_speculative_methods(tmp_path):
     profile.save(path)
     spec = speculative_config(f"layer-skip:profile={path}", False)
     proposer = build_proposer(spec, target, None)
-    assert build_schedule(spec, target, None, proposer).k == 3
+    built = []
+    with patch.object(type(lm), "self_draft", lambda *a, **kw: built.append(a)):
+        assert build_schedule(spec, target, None, proposer).k == 3
+    assert built == []  # the K is the profile's: the schedule builds no second draft
     assert build_schedule(speculative_config(f"layer-skip:profile={path}", False, 2), target, None, proposer).k == 2
     assert build_schedule(speculative_config("layer-skip:layers=0+2+3", False), target, None).k == 1  # no profile
     auto = build_schedule(speculative_config(f"layer-skip:profile={path}", False, "auto"), target, None, proposer)

@@ -229,32 +229,41 @@ def _native(target: LoadedModel, method: str):
     return lm
 
 
-def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
-    """The layer-skip draft (a SelfDraft): all layers but ``skip_layers``, with the attention
-    sublayers of ``skip_attn`` and the MLP sublayers of ``skip_mlp`` skipped (SWIFT,
-    arXiv:2410.06916), or those of the profile ``skip_profile``, or of the target's cached
-    default profile (made on first use); its ``cost`` the profile's measured one; and the K
-    the profile predicts best (without a profile, the method's default)."""
-    lm = _native(target, spec.method.value)
-    nl = lm.args.n_layers
-    profile = None
+def _skip_choice(spec: "SpeculativeConfig", target: LoadedModel):
+    """(skip_layers, skip_attn, skip_mlp, profile) of the layer-skip draft: those given, or
+    those of the profile ``skip_profile``, or of the target's cached default profile (made
+    on first use); profile None where the layers were given."""
+    nl = _native(target, spec.method.value).args.n_layers
     if spec.skips_given:
-        skip, attn, mlp = check_skips(spec.skip_layers, spec.skip_attn, spec.skip_mlp, nl)
-    else:
-        profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
-            else default_profile(target)
-        made_for, here = (profile.target, profile.weight_format), (target.name, lm.weight_format)
-        if spec.skip_profile is not None and profile.target and made_for != here:
-            # the same layer count, another model or weight format: its choice of layers and its
-            # K may not suit (the output is the same either way), so say so rather than refuse
-            warnings.warn(f"layer-skip profile {spec.skip_profile} was tuned for {' '.join(made_for)}; "
-                          f"this target is {' '.join(here)}: its layers and K may not suit it; make "
-                          "one for it with `specdecode tune-skip --target NAME --out FILE`", stacklevel=2)
-        skip, attn, mlp = profile.skip, profile.skip_attn, profile.skip_mlp
-    draft = lm.self_draft([i for i in range(nl) if i not in skip], skip_attn=attn, skip_mlp=mlp)
+        return (*check_skips(spec.skip_layers, spec.skip_attn, spec.skip_mlp, nl), None)
+    profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
+        else default_profile(target)
+    made_for, here = (profile.target, profile.weight_format), (target.name, target.lm.weight_format)
+    if spec.skip_profile is not None and profile.target and made_for != here:
+        # the same layer count, another model or weight format: its choice of layers and its
+        # K may not suit (the output is the same either way), so say so rather than refuse
+        warnings.warn(f"layer-skip profile {spec.skip_profile} was tuned for {' '.join(made_for)}; "
+                      f"this target is {' '.join(here)}: its layers and K may not suit it; make "
+                      "one for it with `specdecode tune-skip --target NAME --out FILE`", stacklevel=3)
+    return profile.skip, profile.skip_attn, profile.skip_mlp, profile
+
+
+def _skip_k(profile: SkipProfile | None) -> int:
+    # the K the profile predicts best; without a profile, the method's default
+    return profile.k if profile is not None else METHODS["layer-skip"].default_k
+
+
+def _layer_skip_draft(spec: "SpeculativeConfig", target: LoadedModel):
+    """(draft, K): the layer-skip draft (a SelfDraft), all layers but the skipped ones of
+    :func:`_skip_choice`, with those attention and MLP sublayers skipped (SWIFT,
+    arXiv:2410.06916), its ``cost`` the profile's measured one; and the K the profile
+    predicts best (without a profile, the method's default)."""
+    lm = target.lm
+    skip, attn, mlp, profile = _skip_choice(spec, target)
+    draft = lm.self_draft([i for i in range(lm.args.n_layers) if i not in skip], skip_attn=attn, skip_mlp=mlp)
     if profile is not None:
         draft.cost = profile.draft_cost
-    return draft, profile.k if profile is not None else METHODS["layer-skip"].default_k
+    return draft, _skip_k(profile)
 
 
 def _exit_draft(spec: "SpeculativeConfig", target: LoadedModel):
@@ -803,7 +812,7 @@ def build_schedule(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedMo
         if not spec.k_given:
             k = CrossTokenizerProposer.default_k  # the draft method's default K for this pair
     if spec.method is Method.LAYER_SKIP and not spec.k_given:
-        k = _layer_skip_draft(spec, target)[1]
+        k = _skip_k(_skip_choice(spec, target)[3])  # (the profile only: no draft built)
     if spec.schedule is KSchedule.HEURISTIC:
         return HeuristicK(k, spec.max_speculative_tokens)
     if spec.schedule is KSchedule.AUTO:
