@@ -17,9 +17,10 @@ from specdecode.cli import main
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.train import data, run
 from specdecode.models.loading import checkpoint_tensor
+from specdecode.models import native
 from specdecode.train.features import TOPK, Sequence, load_sequences, read_manifest, record, recording_seconds
 from specdecode.train.loop import Task, train
-from specdecode.train.medusa import chain_acceptance, medusa_examples, medusa_loss, medusa_task
+from specdecode.train.medusa import chain_acceptance, first_ids_labels, medusa_examples, medusa_loss, medusa_task
 from tiny_dirs import _llama_config, _randomize, local_tokenizer, tiny_dirs_in
 
 
@@ -363,6 +364,39 @@ def test_the_loss_is_the_soft_cross_entropy_weighted_by_head():
     torch.testing.assert_close(medusa_loss(heads, batch), want)
 
 
+def test_heads_train_and_are_measured_over_the_first_ids_they_draft():
+    """With first_ids m (served heads draft over token ids < m only): logits over those ids,
+    the target's top-k renormalised over its ids among them, a (position, head) without one
+    left out of the loss, and held-out top-1 taken among them."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(3, 8, 2, lm_head=torch.randn(8, 3))
+    for b in heads.blocks[0].parameters():
+        nn.init.normal_(b)
+    hidden = torch.randn(4, 3)
+    torch.testing.assert_close(heads(hidden, first_ids=5), heads(hidden)[..., :5])
+    ids = torch.tensor([[[1, 6], [2, 3]], [[7, 4], [5, 6]], [[0, 1], [2, 7]], [[6, 7], [3, 4]]])
+    ex = {"hidden": hidden, "label_ids": ids, "label_logp": torch.randn(4, 2, 2),
+          "valid": torch.tensor([[True, True]] * 3 + [[True, False]]), "next_tokens": ids[..., 0]}
+    got = first_ids_labels(ex, 5)
+    assert got["valid"].tolist() == [[True, True], [True, False], [True, True], [False, False]]
+    logq = torch.log_softmax(heads(hidden)[..., :5], -1)
+    terms = []
+    for b in range(4):
+        for i in range(2):
+            keep = [j for j in range(2) if ids[b, i, j] < 5]
+            if ex["valid"][b, i] and keep:
+                p = torch.softmax(ex["label_logp"][b, i, keep], -1)
+                terms.append((0.8 ** i, -(p * logq[i, b, ids[b, i, keep]]).sum()))
+    want = sum(w * t for w, t in terms) / sum(w for w, _ in terms)
+    torch.testing.assert_close(medusa_loss(heads, got, first_ids=5), want)
+    # held out: the top-1 among the first ids, even where a later id scores higher
+    top_all, top_first = heads(hidden).argmax(-1), heads(hidden)[..., :5].argmax(-1)
+    assert (top_all != top_first).any()
+    held = {"hidden": hidden, "next_tokens": top_first.t()}
+    assert chain_acceptance(heads, held, first_ids=5)["head1_top1"] == 1.0
+    assert chain_acceptance(heads, held)["head1_top1"] < 1.0
+
+
 # ---------------------------------------------------------------- the loop
 
 def _toy_task(interrupt_at=None):
@@ -469,6 +503,7 @@ def test_medusa_training_lowers_the_loss_on_recorded_features(deep_target_dir, t
 def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory, tmp_path, capsys,
                                                                monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
+    monkeypatch.setattr(native, "DRAFT_VOCAB", 32)  # the heads draft (and train) over the first 32 ids
     target = tiny_dirs_in(tmp_path_factory)["target"]
     out = default_head_dir(str(target), "medusa")  # no --out: the target's default heads
     assert main(["generate", "--target", str(target), "--method", "medusa", "--prompt", "x"]) == 2
@@ -484,6 +519,7 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     assert printed.out.rstrip().endswith("--method medusa")
     config = json.loads((out / "config.json").read_text())
     assert config["num_heads"] == 2 and config["training"]["data"]["sources"] == ["stdlib"]
+    assert config["vocab_size"] > 64 and config["training"]["first_ids"] == 32
     assert config["training"]["data"]["prompts"]["stdlib"]["kept"] == 6
     assert (out / "features" / "features.json").exists()
     assert main(args) == 0  # everything done: nothing recorded again, the run resumes at its end
@@ -564,6 +600,7 @@ def test_the_bench_trains_a_missing_default_head_once_then_measures_it(tmp_path_
     the target's default heads before any timing, the rows are lossless, and a second run
     finds the heads trained and trains nothing."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # its own default heads
+    monkeypatch.setattr(native, "DRAFT_VOCAB", 32)  # the heads draft (and train) over the first 32 ids
     target = tiny_dirs_in(tmp_path_factory)["target"]
     monkeypatch.setattr(run, "DEFAULT_RECIPE", run.HeadRecipe(
         data=("stdlib",), max_prompts=6, max_new_tokens=10, epochs=1, batch_size=8, heads=2))

@@ -161,10 +161,14 @@ class MedusaHeads(DraftHead):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None,
+                first_ids: int | None = None) -> torch.Tensor:
         """hidden [..., dim] (the target's final normed hidden states) -> logits
         [num_heads, ..., vocab_size] fp32: head i's guess of the token i + 2 places after the
-        hidden state's position. ``num_heads``: the first that many heads only (default all)."""
+        hidden state's position. ``num_heads``: the first that many heads only (default all).
+        ``first_ids``: logits of token ids 0..first_ids-1 only, [num_heads, ..., first_ids]
+        (training over the ids that served heads draft: the target's table scored over
+        those rows alone)."""
         if hidden.shape[-1] != self.dim:
             raise ValueError(f"hidden states of size {hidden.shape[-1]} given to Medusa heads of "
                              f"size {self.dim}")
@@ -178,10 +182,10 @@ class MedusaHeads(DraftHead):
             if logits.shape[-1] < self.vocab_size:  # a head over the first ids: the rest never drafted
                 logits = nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-torch.inf)
         elif self.original_lm_head:
-            logits = x @ self.shared_lm_head.t()
+            logits = x @ self.shared_lm_head[:first_ids].t()
         else:
             logits = torch.stack([head(xi) for head, xi in zip(self.lm_heads, x)])
-        return logits
+        return logits if first_ids is None else logits[..., :first_ids]
 
     def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, **extra) -> Path:
         """Write the heads as a vLLM Medusa directory (see the module docstring); ``extra``

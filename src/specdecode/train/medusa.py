@@ -6,7 +6,11 @@ Each example is one answer position t of a recorded sequence (the position that 
 the first answer token onwards) with, for head i, the target's top-k log-probabilities at
 position t + i + 1 (which predict token t + i + 2): the loss is the cross-entropy of head
 i's distribution against the target's renormalised top-k, weighted 0.8^i as in Medusa's
-training code (later heads are harder and matter less).
+training code (later heads are harder and matter less). Where the served heads draft over
+the first token ids only (:func:`specdecode.models.native.auto_draft_vocab`: 32,768 of the
+default target's 151,936), they train over those ids too: the softmax over those rows of
+the target's table alone (about a fifth of the step's arithmetic), the target's top-k
+renormalised over its ids among them.
 """
 
 from __future__ import annotations
@@ -48,9 +52,24 @@ def medusa_examples(seqs: list[Sequence], num_heads: int) -> dict[str, torch.Ten
             "next_tokens": torch.cat(nxt), "valid": torch.cat(valid)}
 
 
-def medusa_loss(heads: MedusaHeads, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The weighted soft cross-entropy of the heads on a batch (see the module docstring)."""
-    logq = torch.log_softmax(heads(batch["hidden"]), dim=-1)  # [H, B, V]
+def first_ids_labels(ex: dict[str, torch.Tensor], first_ids: int) -> dict[str, torch.Tensor]:
+    """The examples ``ex`` (:func:`medusa_examples`) with labels over token ids
+    0..first_ids-1 only: the target's top-k ids beyond get log-probability -inf (weight 0
+    once renormalised), and a (position, head) without any id among them is not ``valid``."""
+    if not ex:
+        return ex
+    inside = ex["label_ids"] < first_ids  # [N, H, TOPK]
+    some = inside.any(-1)
+    logp = torch.where(inside, ex["label_logp"], -torch.inf)
+    return {**ex, "label_ids": torch.where(inside, ex["label_ids"], 0),
+            "label_logp": torch.where(some[..., None], logp, 0.0), "valid": ex["valid"] & some}
+
+
+def medusa_loss(heads: MedusaHeads, batch: dict[str, torch.Tensor],
+                first_ids: int | None = None) -> torch.Tensor:
+    """The weighted soft cross-entropy of the heads on a batch (see the module docstring);
+    ``first_ids``: over token ids 0..first_ids-1 only (labels from :func:`first_ids_labels`)."""
+    logq = torch.log_softmax(heads(batch["hidden"], first_ids=first_ids), dim=-1)  # [H, B, V]
     h = logq.shape[0]
     ids = batch["label_ids"].transpose(0, 1)  # [H, B, TOPK]
     p = torch.softmax(batch["label_logp"].transpose(0, 1), dim=-1)
@@ -61,16 +80,18 @@ def medusa_loss(heads: MedusaHeads, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 
 @torch.no_grad()
-def chain_acceptance(heads: MedusaHeads, ex: dict[str, torch.Tensor], chunk: int = 256) -> dict:
+def chain_acceptance(heads: MedusaHeads, ex: dict[str, torch.Tensor], chunk: int = 256,
+                     first_ids: int | None = None) -> dict:
     """Teacher-forced measures on held-out examples: ``acceptance_length``, the mean tokens a
     greedy verify pass of the heads' top-1 chain would emit from each position (1 + the
     leading heads whose top-1 equals the recorded token; the bonus token included), and
-    ``head{i}_top1`` per head. {} without examples."""
+    ``head{i}_top1`` per head; ``first_ids``: top-1 among token ids 0..first_ids-1, as the
+    heads draft when served so. {} without examples."""
     if not ex:
         return {}
-    hits = []
+    hits, kw = [], {} if first_ids is None else {"first_ids": first_ids}
     for a in range(0, len(ex["hidden"]), chunk):
-        top = heads(ex["hidden"][a:a + chunk]).argmax(-1).transpose(0, 1)  # [b, H]
+        top = heads(ex["hidden"][a:a + chunk], **kw).argmax(-1).transpose(0, 1)  # [b, H]
         hits.append(top == ex["next_tokens"][a:a + chunk])
     hit = torch.cat(hits)  # [N, H]
     leading = hit.int().cumprod(dim=1).sum(dim=1).float()
@@ -83,12 +104,15 @@ def chain_acceptance(heads: MedusaHeads, ex: dict[str, torch.Tensor], chunk: int
 
 
 def medusa_task(heads: MedusaHeads, train_seqs: list[Sequence], held_seqs: list[Sequence],
-                info: dict) -> Task:
+                info: dict, first_ids: int | None = None) -> Task:
     """The :class:`~specdecode.train.loop.Task` that trains ``heads`` on ``train_seqs`` and
     measures ``held_seqs`` after each epoch; ``info`` (target, data) goes into the saved
-    config under ``training``."""
+    config under ``training``. ``first_ids``: train and measure over token ids
+    0..first_ids-1 only (the module docstring; None: all)."""
     ex = medusa_examples(train_seqs, heads.num_heads)
     held = medusa_examples(held_seqs, heads.num_heads)
+    if first_ids is not None:
+        ex = first_ids_labels(ex, first_ids)
     n = len(ex["hidden"]) if ex else 0
 
     def collate(idx: list[int]) -> dict[str, torch.Tensor]:
@@ -98,4 +122,5 @@ def medusa_task(heads: MedusaHeads, train_seqs: list[Sequence], held_seqs: list[
     def save(module: MedusaHeads, out: Path, summary: dict) -> None:
         module.save(out, training=summary)
 
-    return Task(heads, list(range(n)), collate, medusa_loss, lambda m: chain_acceptance(m, held), save, info)
+    return Task(heads, list(range(n)), collate, lambda m, batch: medusa_loss(m, batch, first_ids),
+                lambda m: chain_acceptance(m, held, first_ids=first_ids), save, info)

@@ -27,6 +27,7 @@ from ..api import generate
 from ..heads import HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
+from ..models.native import auto_draft_vocab
 from ..tokenmap import pair_mode
 from .data import DEFAULT_SOURCES, parse_sources, training_prompts
 from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
@@ -326,7 +327,9 @@ def _medusa(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
     lm = target.lm
     heads = MedusaHeads(lm.args.dim, lm.vocab_size, recipe.heads, 1,
                         lm_head=checkpoint_tensor(target, "lm_head.weight")[:lm.vocab_size])
-    return medusa_task(heads, train_seqs, held, info)
+    # over the ids the heads draft when served (methods._loaded_head)
+    first_ids = auto_draft_vocab(lm.args.vocab_size)
+    return medusa_task(heads, train_seqs, held, {**info, "first_ids": first_ids}, first_ids)
 
 
 def _eagle3(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
