@@ -170,7 +170,7 @@ def _heads(root: Path, target: Path) -> dict[str, Path]:
     training = {"target": "tiny", "data": {"sources": ["stdlib", "sharegpt"]}}
     return {"eagle3": e3.save(root / "eagle3", dtype=torch.float32, training=training),
             "medusa": m1.save(root / "medusa", training=training),
-            "medusa_shared": m2.save(root / "medusa_shared")}
+            "medusa_shared": m2.save(root / "medusa_shared", training={"first_ids": 2048})}
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,12 @@ def test_exported_heads_equal_the_golden_files_and_load_back(tmp_path, dirs, hea
             assert written[name] == golden.read_text(), f"{case}/{name} differs from the golden file"
     assert config["torch_dtype"] == "bfloat16" and (r.config is None) == (engine == "sglang")
     src = json.loads((heads[head] / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k != "torch_dtype"} == {k: v for k, v in src.items() if k != "torch_dtype"}
+    # heads trained over the first ids draft over those in vLLM too: its truncated vocabulary
+    first = src.get("training", {}).get("first_ids")
+    assert config.get("truncated_vocab_size") == (first or src.get("truncated_vocab_size"))
+    assert ("token_map" in tensors) == bool(first) and (not first or torch.equal(tensors["token_map"], torch.arange(first)))
+    same = ("torch_dtype", "truncated_vocab_size")
+    assert {k: v for k, v in config.items() if k not in same} == {k: v for k, v in src.items() if k not in same}
     if kind == "eagle3":
         args = ModelArgs.from_hf_config(json.loads((dirs["target"] / "config.json").read_text()))
         embed = torch.zeros(VOCAB, args.dim)

@@ -617,6 +617,27 @@ def test_the_bench_trains_a_missing_default_head_once_then_measures_it(tmp_path_
     assert "training it now" not in capsys.readouterr().err
 
 
+def test_the_default_recipe_asks_medusa_for_more_prompts_than_eagle3(deep_target_dir, tmp_path, monkeypatch):
+    """Without --max-prompts a Medusa run answers 1,000 prompts (its steps are cheap), an
+    EAGLE-3 run and a distilled draft's 400; a given number is every kind's."""
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def prompts(data, max_prompts, to_german=None):
+        asked.append(max_prompts)
+        raise Stop
+
+    monkeypatch.setattr(run, "training_prompts", prompts)
+    target = specdecode.load(deep_target_dir)
+    for kind, recipe in (("medusa", run.HeadRecipe()), ("eagle3", run.HeadRecipe()),
+                         ("medusa", run.HeadRecipe(max_prompts=6)), ("eagle3", run.HeadRecipe(max_prompts=6))):
+        with pytest.raises(Stop):
+            run.train_head(kind, target, tmp_path / kind, recipe)
+    assert asked == [1000, 400, 6, 6] and run.DEFAULT_RECIPE.prompts_for("draft") == 400
+
+
 def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
     (tmp_path / "h").mkdir()
     (tmp_path / "h" / "notes.txt").write_text("mine")

@@ -302,6 +302,9 @@ def head_tensor_table(kind: str, config: dict) -> dict[str, tuple[tuple[int, ...
                      for i in range(heads) for j in range(layers) for p in ("weight", "bias")}
             lm = range(1) if config.get("original_lm_head") else range(heads)
             table.update({f"lm_heads.{i}.weight": ((v, d), bf16) for i in lm})
+            t = int(config.get("truncated_vocab_size") or v)
+            if t < v:  # vLLM drafts over the ids token_map lists (it slices the table itself)
+                table["token_map"] = ((t,), torch.int64)
             return table
         i, n = int(config["intermediate_size"]), int(config["draft_vocab_size"])
         hd = int(config.get("head_dim") or d // int(config["num_attention_heads"]))
@@ -376,6 +379,14 @@ def export_head(kind: str, head: str | Path, engine: str, out: str | Path, targe
     config, tensors = read_head_dir(head, kind)
     tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
     check_head_tensors(kind, config, tensors)
+    training = config.get("training") if isinstance(config.get("training"), dict) else {}
+    first = training.get("first_ids")
+    if kind == "medusa" and isinstance(first, int) and 0 < first < int(config["vocab_size"]):
+        # heads trained over the first ids (as specdecode serves them) draft over those in vLLM
+        # too: its truncated vocabulary, token_map listing the ids
+        config = {**config, "truncated_vocab_size": first}
+        tensors["token_map"] = torch.arange(first)
+        check_head_tensors(kind, config, tensors)
     tc = _config(target)
     tc = tc.get("text_config", tc)
     bad = [f"{key} {config.get(key)} vs the target's {tc.get(key)}" for key in ("hidden_size", "vocab_size")

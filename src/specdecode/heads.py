@@ -217,9 +217,11 @@ class MedusaHeads(DraftHead):
         """Heads from a vLLM Medusa directory (fp32); without ``medusa_fc_bias: true`` in its
         config the blocks have no biases, as vLLM loads them. ``lm_head``: the target's own
         lm_head module, which heads with ``original_lm_head`` then read instead of the
-        directory's copy of it (ignored for heads with their own projections). Raises
-        ValueError naming what is wrong: a missing or unreadable file, another architecture,
-        tensors of the wrong names or shapes, or a lm_head module of another size."""
+        directory's copy of it (ignored for heads with their own projections). A
+        ``token_map`` (vLLM's truncated draft vocabulary) is not read: served here, heads
+        draft over the target's first ids. Raises ValueError naming what is wrong: a missing
+        or unreadable file, another architecture, tensors of the wrong names or shapes, or a
+        lm_head module of another size."""
         path = Path(path)
         config, tensors = read_head_dir(path, "medusa")
         try:
@@ -227,6 +229,9 @@ class MedusaHeads(DraftHead):
             heads, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}/config.json lacks or has a bad {e}") from None
+        # vLLM's truncated draft vocabulary: here heads draft over the target's first ids
+        # (methods._loaded_head), which is what heads trained here export as token_map
+        tensors.pop("token_map", None)
         shared = tensors.get("lm_heads.0.weight") if config.get("original_lm_head") else None
         if shared is not None and lm_head is not None:
             shared = lm_head

@@ -88,9 +88,10 @@ def add_parser(sub) -> None:
                         "one-line questions, Spec-Bench QA's shape), translation ('Translate German "
                         "to English: ...', the German written by the target from ShareGPT's English "
                         f"sentences) (default {','.join(DEFAULT_SOURCES)})")
-    p.add_argument("--max-prompts", type=int, default=DEFAULTS.max_prompts, metavar="N",
-                   help=f"prompts answered by the target (default {DEFAULTS.max_prompts}; the cost of "
-                        "step 2 grows with it)")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                   help=f"prompts answered by the target (default {DEFAULTS.prompts_for('medusa')} for "
+                        f"medusa, whose steps are cheap, {DEFAULTS.prompts_for('eagle3')} for eagle3 "
+                        "and draft; the cost of step 2 grows with it)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, metavar="N",
                    help=f"answer length cap in tokens (default {DEFAULTS.max_new_tokens})")
     p.add_argument("--features", type=output_dir_argument, default=None, metavar="DIR",
