@@ -368,9 +368,11 @@ def export_head(kind: str, head: str | Path, engine: str, out: str | Path, targe
     checked against :func:`head_tensor_table`), the speculative config or flags for a chain
     of ``k`` tokens (default: the method's K, for Medusa its number of heads), launch.sh and
     NOTES.md. ``target`` is the target's model directory: its hidden and vocabulary sizes
-    must be the head's. Raises ValueError naming what is wrong (another head kind, tensors
-    the engines would not load, a head of another target, k out of range, OUT not empty,
-    Medusa for SGLang)."""
+    must be the head's. Medusa heads trained over the target's first ids (``first_ids`` in
+    their config's ``training``) get vLLM's ``truncated_vocab_size`` and a ``token_map`` of
+    those ids, so that vLLM drafts over them as specdecode does. Raises ValueError naming
+    what is wrong (another head kind, tensors the engines would not load, a head of another
+    target, k out of range, OUT not empty, Medusa for SGLang)."""
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is unknown; allowed: {', '.join(ENGINES)}")
     head, out = Path(head).expanduser(), Path(out).expanduser().resolve()
