@@ -542,7 +542,7 @@ def test_methods_build_their_self_drafts_and_refuse_bad_values(monkeypatch):
     for dtype in ("int4", "int8"):
         with pytest.raises(ValueError, match="use layer-skip or self"):
             build_proposer(SpeculativeConfig("self-draft", self_draft_dtype=dtype), target, None)
-    assert "AVX512-VNNI" in methods.cannot_run(Method("self-draft"), target)
+    assert "AVX512-VNNI" in methods.cannot_run(SpeculativeConfig("self-draft"), target)
     from specdecode.models.hf import HFCausalLM
     with pytest.raises(ValueError, match="native runtime"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(1,)),

@@ -13,13 +13,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 
 import specdecode
-from specdecode.methods import Method
+from specdecode.methods import Method, SpeculativeConfig
 from specdecode.server import Metrics, Worker, create_app, serve_in_thread
 
 from tiny_dirs import tiny_dirs_in
@@ -442,7 +443,47 @@ def test_methods_that_cannot_run_here_are_not_offered_and_get_400(spare, monkeyp
         assert "specdecode tune-skip --target" in err["error"]["message"]
     finally:
         s.stop()
-    assert "exit layer" in methods.cannot_run(Method("early-exit"), spare[0])
+    assert "exit layer" in methods.cannot_run(SpeculativeConfig("early-exit"), spare[0])
+
+
+def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_them(spare, alone, tmp_path):
+    """--method medusa:head=DIR (a head of one's own, not the target's default one): the
+    server offers medusa, runs requests naming it or none with that head (loaded at start,
+    kept on the target: load_served, as `specdecode serve`, loads it before serving), and
+    their greedy output is the target's; early-exit:layer=E makes
+    early-exit servable, which its name alone is not. A head that cannot load fails the
+    start, naming the directory."""
+    from specdecode.heads import MedusaHeads
+
+    target = spare[0]
+    head = MedusaHeads(target.lm.args.dim, target.lm.vocab_size, 2).save(tmp_path / "heads")
+    s = Server(lambda: spare, method=f"medusa:head={head}").start()
+    try:
+        card = s.get("/v1/models")[2]["data"][0]
+        assert "medusa" in card["methods"] and card["default_method"] == "medusa"
+        want = solo(alone, PROMPT, method="ar", max_new_tokens=12).text
+        for extra in ({}, {"method": "medusa"}):
+            r = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                              extra_body=extra)
+            assert r.choices[0].text == want, extra
+        assert any(k[0] == "medusa" and k[1] == str(Path(head).resolve()) for k in target.heads)
+    finally:
+        s.stop()
+    s = Server(lambda: spare, method="early-exit:layer=1").start()
+    try:
+        assert "early-exit" in s.get("/v1/models")[2]["data"][0]["methods"]
+        r = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+    finally:
+        s.stop()
+    from specdecode.cli.serve import load_served
+    from types import SimpleNamespace
+    args = SimpleNamespace(target=str(target.path), draft=None, dtype="auto", draft_dtype=None,
+                           backend="auto", draft_backend=None, device=None)
+    loaded, _ = load_served(args, (f"medusa:head={head}",))  # what `specdecode serve` loads
+    assert [k[1] for k in loaded.heads] == [str(Path(head).resolve())]
+    with pytest.raises(ValueError, match="nowhere"):
+        load_served(args, (f"medusa:head={tmp_path / 'nowhere'}",))
 
 
 def test_metrics_count_a_prompt_once_however_many_choices(server):

@@ -291,28 +291,38 @@ _PRECISION = {"float32": 4, "bfloat16": 3, "float16": 3, "int8": 2, "q4": 1, "in
 SELF_DRAFT_DTYPES = ("int8", "int4")
 
 
+def _self_draft_problem(lm, dtype: str) -> str | None:
+    """Why a self-draft in ``dtype`` cannot draft for the native model ``lm`` (None when it
+    can): it must be of a lower precision than the target's weights, and int4 runs on the
+    AVX512-VNNI and AVX2 kernels only."""
+    own = _PRECISION.get(lm.weight_format.split("-")[0])
+    if own is None or _PRECISION[dtype] >= own:
+        lower = [d for d in SELF_DRAFT_DTYPES if own is not None and _PRECISION[d] < own
+                 and (d != "int4" or q4k_kernel()[0] is not None)]  # int4 runs on those kernels only
+        return (f"a self-draft in {dtype} is not below this target's {lm.weight_format} "
+                "weights, so it would cost as much as the target: "
+                + (f"use dtype={' or '.join(lower)}" if lower else
+                   "load the target in float32 or int8 for a self-draft" if own is None
+                   or own <= _PRECISION["int4"] or q4k_kernel()[0] is not None else
+                   "no lower precision runs on this CPU (int4 needs the AVX512-VNNI or "
+                   "the AVX2 kernel): use layer-skip or self (no second model) instead"))
+    if dtype == "int4" and q4k_kernel()[0] is None:  # said here: load() would say "use int8"
+        return (f"a self-draft in int4 needs the AVX512-VNNI or the AVX2 kernel, neither of "
+                f"which is in use here ({q4k_kernel()[1]}): " + (
+                    "use self-draft:dtype=int8" if own > _PRECISION["int8"] else
+                    f"int8 is no lower than this target's {lm.weight_format}, so on this "
+                    "CPU use layer-skip or self (no second model) instead"))
+    return None
+
+
 def _lower_precision_draft(spec: "SpeculativeConfig", target: LoadedModel):
     """The self-draft of the target's weights at ``self_draft_dtype`` (default int4), loaded
     once from its files and kept on the loaded target (``LoadedModel.self_drafts``)."""
     lm = _native(target, "self-draft")
     dtype = spec.self_draft_dtype or "int4"
-    own = _PRECISION.get(lm.weight_format.split("-")[0])
-    if own is None or _PRECISION[dtype] >= own:
-        lower = [d for d in SELF_DRAFT_DTYPES if own is not None and _PRECISION[d] < own
-                 and (d != "int4" or q4k_kernel()[0] is not None)]  # int4 runs on those kernels only
-        raise ValueError(f"a self-draft in {dtype} is not below this target's {lm.weight_format} "
-                         "weights, so it would cost as much as the target: "
-                         + (f"use dtype={' or '.join(lower)}" if lower else
-                            "load the target in float32 or int8 for a self-draft" if own is None
-                            or own <= _PRECISION["int4"] or q4k_kernel()[0] is not None else
-                            "no lower precision runs on this CPU (int4 needs the AVX512-VNNI or "
-                            "the AVX2 kernel): use layer-skip or self (no second model) instead"))
-    if dtype == "int4" and q4k_kernel()[0] is None:  # said here: load() would say "use int8"
-        raise ValueError(f"a self-draft in int4 needs the AVX512-VNNI or the AVX2 kernel, neither of "
-                         f"which is in use here ({q4k_kernel()[1]}): " + (
-                             "use self-draft:dtype=int8" if own > _PRECISION["int8"] else
-                             f"int8 is no lower than this target's {lm.weight_format}, so on this "
-                             "CPU use layer-skip or self (no second model) instead"))
+    why = _self_draft_problem(lm, dtype)
+    if why is not None:
+        raise ValueError(why)
     if dtype not in target.self_drafts:
         if target.path is None:
             raise ValueError("a self-draft loads the target's files again: this target has no path")
@@ -736,18 +746,23 @@ def speculative_config(method: "str | Method | None", has_draft: bool,
 def prepare(spec: SpeculativeConfig, target: LoadedModel) -> None:
     """Measure now what ``spec``'s method measures once on ``target`` (the layer-skip
     profile of layer-skip and self without given layers, :func:`~specdecode.layer_skip.default_profile`):
-    before a batched engine holds the target, which it then cannot measure."""
+    before a batched engine holds the target, which it then cannot measure; and load a draft
+    head's method's head (kept on the target), so that a bad one is said at once. Raises
+    ValueError for a head that is missing or not for this target."""
     if spec.method.value in ("layer-skip", "self") and not spec.skips_given \
             and spec.skip_profile is None:
         default_profile(target)
+    if spec.method.value in HEAD_ARCHS:
+        _loaded_head(spec, target, spec.method.value)
 
 
-def cannot_run(method: "Method", target: LoadedModel) -> str | None:
-    """Why ``method`` with its default options cannot run on ``target`` as it stands (None
+def cannot_run(spec: SpeculativeConfig, target: LoadedModel) -> str | None:
+    """Why ``spec``'s method with its options cannot run on ``target`` as it stands (None
     when it can), without measuring or loading anything: for a server, whose requests name a
-    method but no options, and whose batch holds the target so that nothing can be measured
-    on it later (:func:`prepare`). Draft models and draft heads are checked elsewhere."""
-    name = method.value
+    method (with the options it was started with, else none), and whose batch holds the
+    target so that nothing can be measured on it later (:func:`prepare`). Draft models and
+    draft heads are checked elsewhere."""
+    name = spec.method.value
     if name not in ("layer-skip", "self", "early-exit", "self-draft"):
         return None
     try:
@@ -755,19 +770,17 @@ def cannot_run(method: "Method", target: LoadedModel) -> str | None:
     except ValueError as e:
         return str(e)
     if name == "early-exit":
-        return "it needs its exit layer E (early-exit:layer=E), which a method name cannot give"
+        return (None if spec.exit_layer is not None else
+                "it needs its exit layer E (early-exit:layer=E), which a method name cannot give")
     if name == "self-draft":
-        own = _PRECISION.get(lm.weight_format.split("-")[0])
-        if own is None or own <= _PRECISION["int4"]:
-            return (f"its int4 self-draft is not below this target's {lm.weight_format} weights "
-                    "(load the target in float32 or int8)")
-        if q4k_kernel()[0] is None:
-            return (f"its int4 self-draft needs the AVX512-VNNI or the AVX2 kernel, neither of which "
-                    f"is in use here ({q4k_kernel()[1]})")
+        return _self_draft_problem(lm, spec.self_draft_dtype or "int4")
+    if spec.skips_given:
         return None
     try:
-        SkipProfile.load(default_profile_path(target), lm.args.n_layers)
-    except ValueError:
+        SkipProfile.load(spec.skip_profile or default_profile_path(target), lm.args.n_layers)
+    except ValueError as e:
+        if spec.skip_profile is not None:
+            return str(e)
         return (f"the target has no layer-skip profile yet: run `specdecode tune-skip --target "
                 f"{target.name}` once (or start the server with --method {name}), then restart")
     return None

@@ -17,7 +17,7 @@ from ..methods import METHODS, Method
 from ..server import Metrics, Worker, create_app, serve_in_thread
 from .serve import load_served
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     model_name, output_dir_argument, run_command)
+                     method_of, model_name, output_dir_argument, run_command)
 
 HELP = """\
 Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
@@ -30,6 +30,7 @@ the server itself on 127.0.0.1 (the model options below) unless --url names a ru
 examples:
   specdecode bench-serve --concurrency 1,2,4 --max-tokens 64 --out benchmarks/serve
   specdecode bench-serve --concurrency 1,4,8 --requests 8 --repeats 3 --check --out benchmarks/serve-paired
+  specdecode bench-serve --method medusa:head=runs/medusa --concurrency 1,4,8 --check
   specdecode bench-serve --url http://127.0.0.1:8000 --model qwen2.5-coder-1.5b-instruct
 """
 
@@ -81,7 +82,7 @@ def add_parser(sub) -> None:
 
 
 def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompts: list,
-                     methods: tuple[Method, ...], args: argparse.Namespace) -> None:
+                     methods: tuple[str, ...], args: argparse.Namespace) -> None:
     """Concurrency 1's requests again, each through the server then through the library
     alone (what `specdecode generate` runs: a fork of the served target, its own KV cache),
     in turn, so that a drift of the machine moves both alike; adds the paired ratios
@@ -89,12 +90,13 @@ def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompt
     target = replace(worker.target, lm=worker.target.lm.fork(), session_proposers={})
     pairs = {}
     level = next(lv for lv in results["levels"] if lv["concurrency"] == 1)
-    for m in methods:
+    for text in methods:
+        m = Method(text.partition(":")[0])
         draft = worker.draft if m.needs_draft_model else None
         for s in level[m.value]["samples"][:args.requests or 2]:  # one block's
             served = serving.request(url, model, prompts[s["prompt"]], m.value, args.max_tokens, args.api_key)
             t0 = time.perf_counter()
-            alone = api.generate(target, prompts[s["prompt"]], method=m.value, draft=draft,
+            alone = api.generate(target, prompts[s["prompt"]], method=text, draft=draft,
                                  max_new_tokens=args.max_tokens)
             pairs.setdefault(m.value, []).append(((served.completion_tokens, served.e2e_s),
                                                   (len(alone.token_ids), time.perf_counter() - t0)))
@@ -118,7 +120,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     prompts = [[{"role": "user", "content": t.turns[0]}] for t in tasks]
     if args.check and args.url is not None:
         raise ValueError("--check runs the solo runs on the server's own models: leave out --url")
-    on, off = Method(args.method), Method(args.off_method)
+    on, off = method_of(args), Method(args.off_method)
     if on == off:
         raise ValueError(f"--method and --off-method are both {on.value}: compare two methods "
                          "(--off-method ar is plain decoding)")
@@ -126,10 +128,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.url is None:
         apply_threads(args)
         name = model_name(args)
-        worker = Worker(lambda: load_served(args, (on, off)), Metrics(name), 1024,
+        worker = Worker(lambda: load_served(args, (args.method, off.value)), Metrics(name), 1024,
                         args.max_batch or max(args.concurrency), 2048)
         worker.start()
-        uv, port = serve_in_thread(create_app(worker, name, on.value, args.api_key))
+        uv, port = serve_in_thread(create_app(worker, name, args.method, args.api_key))
         url, model = f"http://127.0.0.1:{port}", args.model or name
         print(f"# loading {name} ...", file=sys.stderr)
         worker.ready.wait()
@@ -147,7 +149,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
                               args.requests, args.max_tokens, args.api_key, progress, args.repeats)
         if args.check and 1 in args.concurrency:
-            _beside_generate(results, worker, url, model, prompts, (on, off), args)
+            _beside_generate(results, worker, url, model, prompts, (args.method, off.value), args)
         if args.check:  # what the worker still holds once every client has its answer
             time.sleep(1.0)
             left = len(worker._live) + len(worker._pending) + worker.waiting

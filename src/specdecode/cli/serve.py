@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, prepare
+from ..methods import Method, cannot_run, head_dir_for, prepare, speculative_config
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
@@ -37,11 +37,14 @@ The default method is ar (plain batched decoding) for now: measured with `specde
 bench-serve` on 2-core CPUs, the hybrid made 0.98-1.13x plain batched decoding's throughput
 at concurrency 1 and 0.95-1.06x at 4-8 (BENCHMARKS.md sections 7h-7j, medians of paired
 runs); a request may still ask for a method ("method" in extra_body; GET /v1/models lists
-those it can run), and --method sets the default.
+those it can run), and --method sets the default, with its own options: requests naming
+that method run with them (--method medusa:head=DIR serves a head you trained; a request
+cannot give options itself).
 
 examples:
   specdecode serve
   specdecode serve --method hybrid   # speculation for every request
+  specdecode serve --method medusa:head=runs/medusa   # a Medusa head of `specdecode train`
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "qwen2.5-coder-1.5b-instruct", "messages": [{"role": "user", "content": "hi"}]}'
 """
@@ -69,16 +72,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=lambda args: run_command(cmd_serve, args))
 
 
-def load_served(args: argparse.Namespace, methods: tuple[Method, ...]):
-    """(target, draft) for a server of ``methods`` (the draft model when one needs it), after
-    measuring what they measure once on the target (:func:`~specdecode.methods.prepare`:
-    before the batch holds it). Raises ValueError for a method that cannot run on the target."""
-    target, draft = load_models(args, next((m for m in methods if m.needs_draft_model), methods[0]))
-    for m in methods:
-        prepare(SpeculativeConfig(m), target)
-        why = cannot_run(m, target)
+def load_served(args: argparse.Namespace, methods: tuple[str, ...]):
+    """(target, draft) for a server of ``methods`` (method texts, each a name with its
+    options; the draft model when one needs it), after measuring what they measure once on
+    the target (:func:`~specdecode.methods.prepare`: before the batch holds it). Raises
+    ValueError for a method that cannot run on the target."""
+    specs = [speculative_config(m, False) for m in methods]
+    target, draft = load_models(args, next((s.method for s in specs if s.method.needs_draft_model),
+                                           specs[0].method))
+    for spec, text in zip(specs, methods):
+        prepare(spec, target)
+        why = cannot_run(spec, target)
         if why is not None:
-            raise ValueError(f"method {m.value} cannot run on this target: {why}")
+            raise ValueError(f"method {text} cannot run on this target: {why}")
     return target, draft
 
 
@@ -93,23 +99,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
-    if ":" in args.method:
-        raise ValueError(f"--method {args.method}: the server takes a method name; options such as "
-                         "layers= apply to `specdecode generate` and the bench (layer-skip and self "
-                         "use the target's default profile here)")
-    method = Method(args.method)
-    head_dir_for(SpeculativeConfig(method), args.target)  # a missing head is said before anything loads
+    spec = speculative_config(args.method, False)  # (raises naming a bad option)
+    method = spec.method
+    head_dir_for(spec, args.target)  # a missing head is said before anything loads
     threads = apply_threads(args)
     name = model_name(args)
-    worker = Worker(lambda: load_served(args, (method,)), Metrics(name), args.max_queue, args.max_batch,
+    worker = Worker(lambda: load_served(args, (args.method,)), Metrics(name), args.max_queue, args.max_batch,
                     args.max_len)
     worker.start()
-    app = create_app(worker, name, method.value, args.api_key)
+    app = create_app(worker, name, args.method, args.api_key)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: serving on {args.host}, beyond this machine"
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
-    print(f"# serving {name} (method {method.value}; "
+    print(f"# serving {name} (method {args.method}; "
           + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix, and "
              "layer-skip and self where the target's layer-skip profile is cached (made by their "
              "first use or `specdecode tune-skip`); GET /v1/models lists what is served")

@@ -39,26 +39,35 @@ PAGE = Path(__file__).with_name("page.html")
 DISCONNECT_POLL_S = 0.1
 
 
-def _has_head(method: Method, target: str) -> bool:
-    """Whether ``method`` has the head it reads (a draft head's default one for the target;
-    True for the methods without a head)."""
+def _has_head(spec: SpeculativeConfig, target: str) -> bool:
+    """Whether ``spec``'s method has the head it reads (its head=DIR, else the target's
+    default one; True for the methods without a head)."""
     try:
-        head_dir_for(SpeculativeConfig(method), target)
+        head_dir_for(spec, target)
     except ValueError:
         return False
     return True
 
 
+def method_text(served: str, name: str) -> str:
+    """The method text a request naming the method ``name`` runs on a server started with
+    --method ``served`` (a name with options, e.g. "medusa:head=DIR"): ``served`` when the
+    names agree (its options), else ``name`` (the method's defaults)."""
+    return served if served.partition(":")[0] == name else name
+
+
 class _Context:
     """What :func:`protocol.check_request` needs from the loaded models."""
 
-    def __init__(self, worker: Worker, model_name: str, default_method: str):
+    def __init__(self, worker: Worker, model_name: str, served: str):
         tgt = worker.target
-        self.model_name, self.default_method = model_name, default_method
+        self.model_name, self.served = model_name, served
+        self.default_method = served.partition(":")[0]
         # what a request may name: the methods whose models, heads and profiles are here
-        self.unavailable = {m.value: why for m in Method if (why := cannot_run(m, tgt)) is not None}
+        specs = {m.value: speculative_config(method_text(served, m.value), False) for m in Method}
+        self.unavailable = {m: why for m, spec in specs.items() if (why := cannot_run(spec, tgt)) is not None}
         self.methods = [m.value for m in Method if (not m.needs_draft_model or worker.draft is not None)
-                        and _has_head(m, tgt.name) and m.value not in self.unavailable]
+                        and _has_head(specs[m.value], tgt.name) and m.value not in self.unavailable]
         self.max_context, self.vocab_size = worker.context, tgt.lm.vocab_size
         self._target = tgt
 
@@ -82,7 +91,8 @@ def _sse(obj) -> str:
 def create_app(worker: Worker, model_name: str, default_method: str,
                api_key: str | None = None) -> FastAPI:
     """The app over a worker (started by the caller). ``model_name``: the id clients send
-    as ``model``; ``default_method``: the method of requests that name none; ``api_key``:
+    as ``model``; ``default_method``: the method of requests that name none, with the options
+    that requests naming it run with (``"medusa:head=DIR"``: :func:`method_text`); ``api_key``:
     required as ``Authorization: Bearer KEY`` on /v1/* when set."""
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
     contexts: list[_Context] = []
@@ -156,9 +166,10 @@ def create_app(worker: Worker, model_name: str, default_method: str,
         body = protocol.parse_body(await request.body(), kind)
         job = protocol.check_request(body, kind, ctx)
         method = Method(job.method)
+        job.method = method_text(ctx.served, job.method)  # with the options the server was started with
         try:  # the library's own checks, before anything is queued
             api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
-            speculative_config(method, method.needs_draft_model, job.num_speculative_tokens)
+            speculative_config(job.method, method.needs_draft_model, job.num_speculative_tokens)
         except ValueError as e:
             raise bad(str(e)) from None
         ticket = Ticket(job, asyncio.get_running_loop(), asyncio.Queue())

@@ -70,7 +70,7 @@ class Job:
     stream: bool
     include_usage: bool
     sampling: dict
-    method: str
+    method: str  # the method's name; the app adds the server's options for it (app.method_text)
     num_speculative_tokens: int | None
     seed: int | None
     logprobs: int | None = None  # alternatives per token (0: the token's own only); None: off

@@ -175,10 +175,10 @@ class Worker:
 
     def _begin(self, choice: _Choice) -> _Choice:
         job = choice.ticket.job
-        method = Method(job.method)
+        method = Method(job.method.partition(":")[0])  # (job.method may carry the server's options)
         c = choice.index % job.n
         choice.chunks = api.stream(
-            self.target, input_ids=job.prompts[choice.index // job.n], method=method,
+            self.target, input_ids=job.prompts[choice.index // job.n], method=job.method,
             draft=self.draft if method.needs_draft_model else None,
             num_speculative_tokens=job.num_speculative_tokens, batch=self.engine,
             seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs, **job.sampling)
