@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -452,7 +453,7 @@ def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_th
     kept on the target: load_served, as `specdecode serve`, loads it before serving), and
     their greedy output is the target's; early-exit:layer=E makes
     early-exit servable, which its name alone is not. A head that cannot load fails the
-    start, naming the directory."""
+    start, naming the directory, as does an option the target cannot honour."""
     from specdecode.heads import MedusaHeads
 
     target = spare[0]
@@ -482,8 +483,11 @@ def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_th
                            backend="auto", draft_backend=None, device=None)
     loaded, _ = load_served(args, (f"medusa:head={head}",))  # what `specdecode serve` loads
     assert [k[1] for k in loaded.heads] == [str(Path(head).resolve())]
-    with pytest.raises(ValueError, match="nowhere"):
-        load_served(args, (f"medusa:head={tmp_path / 'nowhere'}",))
+    for bad, says in ((f"medusa:head={tmp_path / 'nowhere'}", "nowhere"),
+                      ("early-exit:layer=99", "exit layer 99 is out of range"),
+                      ("layer-skip:layers=99", r"skipped layers \[99\]")):
+        with pytest.raises(ValueError, match=f"method {re.escape(bad)} cannot run on this target: .*{says}"):
+            load_served(args, (bad,))
 
 
 def test_metrics_count_a_prompt_once_however_many_choices(server):

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..methods import Method, cannot_run, head_dir_for, prepare, speculative_config
+from ..methods import Method, build_proposer, cannot_run, head_dir_for, prepare, speculative_config
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
@@ -81,8 +81,13 @@ def load_served(args: argparse.Namespace, methods: tuple[str, ...]):
     target, draft = load_models(args, next((s.method for s in specs if s.method.needs_draft_model),
                                            specs[0].method))
     for spec, text in zip(specs, methods):
-        prepare(spec, target)
-        why = cannot_run(spec, target)
+        try:
+            prepare(spec, target)
+            why = cannot_run(spec, target)
+            if why is None:  # what only building says (a layer or exit layer the target lacks)
+                build_proposer(spec, target, draft)
+        except ValueError as e:
+            why = str(e)
         if why is not None:
             raise ValueError(f"method {text} cannot run on this target: {why}")
     return target, draft
