@@ -323,6 +323,25 @@ def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):
     assert "Traceback" not in err
 
 
+def test_serve_refuses_a_head_directory_that_holds_no_such_head_before_loading(capsys, dirs, tmp_path, monkeypatch):
+    """`serve --method medusa:head=DIR` reads DIR before any model loads or port opens: a
+    missing directory, or one holding the other kind of head, is a one-line error naming it."""
+    from safetensors.torch import save_file
+    from specdecode.cli import serve
+
+    monkeypatch.setattr(serve, "Worker", lambda *a, **k: pytest.fail("started a server"))
+    code, out, err = run(capsys, "serve", "--target", dirs["target"], "--method", f"medusa:head={tmp_path / 'none'}")
+    assert code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error:") and str(tmp_path / "none") in line and "specdecode train medusa" in line, err
+    other = tmp_path / "e3"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    save_file({"x": torch.zeros(1)}, str(other / "model.safetensors"))
+    code, out, err = run(capsys, "serve", "--target", dirs["target"], "--method", f"medusa:head={other}")
+    assert code == 2 and f"use eagle3:head={other}" in err.strip().splitlines()[-1], err
+
+
 def test_k_zero_is_an_argparse_error(capsys, dirs):
     for bad in ("0", "-2", "two", "65"):
         with pytest.raises(SystemExit) as exc:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ..heads import read_head_dir
 from ..methods import Method, build_proposer, cannot_run, head_dir_for, prepare, speculative_config
 from ..models import registry
 from ..server import Metrics, Worker, create_app
@@ -106,7 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
     spec = speculative_config(args.method, False)  # (raises naming a bad option)
     method = spec.method
-    head_dir_for(spec, args.target)  # a missing head is said before anything loads
+    head = head_dir_for(spec, args.target)  # a missing head is said before anything loads
+    if head is not None:
+        read_head_dir(head, method.value)  # (raises naming a directory that holds no such head)
     threads = apply_threads(args)
     name = model_name(args)
     worker = Worker(lambda: load_served(args, (args.method,)), Metrics(name), args.max_queue, args.max_batch,
