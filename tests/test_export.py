@@ -107,7 +107,10 @@ def test_export_refuses_what_the_engines_cannot_load(tmp_path, dirs, capsys):
     assert code == 2 and "--draft is for" in capsys.readouterr().err
     code = cli.main(["export", "sglang", str(tmp_path / "e"), "--target", str(dirs["target"]),
                      "--draft", str(dirs["draft"]), "--with-target", "--k", "3"])
-    assert code == 0 and "STANDALONE" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "STANDALONE" in out
+    # the launch command printed is the one launch.sh runs (the copy of the target beside it)
+    assert f"python -m sglang.launch_server --model-path {tmp_path / 'e' / 'target'} " in out
     assert (tmp_path / "e" / "target" / "model.safetensors").exists()
     assert 'TARGET="${TARGET:-$HERE/target}"' in (tmp_path / "e" / "launch.sh").read_text()
     # --max-ngram as generate takes it (1..32, the shortest n-gram min(2, it); prompt lookup only)
@@ -277,7 +280,10 @@ def test_head_export_refuses_what_the_engines_would_not_load(tmp_path, dirs, hea
         assert code == 2 and message in capsys.readouterr().err, argv
     code = cli.main(["export", "eagle3", str(heads["eagle3"]), str(tmp_path / "i"), "--format", "sglang",
                      "--target", str(dirs["target"]), "--k", "2"])
-    assert code == 0 and "EAGLE3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "--speculative-algorithm EAGLE3 --speculative-draft-model-path" in out
+    assert "--speculative-num-steps 2 " in out
+    assert f"--model-path {dirs['target']} " in out
     assert "--speculative-num-steps 2" in (tmp_path / "i" / "launch.sh").read_text()
     with pytest.raises(ValueError, match="export_head"):
         export("vllm", tmp_path / "j", dirs["target"], None, Method.EAGLE3, progress=False)

@@ -468,6 +468,9 @@ def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_th
                                               extra_body=extra)
             assert r.choices[0].text == want, extra
         assert any(k[0] == "medusa" and k[1] == str(Path(head).resolve()) for k in target.heads)
+        status, _, err = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "method": "medusa:head=/etc"})
+        assert status == 400 and err["error"]["param"] == "method"
+        assert "its options are the server's" in err["error"]["message"], err
     finally:
         s.stop()
     s = Server(lambda: spare, method="early-exit:layer=1").start()

@@ -522,7 +522,9 @@ def test_train_medusa_end_to_end_and_the_heads_keep_the_output(tmp_path_factory,
     assert config["vocab_size"] > 64 and config["training"]["first_ids"] == 32
     assert config["training"]["data"]["prompts"]["stdlib"]["kept"] == 6
     assert (out / "features" / "features.json").exists()
+    assert "answers recorded in" in printed.out
     assert main(args) == 0  # everything done: nothing recorded again, the run resumes at its end
+    assert "answers recorded by an earlier run in" in capsys.readouterr().out
     model = specdecode.load(target)
     prompt = "def add(a, b):"
     plain = specdecode.generate(model, prompt, method="ar", max_new_tokens=20)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from ..export import ENGINES, HEAD_KINDS, SELF_SPECULATIVE, export, export_head
@@ -87,11 +88,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     draft = resolve_model_path(args.draft or registry.DEFAULT_DRAFT) if needs_draft else None
     r = export(args.what, args.paths[0], target, draft, method, args.k, spec.max_ngram, spec.min_ngram,
                args.with_target, name)
-    print(f"wrote {r.out}: {r.engine} method {r.method or 'none'}"
-          + (f", draft vocabulary {r.vocab}" if needs_draft else "") + "; see NOTES.md, run launch.sh")
+    _print_export(r, r.out / "target" if args.with_target else target,
+                  f", draft vocabulary {r.vocab}" if needs_draft else "")
+    return 0
+
+
+def _print_export(r, target: Path, extra: str = "") -> None:
+    """What an export wrote, the engine's launch command (launch.sh runs the same, from
+    wherever the directory is moved to) and the export's notes."""
+    if r.engine == "vllm":
+        cmd = ["vllm", "serve", str(target)] + (["--speculative-config", json.dumps(r.config)] if r.config else [])
+    else:
+        cmd = ["python", "-m", "sglang.launch_server", "--model-path", str(target), *r.flags]
+    print(f"wrote {r.out}: {r.engine} method {r.method or 'none'}{extra}; {r.out / 'launch.sh'} starts "
+          f"it (NOTES.md says what maps to what):\n  {shlex.join(cmd)}")
     for note in r.notes:
         print(f"note: {note}")
-    return 0
 
 
 def _export_head(args: argparse.Namespace) -> int:
@@ -112,8 +124,7 @@ def _export_head(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError, AttributeError):
             name = None  # export_head says what is wrong with the head
         name = name if name in registry.KNOWN_MODELS else registry.DEFAULT_TARGET
-    r = export_head(args.what, head, args.format or "vllm", out, resolve_model_path(name), args.k, name)
-    print(f"wrote {r.out}: {r.engine} method {r.method}; see NOTES.md, run launch.sh")
-    for note in r.notes:
-        print(f"note: {note}")
+    target = resolve_model_path(name)
+    r = export_head(args.what, head, args.format or "vllm", out, target, args.k, name)
+    _print_export(r, target)
     return 0

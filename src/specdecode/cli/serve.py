@@ -120,10 +120,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"note: serving on {args.host}, beyond this machine"
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
-    print(f"# serving {name} (method {args.method}; "
-          + (f"draft {draft}" if draft else "no draft model: methods ar, prompt-lookup, suffix, and "
-             "layer-skip and self where the target's layer-skip profile is cached (made by their "
-             "first use or `specdecode tune-skip`); GET /v1/models lists what is served")
+    print(f"# serving {name} (default method {args.method}; "
+          + (f"draft {draft}; " if draft else "no draft model; ")
+          + "GET /v1/models lists the methods a request may name"
           + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
           "the models are loaded", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

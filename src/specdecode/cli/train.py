@@ -192,7 +192,8 @@ def _interrupted(e: KeyboardInterrupt) -> int:
 
 
 def _print_result(what: str, result: dict, tau, before: str = "") -> None:
-    print(f"trained {what} in {result['training_seconds']:.0f} s (answers recorded in "
+    earlier = "" if result["prompts_recorded_now"] else " by an earlier run"
+    print(f"trained {what} in {result['training_seconds']:.0f} s (answers recorded{earlier} in "
           f"{result['recording_seconds']:.0f} s); "
           + (f"held-out acceptance length {tau:.2f} tokens per verify pass{before}" if result["held_out"] and tau == tau else
              f"no prompt was held out ({result['prompts']} prompts, about 5 % are held out): give "

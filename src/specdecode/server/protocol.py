@@ -203,7 +203,9 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         why = ctx.unavailable.get(method) if isinstance(method, str) else None
         hint = (" (the methods with a draft model need one loaded: start the server with --draft "
                 "NAME or --method draft|hybrid)" if method in ("draft", "hybrid")
-                else f" ({method} cannot run here: {why})" if why else "")
+                else f" ({method} cannot run here: {why})" if why
+                else " (a request names a method only; its options are the server's: start it with "
+                     "--method NAME:KEY=VALUE)" if isinstance(method, str) and ":" in method else "")
         raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}{hint}", "method")
     k = body.get("num_speculative_tokens")
     if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64):

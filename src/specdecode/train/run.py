@@ -161,7 +161,8 @@ def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadReci
     ``features`` (default out/features; share it between runs of the same target and answer
     length). Prints its steps to ``log`` (default stderr) with progress bars. Returns the
     summary: ``history`` (per epoch: loss, held-out ``acceptance_length``), ``examples``,
-    ``prompts``, ``held_out`` (sequences), ``recording_seconds``, ``training_seconds``.
+    ``prompts``, ``held_out`` (sequences), ``recording_seconds`` (the answers' recording,
+    by this run or an earlier one), ``prompts_recorded_now`` (by this run), ``training_seconds``.
 
     Raises ValueError for a bad kind or recipe, an ``out`` holding other files, or a target
     that cannot carry the head; KeyboardInterrupt on Ctrl-C after saving what was done (the
@@ -209,10 +210,12 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
         dropped = sum(v["dropped_overlap"] for v in counts.values())
         print(f"{len(prompts)} prompts ({kept}; {dropped} dropped for an 8-word overlap with "
               "Spec-Bench or HumanEval)", file=log)
+        known = set((read_manifest(features) or {}).get("done", []))
         record(target, prompts, features, max_new_tokens=recipe.max_new_tokens)
     state.wait_for_everyone()
     if not state.is_main_process:  # the same prompts; any German is read from what the first process wrote
         prompts, summary = prompts_of_the_run()
+        known = {p.key for p in prompts}
     manifest = read_manifest(features)
     # this run's prompts only: a features directory may hold a larger run's too (--features)
     keys = {p.key for p in prompts}
@@ -224,7 +227,8 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
                      "max_new_tokens": recipe.max_new_tokens},
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()},
             "precision": resolve_precision(recipe.precision, state.device),
-            "recording_seconds": recording_seconds(manifest, keys) if manifest else round(time.perf_counter() - t0, 1)}
+            "recording_seconds": recording_seconds(manifest, keys) if manifest else round(time.perf_counter() - t0, 1),
+            "prompts_recorded_now": len(keys - known)}  # (0: all read from an earlier run's features)
     return train_seqs, held, info
 
 
@@ -271,7 +275,7 @@ def _train(task: Task, out: Path, recipe: HeadRecipe, kind: str, info: dict, hel
                    lr=recipe.lr_for(kind), seed=recipe.seed, precision=recipe.precision)
     return {**result, "prompts": sum(v["kept"] for v in info["data"]["prompts"].values() if isinstance(v, dict)),
             "held_out": held,
-            "recording_seconds": info["recording_seconds"],
+            "recording_seconds": info["recording_seconds"], "prompts_recorded_now": info["prompts_recorded_now"],
             "training_seconds": round(time.perf_counter() - t1, 1)}
 
 
