@@ -340,6 +340,9 @@ def test_serve_refuses_a_head_directory_that_holds_no_such_head_before_loading(c
     save_file({"x": torch.zeros(1)}, str(other / "model.safetensors"))
     code, out, err = run(capsys, "serve", "--target", dirs["target"], "--method", f"medusa:head={other}")
     assert code == 2 and f"use eagle3:head={other}" in err.strip().splitlines()[-1], err
+    with pytest.raises(SystemExit):  # an option's bad value, named as given
+        cli.main(["serve", "--target", str(dirs["target"]), "--method", "self-draft:dtype=fp16"])
+    assert "dtype='fp16' is invalid; allowed: int8, int4" in capsys.readouterr().err
 
 
 def test_k_zero_is_an_argparse_error(capsys, dirs):

@@ -452,7 +452,8 @@ def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_th
     server offers medusa, runs requests naming it or none with that head (loaded at start,
     kept on the target: load_served, as `specdecode serve`, loads it before serving), and
     their greedy output is the target's; early-exit:layer=E makes
-    early-exit servable, which its name alone is not. A head that cannot load fails the
+    early-exit servable, which its name alone is not; a served lossy-typical= applies to
+    sampled requests (greedy ones are verified exactly, not refused). A head that cannot load fails the
     start, naming the directory, as does an option the target cannot honour."""
     from specdecode.heads import MedusaHeads
 
@@ -471,6 +472,15 @@ def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_th
         status, _, err = s.post("/v1/completions", {"model": MODEL, "prompt": "x", "method": "medusa:head=/etc"})
         assert status == 400 and err["error"]["param"] == "method"
         assert "its options are the server's" in err["error"]["message"], err
+    finally:
+        s.stop()
+    # Medusa's typical acceptance served: for sampled requests only; greedy ones verify exactly
+    s = Server(lambda: spare, method=f"medusa:head={head}:lossy-typical=0.09").start()
+    try:
+        r = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        r = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1, seed=1)
+        assert r.choices[0].finish_reason in ("stop", "length")
     finally:
         s.stop()
     s = Server(lambda: spare, method="early-exit:layer=1").start()
@@ -778,6 +788,13 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--method", "ar"]) == 2
     assert "--method and --off-method are both ar" in capsys.readouterr().err
+    # a method the target cannot honour ends the run, naming it (it waited forever)
+    assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--method", "early-exit:layer=99",
+                     "--dataset", str(questions), "--limit", "1", "--concurrency", "1"]) == 2
+    assert "method early-exit:layer=99 cannot run on this target" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--url", "http://127.0.0.1:9", "--method", "medusa:head=x",
+                     "--dataset", str(questions)]) == 2
+    assert "with --url the running server's own --method options hold" in capsys.readouterr().err
     code = cli.main(["bench-serve", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
                      "--method", "draft", "--concurrency", "1,2", "--max-tokens", "6", "--limit", "1",
                      "--dataset", str(questions), "--check", "--out", str(tmp_path / "out")])
@@ -803,6 +820,22 @@ def test_beside_generate_takes_the_median_of_per_request_ratios():
     assert serving.beside_generate(results, pairs) == {"ar": 1.0}  # ratios 0.5, 1, 2
     assert results["beside_generate"]["ar"] == {"server_tok_s": 9.2, "generate_tok_s": round(46 / 5.5, 3),
                                                 "ratio": 1.0, "requests": 3}
+
+
+def test_the_serve_command_ends_saying_why_when_its_models_cannot_serve(tmp_path_factory):
+    """`specdecode serve --method early-exit:layer=99` on a 2-layer target: what only the
+    loaded target can tell (the layer it lacks) ends the process with exit code 1 and the
+    reason on stderr, instead of a server whose /health says 503 for ever."""
+    import subprocess
+    import sys
+
+    dirs = tiny_dirs_in(tmp_path_factory)
+    proc = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--target", str(dirs["target"]),
+                           "--method", "early-exit:layer=99", "--port", "0", "--max-len", "512"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert ("error: the models failed to load: ValueError: method early-exit:layer=99 cannot run on this "
+            "target: exit layer 99 is out of range") in proc.stderr
 
 
 def test_the_serve_command_as_the_readme_starts_it(tmp_path_factory):

@@ -625,7 +625,7 @@ METHOD_OPTIONS = {
     "mlp": ("skip", "7", lambda v: {"skip_mlp": _layer_list(v, "mlp")}),
     "profile": ("skip", "FILE", lambda v: {"skip_profile": v}),
     "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
-    "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": v}),
+    "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": _one_of("dtype", v, SELF_DRAFT_DTYPES)}),
     "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v, MAX_TREE_WIDTH)}),
     "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES)}),
     "head": ("head", "DIR", lambda v: {"head_dir": v}),
@@ -644,6 +644,12 @@ BENCH_ROW_OPTIONS = {  # key -> (the command line's option, the Python API's arg
     "backend": ("--draft-backend", "load(draft, backend=)"), "model": ("--draft", "draft="),
     "rule": ("--acceptance-rule", "acceptance_rule="),
 }
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is invalid; allowed: {', '.join(allowed)}")
+    return value
 
 
 def _medusa_choices_file(path: str) -> list:

@@ -134,10 +134,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         uv, port = serve_in_thread(create_app(worker, name, args.method, args.api_key))
         url, model = f"http://127.0.0.1:{port}", args.model or name
         print(f"# loading {name} ...", file=sys.stderr)
-        worker.ready.wait()
-        if worker.error:
-            raise ValueError(f"the server could not load the models: {worker.error}")
+        error = worker.wait_loaded()
+        if error is not None:
+            raise ValueError(f"the server could not load the models: {error}")
     else:
+        if ":" in args.method:
+            raise ValueError(f"--method {args.method}: with --url the running server's own --method "
+                             "options hold (a request names a method only); give the method name")
         url, model = args.url, args.model or model_name(args)
 
     def progress(c, m, r):

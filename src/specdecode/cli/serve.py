@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from ..heads import read_head_dir
 from ..methods import Method, build_proposer, cannot_run, head_dir_for, prepare, speculative_config
@@ -125,6 +126,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
           + "GET /v1/models lists the methods a request may name"
           + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
           "the models are loaded", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+
+    def stop_if_the_models_fail():  # a server that can never serve ends, saying why
+        error = worker.wait_loaded()
+        if error is not None:
+            print(f"error: the models failed to load: {error}", file=sys.stderr)
+            server.should_exit = True
+
+    threading.Thread(target=stop_if_the_models_fail, daemon=True).start()
+    server.run()
     worker.stop()
-    return 0
+    return 1 if worker.error else 0

@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
-from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, speculative_config
+from ..methods import (Method, SpeculativeConfig, cannot_run, head_dir_for, name_and_options,
+                       speculative_config)
 from . import protocol
 from .protocol import OpenAIError, bad
 from .worker import Ticket, Worker
@@ -54,6 +55,12 @@ def method_text(served: str, name: str) -> str:
     --method ``served`` (a name with options, e.g. "medusa:head=DIR"): ``served`` when the
     names agree (its options), else ``name`` (the method's defaults)."""
     return served if served.partition(":")[0] == name else name
+
+
+def _without_option(text: str, key: str) -> str:
+    """The method text ``text`` without its option ``key``."""
+    name, opts = name_and_options(text)
+    return ":".join([name] + [f"{k}={v}" for k, v in opts.items() if k != key])
 
 
 class _Context:
@@ -168,10 +175,14 @@ def create_app(worker: Worker, model_name: str, default_method: str,
         method = Method(job.method)
         job.method = method_text(ctx.served, job.method)  # with the options the server was started with
         try:  # the library's own checks, before anything is queued
-            api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
-            speculative_config(job.method, method.needs_draft_model, job.num_speculative_tokens)
+            params = api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
+            spec = speculative_config(job.method, method.needs_draft_model, job.num_speculative_tokens)
         except ValueError as e:
             raise bad(str(e)) from None
+        if spec.lossy_typical is not None and params.greedy:
+            # typical acceptance is for sampled requests; at temperature 0 it is greedy
+            # verification, which the server's greedy requests get (the library refuses it)
+            job.method = _without_option(job.method, "lossy-typical")
         ticket = Ticket(job, asyncio.get_running_loop(), asyncio.Queue())
         try:
             worker.submit(ticket)

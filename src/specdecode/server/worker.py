@@ -107,6 +107,14 @@ class Worker:
                 break
         self._queue.put(None)
 
+    def wait_loaded(self) -> str | None:
+        """Block until the models are loaded (returns None) or have failed to load (returns
+        the error, as /health reports it)."""
+        while not self.ready.wait(0.2):
+            if self.error is not None:  # (set as the worker ends, without ready)
+                return self.error
+        return None
+
     @property
     def waiting(self) -> int:
         """Tickets waiting for a row: queued, or taken with no choice running yet."""
