@@ -638,6 +638,9 @@ def test_the_default_recipe_asks_medusa_for_more_prompts_than_eagle3(deep_target
         with pytest.raises(Stop):
             run.train_head(kind, target, tmp_path / kind, recipe)
     assert asked == [1000, 400, 6, 6] and run.DEFAULT_RECIPE.prompts_for("draft") == 400
+    # a step's examples: EAGLE-3 one sequence (a batch pads to its longest), unless given
+    assert [run.DEFAULT_RECIPE.batch_for(k) for k in ("medusa", "eagle3", "draft")] == [64, 1, 4]
+    assert run.HeadRecipe(batch_size=3).batch_for("eagle3") == 3
 
 
 def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):

@@ -110,7 +110,7 @@ def add_parser(sub) -> None:
                         + (str(DEFAULTS.intermediate_size) if DEFAULTS.intermediate_size else "the target's") + ")")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="examples per step: positions for medusa (default 64), sequences for eagle3 "
-                        "and draft (default 4)")
+                        "(default 1) and draft (default 4)")
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW learning rate (default 1e-3 for medusa, 3e-4 for eagle3, 3e-5 for draft)")
     p.add_argument("--layers", type=int, default=DEFAULTS.layers, metavar="N",

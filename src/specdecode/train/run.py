@@ -50,8 +50,9 @@ class HeadRecipe:
     passes over the data. heads: Medusa heads (the longest chain). steps: EAGLE-3's
     training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
     intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
-    examples per step (None: 64 positions for Medusa, 4 sequences for EAGLE-3 and a
-    distilled draft). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
+    examples per step (None: 64 positions for Medusa, one sequence for EAGLE-3: a batch
+    pads to its longest sequence, so four sequences a step took twice the time an epoch for
+    the same held-out acceptance; 4 sequences for a distilled draft). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
     3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
     seed: the data order's seed. precision: the training steps' arithmetic, "auto", "bf16"
     or "fp32" (:func:`specdecode.train.loop.resolve_precision`)."""
@@ -74,7 +75,7 @@ class HeadRecipe:
         return self.max_prompts if self.max_prompts is not None else (1000 if kind == "medusa" else 400)
 
     def batch_for(self, kind: str) -> int:
-        return self.batch_size if self.batch_size is not None else (64 if kind == "medusa" else 4)
+        return self.batch_size if self.batch_size is not None else {"medusa": 64, "eagle3": 1, "draft": 4}[kind]
 
     def lr_for(self, kind: str) -> float:
         return self.lr if self.lr is not None else {"medusa": 1e-3, "eagle3": 3e-4, "draft": 3e-5}[kind]
