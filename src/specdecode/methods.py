@@ -196,7 +196,7 @@ def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
     path = default_head_dir(target, kind)
     if not (path / "config.json").exists():
         raise ValueError(f"method {kind!r} has no head for {target} yet: `specdecode train {kind} "
-                         f"--target {target}` trains its default one into {path} (60-80 minutes "
+                         f"--target {target}` trains its default one into {path} (45-80 minutes "
                          f"for the 1.5B default target on 2 cores; `specdecode bench` does it when a run "
                          f"asks for {kind}), or give {kind}:head=DIR (Python: head_dir=DIR)")
     return str(path)

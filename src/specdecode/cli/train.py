@@ -51,7 +51,7 @@ several CPU processes under `ACCELERATE_USE_CPU=true torchrun --standalone --npr
 Without --out a distilled draft goes to <specdecode cache>/drafts/DRAFT-for-TARGET, and a
 head is the target's default one (<specdecode cache>/heads/TARGET-KIND),
 which --method eagle3 / medusa read without head=, and which `specdecode bench` trains with
-these defaults when a run asks for it (60-80 minutes for the default target on 2 cores,
+these defaults when a run asks for it (45-80 minutes for the default target on 2 cores,
 the lower where the steps run in bf16).
 
 examples:

@@ -148,7 +148,7 @@ def ensure_default_head(kind: str, target: LoadedModel, log=None) -> Path:
     if is_trained(out):
         return out
     print(f"{target.name} has no default {kind} head yet: training it now into {out} "
-          f"(once; what `specdecode train {kind} --target {target.name}` does; 60-80 minutes for "
+          f"(once; what `specdecode train {kind} --target {target.name}` does; 45-80 minutes for "
           "the 1.5B default target on 2 cores; Ctrl-C stops it and the same command resumes)",
           file=log or sys.stderr)
     train_head(kind, target, out, DEFAULT_RECIPE, log=log)
