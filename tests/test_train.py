@@ -399,7 +399,7 @@ def test_heads_train_and_are_measured_over_the_first_ids_they_draft():
 
 # ---------------------------------------------------------------- the loop
 
-def _toy_task(interrupt_at=None):
+def _toy_task(interrupt_at=None, signum=signal.SIGINT):
     torch.manual_seed(0)
     x = torch.randn(40, 4)
     y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1
@@ -409,7 +409,7 @@ def _toy_task(interrupt_at=None):
     def loss(m, batch):
         calls["n"] += 1
         if calls["n"] == interrupt_at:
-            signal.raise_signal(signal.SIGINT)  # as Ctrl-C would, mid-step
+            signal.raise_signal(signum)  # as Ctrl-C (or kill) would, mid-step
         return ((m(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean()
 
     def evaluate(m):
@@ -442,6 +442,14 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
     with pytest.raises(ValueError, match="batch_size=8.*use the same settings"):
         train(_toy_task(), tmp_path / "cut", epochs=4, batch_size=4, progress=False)
+    # SIGTERM (a batch system's, `timeout`'s) stops the same way, keeping the checkpoint
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="run the same command again"):
+        train(_toy_task(interrupt_at=8, signum=signal.SIGTERM), tmp_path / "term", epochs=3, batch_size=8,
+              lr=0.05, progress=False)
+    state = json.loads((tmp_path / "term" / "checkpoint" / "trainer.json").read_text())
+    assert (state["epoch"], state["step"]) == (1, 3)
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
     with pytest.raises(ValueError, match="epochs=0 is invalid"):
         train(_toy_task(), tmp_path / "x", epochs=0)
     empty = _toy_task()

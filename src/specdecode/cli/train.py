@@ -43,7 +43,7 @@ The steps:
      of the next token); after every epoch: the held-out acceptance length (tokens per
      verify pass of the greedy chain, teacher-forced) and the head or draft saved into OUT.
 
-Ctrl-C stops safely (recorded answers and the last step are kept); the same command resumes.
+Ctrl-C (or SIGTERM) stops safely (recorded answers and the last step are kept); the same command resumes.
 The same command runs on many GPUs under `accelerate launch -m specdecode.cli train ...`, and as
 several CPU processes under `ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node N
 -m specdecode.cli train ...` (one records the answers, each trains on 1/N of every epoch).

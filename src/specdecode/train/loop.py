@@ -12,8 +12,8 @@ it is saved); :func:`train` runs epochs over it and owns the run's state in ``ou
   already seen in the epoch (the epoch's permutation is a function of the seed and epoch).
 - after every epoch: the head itself, saved by the task into ``out`` (usable at once).
 
-Ctrl-C (SIGINT) during training finishes the current step, saves the checkpoint and raises
-KeyboardInterrupt: at most one step is lost.
+Ctrl-C (SIGINT) or SIGTERM during training finishes the current step, saves the checkpoint
+and raises KeyboardInterrupt: at most one step is lost.
 """
 
 from __future__ import annotations
@@ -56,25 +56,29 @@ class Task:
 
 
 class _StopFlag:
-    """SIGINT sets ``raised`` instead of interrupting mid-step (restored on exit)."""
+    """SIGINT and SIGTERM (a batch system's, `timeout`'s, `kill`'s) set ``raised`` instead of
+    interrupting mid-step (restored on exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
         self.raised = False
-        self._old = signal.getsignal(signal.SIGINT)
+        self._old = {s: signal.getsignal(s) for s in self.SIGNALS}
         try:
-            signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: Ctrl-C cannot reach it anyway
-            self._old = None
+            for s in self.SIGNALS:
+                signal.signal(s, self._handle)
+        except ValueError:  # not the main thread: the signals cannot reach it anyway
+            self._old = {}
         return self
 
     def _handle(self, signum, frame):
-        if self.raised:  # a second Ctrl-C: stop now
+        if self.raised:  # a second one: stop now
             raise KeyboardInterrupt
         self.raised = True
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def _to(batch, device):
