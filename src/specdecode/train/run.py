@@ -50,9 +50,9 @@ class HeadRecipe:
     passes over the data. heads: Medusa heads (the longest chain). steps: EAGLE-3's
     training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
     intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
-    examples per step (None: 64 positions for Medusa, one sequence for EAGLE-3: a batch
-    pads to its longest sequence, so four sequences a step took twice the time an epoch for
-    the same held-out acceptance; 4 sequences for a distilled draft). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
+    examples per step (None: 64 positions for Medusa, one sequence for EAGLE-3, whose
+    batches pad to their longest sequence; 4 sequences for a distilled draft; BENCHMARKS.md
+    section 11). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
     3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
     seed: the data order's seed. precision: the training steps' arithmetic, "auto", "bf16"
     or "fp32" (:func:`specdecode.train.loop.resolve_precision`)."""
