@@ -627,9 +627,9 @@ def test_the_bench_trains_a_missing_default_head_once_then_measures_it(tmp_path_
     assert "training it now" not in capsys.readouterr().err
 
 
-def test_the_default_recipe_asks_medusa_for_more_prompts_than_eagle3(deep_target_dir, tmp_path, monkeypatch):
-    """Without --max-prompts a Medusa run answers 1,000 prompts (its steps are cheap), an
-    EAGLE-3 run and a distilled draft's 400; a given number is every kind's."""
+def test_the_default_recipe_asks_a_head_for_more_prompts_than_a_draft(deep_target_dir, tmp_path, monkeypatch):
+    """Without --max-prompts a head's run (Medusa or EAGLE-3) answers 1,000 prompts, a
+    distilled draft's 400 (its steps are dearer); a given number is every kind's."""
     asked = []
 
     class Stop(Exception):
@@ -645,7 +645,7 @@ def test_the_default_recipe_asks_medusa_for_more_prompts_than_eagle3(deep_target
                          ("medusa", run.HeadRecipe(max_prompts=6)), ("eagle3", run.HeadRecipe(max_prompts=6))):
         with pytest.raises(Stop):
             run.train_head(kind, target, tmp_path / kind, recipe)
-    assert asked == [1000, 400, 6, 6] and run.DEFAULT_RECIPE.prompts_for("draft") == 400
+    assert asked == [1000, 1000, 6, 6] and run.DEFAULT_RECIPE.prompts_for("draft") == 400
     # a step's examples: EAGLE-3 one sequence (a batch pads to its longest), unless given
     assert [run.DEFAULT_RECIPE.batch_for(k) for k in ("medusa", "eagle3", "draft")] == [64, 1, 4]
     assert run.HeadRecipe(batch_size=3).batch_for("eagle3") == 3

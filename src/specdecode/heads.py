@@ -36,6 +36,9 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # each head kind's architecture in config.json, and how messages name such a head
 HEAD_ARCHS = {"medusa": MEDUSA_ARCH, "eagle3": EAGLE3_ARCH}
 HEAD_NAMES = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
+# how long the default recipe takes for the 1.5B default target on 2 cores, answers included
+# (the messages that offer to train one say it; BENCHMARKS.md section 11 has the measurements)
+DEFAULT_HEAD_TIME = "75-105 minutes"
 
 
 def default_head_dir(target: str, kind: str) -> Path:

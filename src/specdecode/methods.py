@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .config import MAX_K, KSchedule, check_k
-from .heads import HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir
+from .heads import DEFAULT_HEAD_TIME, HEAD_ARCHS, Eagle3Head, MedusaHeads, aux_layers, default_head_dir
 from .layer_skip import SkipProfile, check_skips, default_profile, default_profile_path
 from .models.base import lm_device, module_device
 from .models.loading import LoadedModel, check_compatible, load
@@ -196,7 +196,7 @@ def head_dir_for(spec: "SpeculativeConfig", target: str) -> str | None:
     path = default_head_dir(target, kind)
     if not (path / "config.json").exists():
         raise ValueError(f"method {kind!r} has no head for {target} yet: `specdecode train {kind} "
-                         f"--target {target}` trains its default one into {path} (45-80 minutes "
+                         f"--target {target}` trains its default one into {path} ({DEFAULT_HEAD_TIME} "
                          f"for the 1.5B default target on 2 cores; `specdecode bench` does it when a run "
                          f"asks for {kind}), or give {kind}:head=DIR (Python: head_dir=DIR)")
     return str(path)

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..api import generate
-from ..heads import HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
+from ..heads import DEFAULT_HEAD_TIME, HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..models.native import auto_draft_vocab
@@ -45,8 +45,8 @@ OWN_FILES = ("checkpoint", "features", "config.json", "model.safetensors")
 class HeadRecipe:
     """The settings of a head's training run (the ``specdecode train`` options of the same
     names). data: prompt sources (:data:`specdecode.train.data.SOURCES`). max_prompts:
-    prompts the target answers (None: 1,000 for Medusa heads, whose steps are cheap, 400 for
-    an EAGLE-3 head and a distilled draft: each default run within two hours on 2 cores). max_new_tokens: the answers' length cap (tokens). epochs:
+    prompts the target answers (None: 1,000 for a head, 400 for a distilled draft, whose
+    steps are dearer: each default run within two hours on 2 cores). max_new_tokens: the answers' length cap (tokens). epochs:
     passes over the data. heads: Medusa heads (the longest chain). steps: EAGLE-3's
     training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
     intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
@@ -72,7 +72,7 @@ class HeadRecipe:
     precision: str = "auto"
 
     def prompts_for(self, kind: str) -> int:
-        return self.max_prompts if self.max_prompts is not None else (1000 if kind == "medusa" else 400)
+        return self.max_prompts if self.max_prompts is not None else (400 if kind == "draft" else 1000)
 
     def batch_for(self, kind: str) -> int:
         return self.batch_size if self.batch_size is not None else {"medusa": 64, "eagle3": 1, "draft": 4}[kind]
@@ -148,7 +148,7 @@ def ensure_default_head(kind: str, target: LoadedModel, log=None) -> Path:
     if is_trained(out):
         return out
     print(f"{target.name} has no default {kind} head yet: training it now into {out} "
-          f"(once; what `specdecode train {kind} --target {target.name}` does; 45-80 minutes for "
+          f"(once; what `specdecode train {kind} --target {target.name}` does; {DEFAULT_HEAD_TIME} for "
           "the 1.5B default target on 2 cores; Ctrl-C stops it and the same command resumes)",
           file=log or sys.stderr)
     train_head(kind, target, out, DEFAULT_RECIPE, log=log)
