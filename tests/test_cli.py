@@ -343,6 +343,13 @@ def test_serve_refuses_a_head_directory_that_holds_no_such_head_before_loading(c
     with pytest.raises(SystemExit):  # an option's bad value, named as given
         cli.main(["serve", "--target", str(dirs["target"]), "--method", "self-draft:dtype=fp16"])
     assert "dtype='fp16' is invalid; allowed: int8, int4" in capsys.readouterr().err
+    # a bench row's option is said to be a request's (a server has no --k), in serve and bench-serve
+    for command in ("serve", "bench-serve"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--target", str(dirs["target"]), "--method", "draft:tree=2:k=3"])
+        err = capsys.readouterr().err
+        assert "k= cannot be given to a server's method (draft:tree=2:k=3): a request gives its K " \
+               "(num_speculative_tokens" in err and "--k" not in err, err
 
 
 def test_k_zero_is_an_argparse_error(capsys, dirs):

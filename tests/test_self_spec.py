@@ -17,7 +17,7 @@ from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.layer_skip import SkipProfile, _Evaluator, predicted_speedup, tune_skip
 from specdecode import layer_skip, methods
-from specdecode.methods import (Method, SpeculativeConfig, build_proposer, build_schedule, speculative_config,
+from specdecode.methods import (Method, SpeculativeConfig, build_proposer, build_schedule, read_files, speculative_config,
                                 split_method)
 from specdecode.profile import verify_profile
 from specdecode.models.loading import LoadedModel
@@ -632,3 +632,35 @@ def test_the_k_controls_drive_the_self_speculative_methods(tmp_path):
                 PROMPTS["twenty"], GREEDY).run()
             assert gen.token_ids == plain, (method, k)
             assert gen.stats.num_draft_tokens > 0, (method, k)
+
+
+def test_a_parsed_method_keeps_its_options_and_its_files_read_once(tmp_path, monkeypatch):
+    """read_files reads a profile= file once: the draft built after the file is deleted is the
+    profile's (a server keeps what it started with); speculative_config given a parsed
+    config keeps its method and own options and takes the call's K; a profile read for
+    another layer count is refused as the file is. A path option's "~" is the home
+    directory (a shell leaves it inside "layer-skip:profile=~/p.json")."""
+    lm = _target("kn")
+    target = _loaded(lm)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "p.json"
+    SkipProfile((1,), 3, 0.9, 0.4, 1.1, LAYERS, target="tiny", weight_format=lm.weight_format).save(path)
+    assert split_method("medusa:head=~/h")[1] == {"head_dir": str(tmp_path / "h")}
+    served = read_files(speculative_config("layer-skip:profile=~/p.json", False))
+    assert isinstance(served.skip_profile, SkipProfile) and read_files(served) is served
+    path.unlink()
+    spec = speculative_config(served, False, 2)
+    assert spec.method is Method.LAYER_SKIP and spec.skip_profile == served.skip_profile
+    assert spec.num_speculative_tokens == 2 and spec.k_given
+    proposer = build_proposer(spec, target, None)
+    assert proposer.draft.layers == [i for i in range(LAYERS) if i != 1]
+    assert build_schedule(speculative_config(served, False), target, None, proposer).k == 3  # the profile's K
+    gen, _ = run(lm, proposer, 2, PROMPTS["twenty"], GREEDY)
+    assert gen.token_ids == Engine(lm, None, None).generate(PROMPTS["twenty"], GREEDY).run().token_ids
+    with pytest.raises(ValueError, match="a draft model .* not 'layer-skip'"):
+        speculative_config(served, True)
+    with pytest.raises(ValueError, match=f"made for a model of {LAYERS + 1} layers, this target has {LAYERS}"):
+        build_proposer(dataclasses.replace(served, skip_profile=dataclasses.replace(
+            served.skip_profile, n_layers=LAYERS + 1)), target, None)
+    with pytest.raises(ValueError, match="p.json: cannot be read"):
+        read_files(speculative_config(f"layer-skip:profile={path}", False))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import specdecode
-from specdecode.methods import Method, SpeculativeConfig
+from specdecode.methods import Method, SpeculativeConfig, speculative_config
 from specdecode.server import Metrics, Worker, create_app, serve_in_thread
 
 from tiny_dirs import tiny_dirs_in
@@ -494,13 +494,52 @@ def test_a_server_started_with_a_methods_options_runs_requests_naming_it_with_th
     from types import SimpleNamespace
     args = SimpleNamespace(target=str(target.path), draft=None, dtype="auto", draft_dtype=None,
                            backend="auto", draft_backend=None, device=None)
-    loaded, _ = load_served(args, (f"medusa:head={head}",))  # what `specdecode serve` loads
+    text = f"medusa:head={head}"
+    loaded, _ = load_served(args, {text: speculative_config(text, False)})  # what `specdecode serve` loads
     assert [k[1] for k in loaded.heads] == [str(Path(head).resolve())]
     for bad, says in ((f"medusa:head={tmp_path / 'nowhere'}", "nowhere"),
                       ("early-exit:layer=99", "exit layer 99 is out of range"),
                       ("layer-skip:layers=99", r"skipped layers \[99\]")):
         with pytest.raises(ValueError, match=f"method {re.escape(bad)} cannot run on this target: .*{says}"):
-            load_served(args, (bad,))
+            load_served(args, {bad: speculative_config(bad, False)})
+
+
+def test_a_server_reads_its_methods_files_once(tmp_path):
+    """A served method's file-valued options (a Medusa tree's choices=FILE, a layer-skip
+    profile=FILE) are read when the server starts: requests served after the files are
+    deleted or overwritten still run with them, and their greedy output is the target's
+    (before, each request read them again: a 500, or a 400 blaming the client)."""
+    from transformers import LlamaForCausalLM
+    from specdecode.heads import MedusaHeads
+    from specdecode.layer_skip import SkipProfile
+    from tiny_dirs import _llama_config, _randomize, local_tokenizer
+
+    model = LlamaForCausalLM(_llama_config(len(local_tokenizer()), hidden=64))  # head_dim 16: exact trees
+    _randomize(model, seed=0)
+    model.save_pretrained(tmp_path / "target")
+    local_tokenizer().save_pretrained(tmp_path / "target")
+    target, alone = specdecode.load(tmp_path / "target"), specdecode.load(tmp_path / "target")
+    assert target.lm.exact_trees
+    head = MedusaHeads(target.lm.args.dim, target.lm.vocab_size, 2).save(tmp_path / "heads")
+    choices = tmp_path / "tree.json"
+    choices.write_text("[[0], [1], [0, 0]]")
+    n = target.lm.args.n_layers
+    profile = tmp_path / "skip.json"
+    SkipProfile((n - 1,), 2, 0.9, 0.5, 1.1, n).save(profile)
+    want = specdecode.generate(alone, PROMPT, method="ar", max_new_tokens=12).text
+    for method, path, drafted in ((f"medusa:head={head}:choices={choices}", choices, "medusa"),
+                                  (f"layer-skip:profile={profile}", profile, "layer-skip")):
+        s = Server(lambda: (target, None), method=method)  # (create_app reads the files)
+        path.unlink()
+        s.start()
+        try:
+            for i in range(2):
+                r = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                  extra_body={"method": drafted})
+                assert r.choices[0].text == want, (method, i)
+                path.write_text("not JSON")  # overwritten while serving: still the start's
+        finally:
+            s.stop()
 
 
 def test_metrics_count_a_prompt_once_however_many_choices(server):

@@ -20,7 +20,7 @@ from typing import Iterator
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
-from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, split_method,
+from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare,
                       speculative_config)
 from .models.base import lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
@@ -161,7 +161,7 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 
 
 def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=None,
-           method: str | Method | None = None, chat: bool = False, max_new_tokens: int = 128,
+           method: str | Method | SpeculativeConfig | None = None, chat: bool = False, max_new_tokens: int = 128,
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
            top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
            seed: int | None = None, acceptance_rule: str | None = None,
@@ -181,7 +181,10 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     chat template to text. input_ids: token ids instead of a prompt. dtype, device: how a
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "draft" (default when a draft is given, else "ar": plain decoding),
-    "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft).
+    "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft), any
+    other :class:`Method`, a name with its options ("medusa:head=DIR"), or a
+    :class:`~specdecode.methods.SpeculativeConfig` (its method and options; K and the other
+    arguments are this call's).
     ``"medusa:lossy-typical=EPS"`` is LOSSY: Medusa's typical acceptance changes the output
     of sampled requests (``stats.lossy`` says so); in a greedy request it is refused.
     num_speculative_tokens (alias ``num_assistant_tokens``): K, an integer (default 6 for
@@ -326,14 +329,14 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     new = kwargs.get("max_new_tokens", 128)
     max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
     method = kwargs.get("method")
-    speculative = (Method.parse(split_method(method)[0] if isinstance(method, str) else method)
-                   is not Method.AR) if method is not None else any(
+    spec = speculative_config(method, False) if method is not None else None
+    speculative = spec.method is not Method.AR if spec is not None else any(
         kwargs.get(a) is not None for a in ("draft", "assistant_model", "prompt_lookup_num_tokens"))
     # T(1..17) for the batch's K policy (and the hybrid's, auto K's cost model), measured
     # before the batch holds the target (once per machine, then cached on disk)
     times = verify_profile(tgt, max(16, kwargs.get("max_speculative_tokens", 16))) if speculative else None
-    if isinstance(method, (str, Method)):
-        prepare(speculative_config(method, False), tgt)  # (the layer-skip profile, likewise)
+    if spec is not None:
+        prepare(spec, tgt)  # (the layer-skip profile, likewise)
     engine = BatchEngine(tgt.lm, min(max_batch, len(ids)), max(2, max_len), forward_seconds=times)
     rest = {k: v for k, v in kwargs.items() if k not in ("dtype", "device")}
     try:  # started together, consumed in turn: each next() steps every row in the batch

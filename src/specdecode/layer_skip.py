@@ -108,6 +108,13 @@ class SkipProfile:
         skip_mlp)."""
         return [i for i in range(self.n_layers) if i not in self.skip]
 
+    def check_layers(self, n_layers: int, name: str) -> None:
+        """Raises ValueError (naming the profile ``name``) unless it was made for a model of
+        ``n_layers`` layers."""
+        if self.n_layers != n_layers:
+            raise ValueError(f"layer-skip profile {name} was made for a model of {self.n_layers} "
+                             f"layers, this target has {n_layers}: run `specdecode tune-skip` for it")
+
     def to_json(self) -> str:
         """The profile as :meth:`save` writes it and :meth:`load` reads it (without
         skip_attn / skip_mlp when empty: see PROFILE_FORMAT)."""
@@ -150,9 +157,8 @@ class SkipProfile:
             raise ValueError(f"layer-skip profile {path}: k = {d['k']} is invalid; allowed 1..{config.MAX_K}; {make}")
         p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ())),
                    "skip_attn": tuple(d.get("skip_attn", ())), "skip_mlp": tuple(d.get("skip_mlp", ()))})
-        if n_layers is not None and p.n_layers != n_layers:
-            raise ValueError(f"layer-skip profile {path} was made for a model of {p.n_layers} layers, "
-                             f"this target has {n_layers}: run `specdecode tune-skip` for it")
+        if n_layers is not None:
+            p.check_layers(n_layers, str(path))
         try:
             skip, attn, mlp = check_skips(p.skip, p.skip_attn, p.skip_mlp, p.n_layers)
         except ValueError as e:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Callable
@@ -229,6 +230,20 @@ def _native(target: LoadedModel, method: str):
     return lm
 
 
+def _profile_name(profile: "str | Path | SkipProfile") -> str:
+    return "(read by the server at its start)" if isinstance(profile, SkipProfile) else str(profile)
+
+
+def _given_profile(spec: "SpeculativeConfig", n_layers: int) -> SkipProfile:
+    """``spec.skip_profile``, read from its file unless already read (:func:`read_files`),
+    checked against the target's ``n_layers``. Raises ValueError naming what is wrong."""
+    p = spec.skip_profile
+    if isinstance(p, SkipProfile):
+        p.check_layers(n_layers, _profile_name(p))
+        return p
+    return SkipProfile.load(p, n_layers)
+
+
 def _skip_choice(spec: "SpeculativeConfig", target: LoadedModel):
     """(skip_layers, skip_attn, skip_mlp, profile) of the layer-skip draft: those given, or
     those of the profile ``skip_profile``, or of the target's cached default profile (made
@@ -236,13 +251,12 @@ def _skip_choice(spec: "SpeculativeConfig", target: LoadedModel):
     nl = _native(target, spec.method.value).args.n_layers
     if spec.skips_given:
         return (*check_skips(spec.skip_layers, spec.skip_attn, spec.skip_mlp, nl), None)
-    profile = SkipProfile.load(spec.skip_profile, nl) if spec.skip_profile is not None \
-        else default_profile(target)
+    profile = _given_profile(spec, nl) if spec.skip_profile is not None else default_profile(target)
     made_for, here = (profile.target, profile.weight_format), (target.name, target.lm.weight_format)
     if spec.skip_profile is not None and profile.target and made_for != here:
         # the same layer count, another model or weight format: its choice of layers and its
         # K may not suit (the output is the same either way), so say so rather than refuse
-        warnings.warn(f"layer-skip profile {spec.skip_profile} was tuned for {' '.join(made_for)}; "
+        warnings.warn(f"layer-skip profile {_profile_name(spec.skip_profile)} was tuned for {' '.join(made_for)}; "
                       f"this target is {' '.join(here)}: its layers and K may not suit it; make "
                       "one for it with `specdecode tune-skip --target NAME --out FILE`", stacklevel=3)
     return profile.skip, profile.skip_attn, profile.skip_mlp, profile
@@ -443,8 +457,8 @@ class SpeculativeConfig:
     method's default), ``max_ngram`` / ``min_ngram`` (``ngram``), ``suffix_cache``,
     ``skip_layers`` / ``skip_attn`` / ``skip_mlp`` / ``skip_profile`` (``skip``: the layers a
     layer-skip draft skips, the layers whose attention or MLP sublayer alone it skips (SWIFT,
-    arXiv:2410.06916; combinable with skip_layers), or a ``tune-skip`` profile file; none: the
-    target's cached default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype``
+    arXiv:2410.06916; combinable with skip_layers), or a ``tune-skip`` profile file (or the SkipProfile read from
+    it: :func:`read_files`); none: the target's cached default profile), ``exit_layer`` (early exit's E), ``self_draft_dtype``
     (int8 or int4; None: int4), ``draft_tree_width`` (``tree``: w > 1 verifies the draft's chain with its
     next w - 1 candidates at each depth as a draft tree; 1: no tree), ``tree_nodes``
     (``nodes``: an EAGLE-3 head's dynamic tree of that many nodes, or "auto": as many as
@@ -467,7 +481,7 @@ class SpeculativeConfig:
     min_ngram: int = 2
     suffix_cache: str = "request"
     skip_layers: tuple[int, ...] | None = None
-    skip_profile: str | None = None
+    skip_profile: str | Path | SkipProfile | None = None
     skip_attn: tuple[int, ...] | None = None
     skip_mlp: tuple[int, ...] | None = None
     exit_layer: int | None = None
@@ -531,8 +545,9 @@ class SpeculativeConfig:
             raise ValueError("give the skipped layers or a profile, not both: layers= or profile= in "
                              "a method string, skip_layers or skip_profile in the API (attn=, mlp=, "
                              "skip_attn and skip_mlp name skipped sublayers, as layers= does layers)")
-        if self.skip_profile is not None and not isinstance(self.skip_profile, (str, Path)):
-            raise ValueError(f"skip_profile = {self.skip_profile!r} is invalid; allowed: a file path")
+        if self.skip_profile is not None and not isinstance(self.skip_profile, (str, Path, SkipProfile)):
+            raise ValueError(f"skip_profile = {self.skip_profile!r} is invalid; allowed: a file path "
+                             "(or a SkipProfile read from one)")
         e = self.exit_layer
         if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
             raise ValueError(f"exit_layer = {e!r} is invalid; allowed: an integer >= 1")
@@ -617,19 +632,24 @@ def _positive(key: str, value: str, most: int | None = None) -> int:
     return n
 
 
+def _path(value: str) -> str:
+    # a shell leaves "~" inside "medusa:head=~/heads" as it is
+    return os.path.expanduser(value)
+
+
 # the options a method name may carry ("layer-skip:layers=3+5-8"): key -> (its registry
 # option, what its value is (for help texts), its SpeculativeConfig fields from the text)
 METHOD_OPTIONS = {
     "layers": ("skip", "3+5-8", lambda v: {"skip_layers": _layer_list(v)}),
     "attn": ("skip", "3+5", lambda v: {"skip_attn": _layer_list(v, "attn")}),
     "mlp": ("skip", "7", lambda v: {"skip_mlp": _layer_list(v, "mlp")}),
-    "profile": ("skip", "FILE", lambda v: {"skip_profile": v}),
+    "profile": ("skip", "FILE", lambda v: {"skip_profile": _path(v)}),
     "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": _one_of("dtype", v, SELF_DRAFT_DTYPES)}),
     "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v, MAX_TREE_WIDTH)}),
     "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES)}),
-    "head": ("head", "DIR", lambda v: {"head_dir": v}),
-    "choices": ("medusa_choices", "FILE", lambda v: {"medusa_choices": _medusa_choices_file(v)}),
+    "head": ("head", "DIR", lambda v: {"head_dir": _path(v)}),
+    "choices": ("medusa_choices", "FILE", lambda v: {"medusa_choices": _medusa_choices_file(_path(v))}),
     "lossy-typical": ("lossy_typical", "EPS[/DELTA]", lambda v: {"lossy_typical": LossyTypical.parse(v)}),
 }
 
@@ -713,19 +733,33 @@ def split_method(text: str) -> tuple[str, dict]:
     return name, fields
 
 
-def speculative_config(method: "str | Method | None", has_draft: bool,
+def read_files(spec: SpeculativeConfig) -> SpeculativeConfig:
+    """``spec`` with its file-valued options read now, once (the Medusa tree of ``choices=``
+    is read when the text is parsed; this reads a layer-skip ``profile=``): a server keeps
+    what it was started with, whatever happens to the files later. Raises ValueError naming
+    a file that cannot be read or is not a profile (its layers are checked against the
+    target when the draft is built)."""
+    if spec.skip_profile is None or isinstance(spec.skip_profile, SkipProfile):
+        return spec
+    return replace(spec, skip_profile=SkipProfile.load(spec.skip_profile))
+
+
+def speculative_config(method: "str | Method | SpeculativeConfig | None", has_draft: bool,
                        num_speculative_tokens: int | str | None = None,
                        max_speculative_tokens: int = 16, draft_p_min: float | None = None,
                        max_ngram: int | None = None, suffix_cache: str = "request") -> SpeculativeConfig:
     """The :class:`SpeculativeConfig` of the API's / CLI's arguments: method None means
     "draft" when a draft model is given (``has_draft``), else "ar"; a draft model given to a
     method without one is an error, like every option a method does not honour; a method may
-    carry its own options (``"layer-skip:layers=3+5-8"``, :func:`split_method`); K is an
-    integer, "heuristic" or "auto";
+    carry its own options (``"layer-skip:layers=3+5-8"``, :func:`split_method`), or be a
+    SpeculativeConfig whose method and own options are kept (the other fields are this
+    call's: a server's method, parsed once); K is an integer, "heuristic" or "auto";
     ``max_ngram`` alone sets the shortest n-gram to min(2, max_ngram). Raises ValueError
     naming a bad or inapplicable value."""
-    own = {}
-    if isinstance(method, str) and not isinstance(method, Method) and ":" in method:
+    own, base = {}, None
+    if isinstance(method, SpeculativeConfig):
+        base, method = method, method.method
+    elif isinstance(method, str) and not isinstance(method, Method) and ":" in method:
         method, own = split_method(method)
     method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
     if has_draft and "draft" not in method.spec.options:
@@ -737,7 +771,7 @@ def speculative_config(method: "str | Method | None", has_draft: bool,
             raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: an integer 1..{MAX_K}, "
                              "'heuristic' or 'auto'")
         schedule, k = KSchedule(k), None
-    ngram = {}
+    ngram = dict(max_ngram=SpeculativeConfig.max_ngram, min_ngram=SpeculativeConfig.min_ngram)
     if max_ngram is not None:
         if "ngram" not in method.spec.options:
             raise ValueError(f"{_inapplicable('ngram', method.value)} (got max_ngram={max_ngram!r})")
@@ -745,8 +779,9 @@ def speculative_config(method: "str | Method | None", has_draft: bool,
             raise ValueError(f"max_ngram={max_ngram!r} (max_matching_ngram_size, --max-ngram) is "
                              "invalid; allowed: an integer 1..32")
         ngram = dict(max_ngram=max_ngram, min_ngram=min(SpeculativeConfig.min_ngram, max_ngram))
-    return SpeculativeConfig(method, k, schedule, max_speculative_tokens, draft_p_min,
-                             suffix_cache=suffix_cache, **ngram, **own)
+    call = dict(num_speculative_tokens=k, schedule=schedule, max_speculative_tokens=max_speculative_tokens,
+                draft_p_min=draft_p_min, suffix_cache=suffix_cache, **ngram)
+    return replace(base, **call) if base is not None else SpeculativeConfig(method, **call, **own)
 
 
 def prepare(spec: SpeculativeConfig, target: LoadedModel) -> None:
@@ -783,7 +818,10 @@ def cannot_run(spec: SpeculativeConfig, target: LoadedModel) -> str | None:
     if spec.skips_given:
         return None
     try:
-        SkipProfile.load(spec.skip_profile or default_profile_path(target), lm.args.n_layers)
+        if spec.skip_profile is not None:
+            _given_profile(spec, lm.args.n_layers)
+        else:
+            SkipProfile.load(default_profile_path(target), lm.args.n_layers)
     except ValueError as e:
         if spec.skip_profile is not None:
             return str(e)

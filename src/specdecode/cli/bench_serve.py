@@ -13,9 +13,9 @@ from pathlib import Path
 from .. import api
 from ..bench import serving
 from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
-from ..methods import METHODS, Method
+from ..methods import METHODS, Method, speculative_config
 from ..server import Metrics, Worker, create_app, serve_in_thread
-from .serve import load_served
+from .serve import load_served, served_config
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
                      method_of, model_name, output_dir_argument, run_command)
 
@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench-serve", help="the server under load, speculation on and off",
                        description=HELP, epilog=EXIT_CODES_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p, default_method=Method.HYBRID)
+    add_model_arguments(p, default_method=Method.HYBRID, server=True)
     p.add_argument("--off-method", default=Method.AR.value, choices=list(METHODS),
                    help="the method compared with --method (default ar: plain decoding)")
     p.add_argument("--url", default=None, help="a running server instead of starting one")
@@ -128,10 +128,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.url is None:
         apply_threads(args)
         name = model_name(args)
-        worker = Worker(lambda: load_served(args, (args.method, off.value)), Metrics(name), 1024,
-                        args.max_batch or max(args.concurrency), 2048)
+        served = served_config(args.method)
+        worker = Worker(lambda: load_served(args, {args.method: served, off.value: speculative_config(
+            off.value, False)}), Metrics(name), 1024, args.max_batch or max(args.concurrency), 2048)
         worker.start()
-        uv, port = serve_in_thread(create_app(worker, name, args.method, args.api_key))
+        uv, port = serve_in_thread(create_app(worker, name, served, args.api_key))
         url, model = f"http://127.0.0.1:{port}", args.model or name
         print(f"# loading {name} ...", file=sys.stderr)
         error = worker.wait_loaded()

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
-from ..methods import METHODS, Method, split_method
+from ..methods import BENCH_ROW_OPTIONS, METHODS, Method, method_options, name_and_options, split_method
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
 from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
@@ -163,6 +163,35 @@ def method_arg(text: str) -> str:
     return text
 
 
+def server_method_error(text: str, error: ValueError) -> ValueError:
+    """``error``, raised for a server's --method ``text``, or where it names a bench row's
+    option (k=, p_min=, model=, ...: :data:`~specdecode.methods.BENCH_ROW_OPTIONS`) one that
+    says where a server takes them (its requests, its command line)."""
+    try:
+        name, opts = name_and_options(text)
+        method_options(name, opts)  # (consumes the method's own options)
+    except (KeyError, ValueError):
+        return error
+    rows = sorted(k for k in opts if k in BENCH_ROW_OPTIONS)
+    if not rows:
+        return error
+    return ValueError(f"{', '.join(k + '=' for k in rows)} cannot be given to a server's method "
+                      f"({text}): a request gives its K (num_speculative_tokens in its "
+                      "extra_body; without one the server chooses each round's K) and its "
+                      "acceptance_rule; the draft model is --draft, --draft-dtype, --draft-backend; "
+                      "the rest keep their defaults")
+
+
+def server_method_arg(text: str) -> str:
+    """A server's --method value, checked as :func:`method_arg` does (a bench row's option
+    refused as :func:`server_method_error` says)."""
+    try:
+        split_method(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(server_method_error(text, e))) from None
+    return text
+
+
 def method_of(args: argparse.Namespace) -> Method:
     """The Method of --method (without its options)."""
     return Method(split_method(args.method)[0])
@@ -176,15 +205,17 @@ def device_arg(value: str) -> torch.device:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT) -> None:
-    """--target, --draft, --method and the weights and backends of both (generate, serve)."""
+def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT,
+                        server: bool = False) -> None:
+    """--target, --draft, --method and the weights and backends of both (generate, serve;
+    ``server``: --method is a server's, :func:`server_method_arg`)."""
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help=f"target model: a name from `specdecode models list`, a model directory, a "
                         f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
     p.add_argument("--draft", default=None,
                    help=f"draft model for --method draft or hybrid, same forms as --target "
                         f"(default: {registry.DEFAULT_DRAFT})")
-    p.add_argument("--method", default=default_method.value, type=method_arg,
+    p.add_argument("--method", default=default_method.value, type=server_method_arg if server else method_arg,
                    metavar="METHOD[:KEY=VALUE...]",
                    help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
                         + ". Own options: layer-skip:layers=3+5-8 (the layers skipped; "

@@ -8,11 +8,12 @@ import sys
 import threading
 
 from ..heads import read_head_dir
-from ..methods import Method, build_proposer, cannot_run, head_dir_for, prepare, speculative_config
+from ..methods import (Method, SpeculativeConfig, build_proposer, cannot_run, head_dir_for, prepare,
+                       read_files, speculative_config)
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     load_models, model_name, run_command)
+                     load_models, model_name, run_command, server_method_error)
 
 SERVE_HELP = """\
 Serve the target over an OpenAI-compatible HTTP API with speculative decoding:
@@ -40,8 +41,9 @@ bench-serve` on 2-core CPUs, the hybrid made 0.98-1.13x plain batched decoding's
 at concurrency 1 and 0.95-1.06x at 4-8 (BENCHMARKS.md sections 7h-7j, medians of paired
 runs); a request may still ask for a method ("method" in extra_body; GET /v1/models lists
 those it can run), and --method sets the default, with its own options: requests naming
-that method run with them (--method medusa:head=DIR serves a head you trained; a request
-cannot give options itself).
+that method run with them (--method medusa:head=DIR serves a head you trained; files its
+options name, a choices= tree or a profile=, are read once, at the start; a request cannot
+give options itself).
 
 examples:
   specdecode serve
@@ -55,7 +57,7 @@ examples:
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server", description=SERVE_HELP,
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p, default_method=Method.AR)
+    add_model_arguments(p, default_method=Method.AR, server=True)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 serves "
                         "every network this machine is on: set --api-key then)")
@@ -74,15 +76,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=lambda args: run_command(cmd_serve, args))
 
 
-def load_served(args: argparse.Namespace, methods: tuple[str, ...]):
-    """(target, draft) for a server of ``methods`` (method texts, each a name with its
-    options; the draft model when one needs it), after measuring what they measure once on
-    the target (:func:`~specdecode.methods.prepare`: before the batch holds it). Raises
-    ValueError for a method that cannot run on the target."""
-    specs = [speculative_config(m, False) for m in methods]
+def served_config(text: str) -> SpeculativeConfig:
+    """The config of a server's --method ``text`` (a name with its own options), its files
+    read now, once (:func:`~specdecode.methods.read_files`). Raises ValueError naming a bad
+    option or file (:func:`~.common.server_method_error`)."""
+    try:
+        return read_files(speculative_config(text, False))
+    except ValueError as e:
+        raise server_method_error(text, e) from None
+
+
+def load_served(args: argparse.Namespace, methods: dict[str, SpeculativeConfig]):
+    """(target, draft) for a server of ``methods`` (each method text as given, a name with
+    its options, with its parsed config; the draft model when one needs it), after measuring
+    what they measure once on the target (:func:`~specdecode.methods.prepare`: before the
+    batch holds it). Raises ValueError for a method that cannot run on the target."""
+    specs = list(methods.values())
     target, draft = load_models(args, next((s.method for s in specs if s.method.needs_draft_model),
                                            specs[0].method))
-    for spec, text in zip(specs, methods):
+    for text, spec in methods.items():
         try:
             prepare(spec, target)
             why = cannot_run(spec, target)
@@ -106,17 +118,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
-    spec = speculative_config(args.method, False)  # (raises naming a bad option)
+    spec = served_config(args.method)  # (raises naming a bad option or file)
     method = spec.method
     head = head_dir_for(spec, args.target)  # a missing head is said before anything loads
     if head is not None:
         read_head_dir(head, method.value)  # (raises naming a directory that holds no such head)
     threads = apply_threads(args)
     name = model_name(args)
-    worker = Worker(lambda: load_served(args, (args.method,)), Metrics(name), args.max_queue, args.max_batch,
-                    args.max_len)
+    worker = Worker(lambda: load_served(args, {args.method: spec}), Metrics(name), args.max_queue,
+                    args.max_batch, args.max_len)
     worker.start()
-    app = create_app(worker, name, args.method, args.api_key)
+    app = create_app(worker, name, spec, args.api_key)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: serving on {args.host}, beyond this machine"
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)

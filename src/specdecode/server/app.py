@@ -17,6 +17,7 @@ import json
 import queue
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -27,8 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
-from ..methods import (Method, SpeculativeConfig, cannot_run, head_dir_for, name_and_options,
-                       speculative_config)
+from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, read_files, speculative_config
 from . import protocol
 from .protocol import OpenAIError, bad
 from .worker import Ticket, Worker
@@ -50,28 +50,22 @@ def _has_head(spec: SpeculativeConfig, target: str) -> bool:
     return True
 
 
-def method_text(served: str, name: str) -> str:
-    """The method text a request naming the method ``name`` runs on a server started with
-    --method ``served`` (a name with options, e.g. "medusa:head=DIR"): ``served`` when the
-    names agree (its options), else ``name`` (the method's defaults)."""
-    return served if served.partition(":")[0] == name else name
-
-
-def _without_option(text: str, key: str) -> str:
-    """The method text ``text`` without its option ``key``."""
-    name, opts = name_and_options(text)
-    return ":".join([name] + [f"{k}={v}" for k, v in opts.items() if k != key])
+def served_method(served: SpeculativeConfig, name: str) -> SpeculativeConfig:
+    """The method a request naming the method ``name`` runs on a server started with
+    --method ``served`` (with its options, e.g. "medusa:head=DIR", parsed once):
+    ``served`` when the names agree (its options), else ``name`` with its defaults."""
+    return served if served.method.value == name else speculative_config(name, False)
 
 
 class _Context:
     """What :func:`protocol.check_request` needs from the loaded models."""
 
-    def __init__(self, worker: Worker, model_name: str, served: str):
+    def __init__(self, worker: Worker, model_name: str, served: SpeculativeConfig):
         tgt = worker.target
         self.model_name, self.served = model_name, served
-        self.default_method = served.partition(":")[0]
+        self.default_method = served.method.value
         # what a request may name: the methods whose models, heads and profiles are here
-        specs = {m.value: speculative_config(method_text(served, m.value), False) for m in Method}
+        specs = {m.value: served_method(served, m.value) for m in Method}
         self.unavailable = {m: why for m, spec in specs.items() if (why := cannot_run(spec, tgt)) is not None}
         self.methods = [m.value for m in Method if (not m.needs_draft_model or worker.draft is not None)
                         and _has_head(specs[m.value], tgt.name) and m.value not in self.unavailable]
@@ -95,12 +89,15 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(worker: Worker, model_name: str, default_method: str,
+def create_app(worker: Worker, model_name: str, default_method: str | SpeculativeConfig,
                api_key: str | None = None) -> FastAPI:
     """The app over a worker (started by the caller). ``model_name``: the id clients send
     as ``model``; ``default_method``: the method of requests that name none, with the options
-    that requests naming it run with (``"medusa:head=DIR"``: :func:`method_text`); ``api_key``:
-    required as ``Authorization: Bearer KEY`` on /v1/* when set."""
+    that requests naming it run with (``"medusa:head=DIR"`` or its parsed config:
+    :func:`served_method`; its files are read here, once: a choices= tree or profile= edited
+    later does not change what is served); ``api_key``: required as ``Authorization: Bearer
+    KEY`` on /v1/* when set. Raises ValueError for a bad method or an unreadable file."""
+    served = read_files(speculative_config(default_method, False))
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
     contexts: list[_Context] = []
 
@@ -111,7 +108,7 @@ def create_app(worker: Worker, model_name: str, default_method: str,
             raise OpenAIError(503, why, type="server_error", code="not_ready",
                               headers={} if worker.error else {"Retry-After": "5"})
         if not contexts:
-            contexts.append(_Context(worker, model_name, default_method))
+            contexts.append(_Context(worker, model_name, served))
         return contexts[0]
 
     def check_key(request: Request) -> None:
@@ -172,17 +169,16 @@ def create_app(worker: Worker, model_name: str, default_method: str,
         ctx = context()
         body = protocol.parse_body(await request.body(), kind)
         job = protocol.check_request(body, kind, ctx)
-        method = Method(job.method)
-        job.method = method_text(ctx.served, job.method)  # with the options the server was started with
+        job.method = served_method(ctx.served, job.method)  # with the options the server was started with
         try:  # the library's own checks, before anything is queued
             params = api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
-            spec = speculative_config(job.method, method.needs_draft_model, job.num_speculative_tokens)
+            speculative_config(job.method, job.method.method.needs_draft_model, job.num_speculative_tokens)
         except ValueError as e:
             raise bad(str(e)) from None
-        if spec.lossy_typical is not None and params.greedy:
+        if job.method.lossy_typical is not None and params.greedy:
             # typical acceptance is for sampled requests; at temperature 0 it is greedy
             # verification, which the server's greedy requests get (the library refuses it)
-            job.method = _without_option(job.method, "lossy-typical")
+            job.method = replace(job.method, lossy_typical=None)
         ticket = Ticket(job, asyncio.get_running_loop(), asyncio.Queue())
         try:
             worker.submit(ticket)

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..config import MAX_LOGPROBS, MAX_TEMPERATURE, MIN_TEMPERATURE
+from ..methods import SpeculativeConfig
 
 MAX_N = 8  # choices per request
 ROLES = ("system", "user", "assistant")
@@ -70,7 +71,7 @@ class Job:
     stream: bool
     include_usage: bool
     sampling: dict
-    method: str  # the method's name; the app adds the server's options for it (app.method_text)
+    method: str | SpeculativeConfig  # the method's name; the app makes it the served config (app.served_method)
     num_speculative_tokens: int | None
     seed: int | None
     logprobs: int | None = None  # alternatives per token (0: the token's own only); None: off

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .. import api
 from ..batch import BatchEngine
-from ..methods import Method
+from ..methods import speculative_config
 from ..profile import prefill_profile, verify_profile
 from .protocol import Job, Token
 
@@ -183,7 +183,7 @@ class Worker:
 
     def _begin(self, choice: _Choice) -> _Choice:
         job = choice.ticket.job
-        method = Method(job.method.partition(":")[0])  # (job.method may carry the server's options)
+        method = speculative_config(job.method, False).method  # (job.method: a name, or the served config)
         c = choice.index % job.n
         choice.chunks = api.stream(
             self.target, input_ids=job.prompts[choice.index // job.n], method=job.method,
