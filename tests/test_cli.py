@@ -348,8 +348,8 @@ def test_serve_refuses_a_head_directory_that_holds_no_such_head_before_loading(c
         with pytest.raises(SystemExit):
             cli.main([command, "--target", str(dirs["target"]), "--method", "draft:tree=2:k=3"])
         err = capsys.readouterr().err
-        assert "k= cannot be given to a server's method (draft:tree=2:k=3): a request gives its K " \
-               "(num_speculative_tokens" in err and "--k" not in err, err
+        assert "method 'draft' takes no option ['k'] in 'draft:tree=2:k=3'; allowed: tree; in a server " \
+               "k= is a request's num_speculative_tokens" in err and "--k" not in err, err
 
 
 def test_k_zero_is_an_argparse_error(capsys, dirs):

@@ -334,6 +334,11 @@ def test_the_medusa_method_through_the_api(tmp_path, tmp_path_factory, monkeypat
             specdecode.generate(target, prompt, method=f"medusa:head={heads}:choices={choices}", max_new_tokens=4)
     with pytest.raises(ValueError, match=r"tree=W\) or its node list \(choices=FILE\), not both"):
         SpeculativeConfig("medusa", draft_tree_width=2, medusa_choices=[[0]])
+    # what makes a node list no tree is said when it is parsed (a server's start), not at a request
+    with pytest.raises(ValueError, match=r"node \(2, 0\) has no parent \(2,\)"):
+        SpeculativeConfig("medusa", medusa_choices=[[0], [2, 0]])
+    with pytest.raises(ValueError, match="nodes repeat"):
+        SpeculativeConfig("medusa", medusa_choices=[[0], [0]])
     with pytest.raises(ValueError, match="node list .* applies to 'medusa', not 'eagle3'"):
         SpeculativeConfig("eagle3", medusa_choices=[[0]])
     with pytest.raises(ValueError, match=r"no head for .* yet: `specdecode train medusa --target"):

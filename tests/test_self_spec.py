@@ -11,6 +11,8 @@ from unittest.mock import patch
 import pytest
 import torch
 
+import specdecode
+
 from helpers import KERNEL_SHAPES, PROMPTS, randint, ref, run, tiny_model
 from lossless import EV, N_RUNS, assert_lossless, probs_of
 from specdecode.config import SamplingParams
@@ -339,7 +341,7 @@ def test_skip_profile_errors_name_the_file_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="0..3"):
         SkipProfile.load(tmp_path / "g.json")
     # malformed profiles: one line naming what is wrong (were KeyError / TypeError / AttributeError)
-    good_d = json.loads(json.dumps({**dataclasses.asdict(good), "format": d["format"]}))
+    good_d = json.loads(good.to_json())
     for edit, words in [(lambda d: d.pop("skip"), "missing skip"), (lambda d: d.pop("format"), "not a profile"),
                         (lambda d: d.update(extra=1), "unknown fields extra"),
                         (lambda d: d.update(skip=3), "skip = 3 is not a list"),
@@ -659,8 +661,16 @@ def test_a_parsed_method_keeps_its_options_and_its_files_read_once(tmp_path, mon
     assert gen.token_ids == Engine(lm, None, None).generate(PROMPTS["twenty"], GREEDY).run().token_ids
     with pytest.raises(ValueError, match="a draft model .* not 'layer-skip'"):
         speculative_config(served, True)
-    with pytest.raises(ValueError, match=f"made for a model of {LAYERS + 1} layers, this target has {LAYERS}"):
+    with pytest.raises(ValueError, match=f"profile {path} was made for a model of {LAYERS + 1} layers, "
+                                         f"this target has {LAYERS}"):
         build_proposer(dataclasses.replace(served, skip_profile=dataclasses.replace(
             served.skip_profile, n_layers=LAYERS + 1)), target, None)
+    # prompt_lookup_num_tokens selects prompt lookup: a parsed config of another method conflicts
+    ids = PROMPTS["twenty"]
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens selects prompt lookup; method='layer-skip' conflicts"):
+        specdecode.generate(target, input_ids=ids, method=served, prompt_lookup_num_tokens=3)
+    lookup = specdecode.generate(target, input_ids=ids, method=speculative_config("prompt-lookup", False),
+                                 prompt_lookup_num_tokens=3, max_new_tokens=12)
+    assert lookup.token_ids == specdecode.generate(target, input_ids=ids, method="ar", max_new_tokens=12).token_ids
     with pytest.raises(ValueError, match="p.json: cannot be read"):
         read_files(speculative_config(f"layer-skip:profile={path}", False))

@@ -224,9 +224,11 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     k = one_of(num_speculative_tokens, "num_speculative_tokens", num_assistant_tokens,
                "num_assistant_tokens")
     if prompt_lookup_num_tokens is not None:
-        if method not in (None, Method.PROMPT_LOOKUP, Method.PROMPT_LOOKUP.value):
-            raise ValueError(f"prompt_lookup_num_tokens selects prompt lookup; method={method!r} conflicts")
-        method = Method.PROMPT_LOOKUP
+        named = method.method if isinstance(method, SpeculativeConfig) else method
+        if named not in (None, Method.PROMPT_LOOKUP, Method.PROMPT_LOOKUP.value):
+            raise ValueError(f"prompt_lookup_num_tokens selects prompt lookup; method="
+                             f"{getattr(named, 'value', named)!r} conflicts")
+        method = method if isinstance(method, SpeculativeConfig) else Method.PROMPT_LOOKUP
         k = one_of(k, "num_speculative_tokens", prompt_lookup_num_tokens, "prompt_lookup_num_tokens")
     draft = one_of(draft, "draft", assistant_model, "assistant_model")
     spec = speculative_config(

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -87,7 +87,7 @@ class SkipProfile:
     plain decoding, from the cost model (module docstring). n_layers, target, weight_format:
     the model it was made for. calibration: prompts and tokens measured. search: every
     evaluated candidate (skip, acceptance, draft_cost, k, predicted_speedup; with sublayers also
-    skip_attn, skip_mlp).
+    skip_attn, skip_mlp). source: the file :meth:`load` read it from ("" otherwise; not saved).
     """
 
     skip: tuple[int, ...]
@@ -102,6 +102,8 @@ class SkipProfile:
     search: tuple[dict, ...] = ()
     skip_attn: tuple[int, ...] = ()
     skip_mlp: tuple[int, ...] = ()
+    # the file it was read from (for messages; not written)
+    source: str = field(default="", compare=False, repr=False)
 
     def layers(self) -> list[int]:
         """The layers the draft runs (some of them with a sublayer skipped: skip_attn,
@@ -118,7 +120,7 @@ class SkipProfile:
     def to_json(self) -> str:
         """The profile as :meth:`save` writes it and :meth:`load` reads it (without
         skip_attn / skip_mlp when empty: see PROFILE_FORMAT)."""
-        d = {k: v for k, v in asdict(self).items() if v or k not in ("skip_attn", "skip_mlp")}
+        d = {k: v for k, v in asdict(self).items() if (v or k not in ("skip_attn", "skip_mlp")) and k != "source"}
         return json.dumps(d | {"format": PROFILE_FORMAT}, indent=1) + "\n"
 
     def save(self, path: str | Path) -> None:
@@ -139,7 +141,7 @@ class SkipProfile:
             raise ValueError(f"layer-skip profile {path}: not a profile ({found}; a profile is a JSON "
                              f"object with format {PROFILE_FORMAT!r}); {make}")
         d = {k: v for k, v in d.items() if k != "format"}
-        names = {f.name: f for f in fields(cls)}
+        names = {f.name: f for f in fields(cls) if f.name != "source"}
         missing = [n for n, f in names.items() if f.default is MISSING and n not in d]
         unknown = sorted(set(d) - set(names))
         if missing or unknown:
@@ -156,7 +158,8 @@ class SkipProfile:
         if not 1 <= d["k"] <= config.MAX_K:
             raise ValueError(f"layer-skip profile {path}: k = {d['k']} is invalid; allowed 1..{config.MAX_K}; {make}")
         p = cls(**{**d, "skip": tuple(d["skip"]), "search": tuple(d.get("search", ())),
-                   "skip_attn": tuple(d.get("skip_attn", ())), "skip_mlp": tuple(d.get("skip_mlp", ()))})
+                   "skip_attn": tuple(d.get("skip_attn", ())), "skip_mlp": tuple(d.get("skip_mlp", ())),
+                   "source": str(path)})
         if n_layers is not None:
             p.check_layers(n_layers, str(path))
         try:

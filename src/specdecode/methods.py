@@ -231,7 +231,7 @@ def _native(target: LoadedModel, method: str):
 
 
 def _profile_name(profile: "str | Path | SkipProfile") -> str:
-    return "(read by the server at its start)" if isinstance(profile, SkipProfile) else str(profile)
+    return (profile.source or "(given)") if isinstance(profile, SkipProfile) else str(profile)
 
 
 def _given_profile(spec: "SpeculativeConfig", n_layers: int) -> SkipProfile:
@@ -573,6 +573,7 @@ class SpeculativeConfig:
                                  "(integers >= 0), e.g. [[0], [1], [0, 0]] (Medusa's medusa_choices)")
             if w != 1:
                 raise ValueError("give a Medusa tree's width (tree=W) or its node list (choices=FILE), not both")
+            MedusaProposer.check_shape(list(c))  # (the heads' depth is checked when they load)
             object.__setattr__(self, "medusa_choices", c)
         t = self.lossy_typical
         if t is not None and not isinstance(t, LossyTypical):
@@ -620,15 +621,16 @@ def _layer_list(value: str, key: str = "layers") -> tuple[int, ...]:
     return tuple(out)
 
 
-def _positive(key: str, value: str, most: int | None = None) -> int:
-    """A method option's integer 1..most (the option's own name in the error)."""
+def _positive(key: str, value: str, most: int | None = None, or_else: str = "") -> int:
+    """A method option's integer 1..most (the option's own name in the error, and
+    ``or_else``: the other values it allows)."""
     try:
         n = int(value)
     except ValueError:
         n = 0
     if not 1 <= n <= (most or n):
         raise ValueError(f"{key}={value!r} is invalid; allowed: an integer "
-                         + (f"1..{most}" if most else ">= 1")) from None
+                         + (f"1..{most}" if most else ">= 1") + or_else) from None
     return n
 
 
@@ -647,7 +649,7 @@ METHOD_OPTIONS = {
     "layer": ("exit_layer", "E", lambda v: {"exit_layer": _positive("layer", v)}),
     "dtype": ("self_draft_dtype", "int8|int4", lambda v: {"self_draft_dtype": _one_of("dtype", v, SELF_DRAFT_DTYPES)}),
     "tree": ("tree", "W", lambda v: {"draft_tree_width": _positive("tree", v, MAX_TREE_WIDTH)}),
-    "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES)}),
+    "nodes": ("tree_nodes", "N|auto", lambda v: {"tree_nodes": v if v == "auto" else _positive("nodes", v, MAX_NODES, " or auto")}),
     "head": ("head", "DIR", lambda v: {"head_dir": _path(v)}),
     "choices": ("medusa_choices", "FILE", lambda v: {"medusa_choices": _medusa_choices_file(_path(v))}),
     "lossy-typical": ("lossy_typical", "EPS[/DELTA]", lambda v: {"lossy_typical": LossyTypical.parse(v)}),

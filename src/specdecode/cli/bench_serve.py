@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import api
 from ..bench import serving
 from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
-from ..methods import METHODS, Method, speculative_config
+from ..methods import METHODS, Method, SpeculativeConfig, speculative_config
 from ..server import Metrics, Worker, create_app, serve_in_thread
 from .serve import load_served, served_config
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
 
 
 def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompts: list,
-                     methods: tuple[str, ...], args: argparse.Namespace) -> None:
+                     methods: tuple[SpeculativeConfig, ...], args: argparse.Namespace) -> None:
     """Concurrency 1's requests again, each through the server then through the library
     alone (what `specdecode generate` runs: a fork of the served target, its own KV cache),
     in turn, so that a drift of the machine moves both alike; adds the paired ratios
@@ -90,13 +90,13 @@ def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompt
     target = replace(worker.target, lm=worker.target.lm.fork(), session_proposers={})
     pairs = {}
     level = next(lv for lv in results["levels"] if lv["concurrency"] == 1)
-    for text in methods:
-        m = Method(text.partition(":")[0])
+    for spec in methods:  # (as served: parsed, its files read, once)
+        m = spec.method
         draft = worker.draft if m.needs_draft_model else None
         for s in level[m.value]["samples"][:args.requests or 2]:  # one block's
             served = serving.request(url, model, prompts[s["prompt"]], m.value, args.max_tokens, args.api_key)
             t0 = time.perf_counter()
-            alone = api.generate(target, prompts[s["prompt"]], method=text, draft=draft,
+            alone = api.generate(target, prompts[s["prompt"]], method=spec, draft=draft,
                                  max_new_tokens=args.max_tokens)
             pairs.setdefault(m.value, []).append(((served.completion_tokens, served.e2e_s),
                                                   (len(alone.token_ids), time.perf_counter() - t0)))
@@ -128,9 +128,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.url is None:
         apply_threads(args)
         name = model_name(args)
-        served = served_config(args.method)
-        worker = Worker(lambda: load_served(args, {args.method: served, off.value: speculative_config(
-            off.value, False)}), Metrics(name), 1024, args.max_batch or max(args.concurrency), 2048)
+        served, plain = served_config(args.method), speculative_config(off.value, False)
+        worker = Worker(lambda: load_served(args, {args.method: served, off.value: plain}), Metrics(name),
+                        1024, args.max_batch or max(args.concurrency), 2048)
         worker.start()
         uv, port = serve_in_thread(create_app(worker, name, served, args.api_key))
         url, model = f"http://127.0.0.1:{port}", args.model or name
@@ -153,7 +153,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
                               args.requests, args.max_tokens, args.api_key, progress, args.repeats)
         if args.check and 1 in args.concurrency:
-            _beside_generate(results, worker, url, model, prompts, (args.method, off.value), args)
+            _beside_generate(results, worker, url, model, prompts, (served, plain), args)  # (--check: no --url)
         if args.check:  # what the worker still holds once every client has its answer
             time.sleep(1.0)
             left = len(worker._live) + len(worker._pending) + worker.waiting

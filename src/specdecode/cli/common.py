@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
-from ..methods import BENCH_ROW_OPTIONS, METHODS, Method, method_options, name_and_options, split_method
+from ..methods import (BENCH_ROW_OPTIONS, METHOD_OPTIONS, METHODS, Method, method_options, name_and_options,
+                       split_method)
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
 from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
@@ -166,7 +167,7 @@ def method_arg(text: str) -> str:
 def server_method_error(text: str, error: ValueError) -> ValueError:
     """``error``, raised for a server's --method ``text``, or where it names a bench row's
     option (k=, p_min=, model=, ...: :data:`~specdecode.methods.BENCH_ROW_OPTIONS`) one that
-    says where a server takes them (its requests, its command line)."""
+    says where a server takes each (its requests, its command line, nowhere)."""
     try:
         name, opts = name_and_options(text)
         method_options(name, opts)  # (consumes the method's own options)
@@ -175,11 +176,19 @@ def server_method_error(text: str, error: ValueError) -> ValueError:
     rows = sorted(k for k in opts if k in BENCH_ROW_OPTIONS)
     if not rows:
         return error
-    return ValueError(f"{', '.join(k + '=' for k in rows)} cannot be given to a server's method "
-                      f"({text}): a request gives its K (num_speculative_tokens in its "
-                      "extra_body; without one the server chooses each round's K) and its "
-                      "acceptance_rule; the draft model is --draft, --draft-dtype, --draft-backend; "
-                      "the rest keep their defaults")
+    needs_draft = Method(name).needs_draft_model
+    fixed = "not settable: the default holds"
+    where = {"k": "a request's num_speculative_tokens (in its extra_body; without one the server "
+                  "chooses each round's K)",
+             "max_k": "not settable: the server chooses each round's K", "rule": "a request's acceptance_rule",
+             "model": "--draft", "backend": "--draft-backend",
+             "dtype": "--draft-dtype" if needs_draft else "not this method's: self-draft:dtype= drafts "
+                      "with the target's own lower-precision copy",
+             "p_min": fixed, "ngram": fixed, "cache": fixed}
+    mine = [k for k, (o, _, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
+    return ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; allowed: "
+                      f"{', '.join(mine) or 'none'}; in a server "
+                      + "; ".join(f"{k}= is {where[k]}" for k in rows))
 
 
 def server_method_arg(text: str) -> str:
@@ -223,7 +232,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
                         "layer-skip:profile=FILE (from `specdecode tune-skip`; neither: the target's "
                         "default profile, made once and cached), early-exit:layer=E, "
                         "self-draft:dtype=int8|int4, draft:tree=W (a draft tree W wide), "
-                        "medusa:head=DIR:tree=W, eagle3:head=DIR:tree=W:nodes=N|auto; "
+                        "medusa:head=DIR:tree=W (or :choices=FILE, Medusa's node list as JSON), "
+                        "eagle3:head=DIR:tree=W:nodes=N|auto; "
                         "medusa:lossy-typical=EPS[/DELTA] is LOSSY: Medusa's typical acceptance "
                         "(arXiv:2401.10774) changes the output of sampled requests (--temperature > 0). "
                         f"Default: {default_method.value}")

@@ -55,12 +55,19 @@ class MedusaProposer(Proposer):
                                           or not 0 <= r < v for r in p):
                 raise ValueError(f"Medusa tree node {p!r} is invalid; allowed: a tuple of 1..{h} "
                                  f"candidate ranks in 0..{v - 1} (one per depth)")
+        self.check_shape(nodes)
+        self.nodes = sorted(nodes, key=lambda p: (len(p), p))
+        self._hidden: torch.Tensor | None = None
+
+    @staticmethod
+    def check_shape(nodes: list[tuple[int, ...]]) -> None:
+        """Raises ValueError for a node list that is not a tree: a node whose parent (its
+        path less the last rank) is missing, or a node given twice."""
+        for p in nodes:
             if len(p) > 1 and p[:-1] not in nodes:
                 raise ValueError(f"Medusa tree node {p!r} has no parent {p[:-1]!r} in the tree")
         if len(set(nodes)) != len(nodes):
             raise ValueError("Medusa tree nodes repeat")
-        self.nodes = sorted(nodes, key=lambda p: (len(p), p))
-        self._hidden: torch.Tensor | None = None
 
     @staticmethod
     def siblings_tree(num_heads: int, width: int) -> list[tuple[int, ...]]:
