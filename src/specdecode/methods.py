@@ -718,20 +718,27 @@ def name_and_options(text: str) -> tuple[str, dict[str, str]]:
     return name, opts
 
 
-def split_method(text: str) -> tuple[str, dict]:
+def _bench_row_hint(name: str, keys: list[str]) -> str:
+    """Where the bench-row options ``keys`` given to method ``name`` go instead (generate,
+    bench and the Python API take them as options of their own)."""
+    return "".join(f" ({k}= is a bench row's option: give "
+                   + (f"{cli} on the command line, " if (cli := BENCH_ROW_OPTIONS[k][0]) else "")
+                   + f"{BENCH_ROW_OPTIONS[k][1]} in the Python API)" for k in keys)
+
+
+def split_method(text: str, row_hint: Callable[[str, list[str]], str] = _bench_row_hint) -> tuple[str, dict]:
     """"layer-skip:layers=3+5-8" -> ("layer-skip", {"skip_layers": (3, 5, 6, 7, 8)}): a method
     name with its own options (:data:`METHOD_OPTIONS`). Raises ValueError naming an unknown
-    method, or an option it does not take."""
+    method, or an option it does not take; for a bench row's option (:data:`BENCH_ROW_OPTIONS`)
+    the message ends with ``row_hint(name, keys)``: where the caller takes it instead."""
     name, opts = name_and_options(text)
     Method.parse(name)
     fields = method_options(name, opts)
     if opts:
         mine = [k for k, (o, _, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
-        bench = [f"{k}= is a bench row's option: give "
-                 + (f"{cli} on the command line, " if (cli := BENCH_ROW_OPTIONS[k][0]) else "")
-                 + f"{BENCH_ROW_OPTIONS[k][1]} in the Python API" for k in sorted(opts) if k in BENCH_ROW_OPTIONS]
+        rows = [k for k in sorted(opts) if k in BENCH_ROW_OPTIONS]
         raise ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; "
-                         f"allowed: {', '.join(mine) or 'none'}" + "".join(f" ({b})" for b in bench))
+                         f"allowed: {', '.join(mine) or 'none'}" + (row_hint(name, rows) if rows else ""))
     return name, fields
 
 

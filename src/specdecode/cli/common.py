@@ -15,8 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
-from ..methods import (BENCH_ROW_OPTIONS, METHOD_OPTIONS, METHODS, Method, method_options, name_and_options,
-                       split_method)
+from ..methods import METHODS, Method, split_method
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
 from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
@@ -164,40 +163,28 @@ def method_arg(text: str) -> str:
     return text
 
 
-def server_method_error(text: str, error: ValueError) -> ValueError:
-    """``error``, raised for a server's --method ``text``, or where it names a bench row's
-    option (k=, p_min=, model=, ...: :data:`~specdecode.methods.BENCH_ROW_OPTIONS`) one that
-    says where a server takes each (its requests, its command line, nowhere)."""
-    try:
-        name, opts = name_and_options(text)
-        method_options(name, opts)  # (consumes the method's own options)
-    except (KeyError, ValueError):
-        return error
-    rows = sorted(k for k in opts if k in BENCH_ROW_OPTIONS)
-    if not rows:
-        return error
-    needs_draft = Method(name).needs_draft_model
+def _server_row_hint(name: str, keys: list[str]) -> str:
+    """Where a server takes the bench-row options ``keys`` given to its method ``name``
+    (:func:`~specdecode.methods.split_method`'s ``row_hint``): its requests, its command
+    line, or nowhere."""
     fixed = "not settable: the default holds"
     where = {"k": "a request's num_speculative_tokens (in its extra_body; without one the server "
                   "chooses each round's K)",
              "max_k": "not settable: the server chooses each round's K", "rule": "a request's acceptance_rule",
              "model": "--draft", "backend": "--draft-backend",
-             "dtype": "--draft-dtype" if needs_draft else "not this method's: self-draft:dtype= drafts "
-                      "with the target's own lower-precision copy",
+             "dtype": "--draft-dtype" if Method(name).needs_draft_model else "not this method's: "
+                      "self-draft:dtype= drafts with the target's own lower-precision copy",
              "p_min": fixed, "ngram": fixed, "cache": fixed}
-    mine = [k for k, (o, _, _) in METHOD_OPTIONS.items() if o in METHODS[name].options]
-    return ValueError(f"method {name!r} takes no option {sorted(opts)} in {text!r}; allowed: "
-                      f"{', '.join(mine) or 'none'}; in a server "
-                      + "; ".join(f"{k}= is {where[k]}" for k in rows))
+    return "; in a server " + "; ".join(f"{k}= is {where[k]}" for k in keys)
 
 
 def server_method_arg(text: str) -> str:
-    """A server's --method value, checked as :func:`method_arg` does (a bench row's option
-    refused as :func:`server_method_error` says)."""
+    """A server's --method value, checked as :func:`method_arg` does, a bench row's option
+    said to be a request's or the command line's (:func:`_server_row_hint`)."""
     try:
-        split_method(text)
+        split_method(text, _server_row_hint)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(server_method_error(text, e))) from None
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

@@ -13,7 +13,7 @@ from ..methods import (Method, SpeculativeConfig, build_proposer, cannot_run, he
 from ..models import registry
 from ..server import Metrics, Worker, create_app
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     load_models, model_name, run_command, server_method_error)
+                     load_models, model_name, run_command)
 
 SERVE_HELP = """\
 Serve the target over an OpenAI-compatible HTTP API with speculative decoding:
@@ -77,13 +77,11 @@ def add_parser(sub) -> None:
 
 
 def served_config(text: str) -> SpeculativeConfig:
-    """The config of a server's --method ``text`` (a name with its own options), its files
-    read now, once (:func:`~specdecode.methods.read_files`). Raises ValueError naming a bad
-    option or file (:func:`~.common.server_method_error`)."""
-    try:
-        return read_files(speculative_config(text, False))
-    except ValueError as e:
-        raise server_method_error(text, e) from None
+    """The config of a server's --method ``text`` (checked by argparse:
+    :func:`~.common.server_method_arg`), its files read now, once
+    (:func:`~specdecode.methods.read_files`). Raises ValueError naming a file that cannot be
+    read."""
+    return read_files(speculative_config(text, False))
 
 
 def load_served(args: argparse.Namespace, methods: dict[str, SpeculativeConfig]):

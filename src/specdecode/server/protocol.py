@@ -71,7 +71,7 @@ class Job:
     stream: bool
     include_usage: bool
     sampling: dict
-    method: str | SpeculativeConfig  # the method's name; the app makes it the served config (app.served_method)
+    method: str | SpeculativeConfig  # the method's name; the app makes it the config served (app.served_method)
     num_speculative_tokens: int | None
     seed: int | None
     logprobs: int | None = None  # alternatives per token (0: the token's own only); None: off

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from .. import api
 from ..batch import BatchEngine
-from ..methods import speculative_config
 from ..profile import prefill_profile, verify_profile
 from .protocol import Job, Token
 
@@ -183,7 +182,7 @@ class Worker:
 
     def _begin(self, choice: _Choice) -> _Choice:
         job = choice.ticket.job
-        method = speculative_config(job.method, False).method  # (job.method: a name, or the served config)
+        method = job.method.method  # (the app made job.method the served config)
         c = choice.index % job.n
         choice.chunks = api.stream(
             self.target, input_ids=job.prompts[choice.index // job.n], method=job.method,
