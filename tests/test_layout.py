@@ -91,3 +91,57 @@ def test_version():
     proc = subprocess.run([sys.executable, "-m", "specdecode.cli", "--version"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"specdecode {specdecode.__version__}"
+
+
+def _method_names_compared(node: ast.Compare) -> list[str]:
+    """The method names a comparison tests against: ``Method.X`` members and string constants
+    naming a registered method."""
+    found = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "Method":
+            found.append(f"Method.{n.attr}")
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in METHODS:
+            found.append(repr(n.value))
+    return found
+
+
+# names compared with words that are also method names but mean other things: a trained
+# head's kind ("medusa", "eagle3", "draft"), a model's role ("target", "draft")
+OTHER_CONCEPTS = {"kind", "role"}
+
+
+def test_no_code_outside_methods_and_proposers_branches_on_a_methods_name():
+    """What differs between methods is declared by each method's MethodSpec (its options,
+    hooks, export settings): code elsewhere asks the spec, never compares a method's name."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] in ("methods", "proposers"):
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Compare) or not _method_names_compared(node):
+                continue
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Name) and o.id in OTHER_CONCEPTS or
+                   isinstance(o, ast.Attribute) and o.attr in OTHER_CONCEPTS for o in operands):
+                continue
+            offenders.append(f"{rel}:{node.lineno}: {ast.get_source_segment(source, node)}")
+    assert offenders == []
+
+
+def test_the_layout_test_finds_a_method_name_branch(tmp_path):
+    """The scan above flags both kinds of branch it forbids."""
+    for code in ('if spec.method is Method.HYBRID:\n    pass\n', 'x = name in ("draft", "hybrid")\n'):
+        node = next(n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Compare))
+        assert _method_names_compared(node)
+    node = next(n for n in ast.walk(ast.parse('kind == "medusa"')) if isinstance(n, ast.Compare))
+    assert _method_names_compared(node)  # found, then let through as a head kind by the test
+
+
+def test_each_methods_module_stays_small():
+    """One module per method family, each readable in one sitting (at most ~300 lines)."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "methods").glob("*.py")}
+    assert {"spec.py", "options.py", "config.py", "plan.py", "draft.py", "lookups.py", "self_spec.py",
+            "heads.py"} <= set(sizes)
+    assert max(sizes.values()) <= 320, sizes

@@ -489,7 +489,7 @@ def test_sublayer_options_parse_build_and_name_bad_values():
     assert split_method("layer-skip:attn=3+5:mlp=7") == ("layer-skip", {"skip_attn": (3, 5), "skip_mlp": (7,)})
     assert split_method("self:layers=1:attn=2-3") == ("self", {"skip_layers": (1,), "skip_attn": (2, 3)})
     spec = speculative_config("layer-skip:mlp=0+2", False)
-    assert spec.skip_mlp == (0, 2) and spec.skip_layers is None and spec.skips_given
+    assert spec.skip_mlp == (0, 2) and spec.skip_layers is None and methods.skips_given(spec)
     for text, words in [("layer-skip:attn=x", r"attn='x' is invalid; .*e.g. attn=3\+5-8\+12"),
                         ("layer-skip:mlp=2-1", r"mlp='2-1' is invalid"), ("layer-skip:attn=", "no value"),
                         ("early-exit:attn=1", "takes no option.*allowed: layer"),
@@ -535,12 +535,12 @@ def test_methods_build_their_self_drafts_and_refuse_bad_values(monkeypatch):
     with pytest.raises(ValueError, match="leaves no draft"):
         build_proposer(SpeculativeConfig("layer-skip", skip_layers=(0, 1, 2, 3)), target, None)
     # an int8 target's int8 copy would cost as much: int4 is allowed (where its kernel runs), int8 refused
-    monkeypatch.setattr(methods, "q4k_kernel", lambda: (object(), ""))
+    monkeypatch.setattr(methods.self_spec, "q4k_kernel", lambda: (object(), ""))
     with pytest.raises(ValueError, match="not below this target's int8.*dtype=int4"):
         build_proposer(SpeculativeConfig("self-draft", self_draft_dtype="int8"), target, None)
     # on a CPU without the int4 kernel (from a new-user pass: the two messages sent the user
     # back and forth between int8 and int4)
-    monkeypatch.setattr(methods, "q4k_kernel", lambda: (None, "a test"))
+    monkeypatch.setattr(methods.self_spec, "q4k_kernel", lambda: (None, "a test"))
     for dtype in ("int4", "int8"):
         with pytest.raises(ValueError, match="use layer-skip or self"):
             build_proposer(SpeculativeConfig("self-draft", self_draft_dtype=dtype), target, None)

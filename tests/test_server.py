@@ -430,7 +430,7 @@ def test_methods_that_cannot_run_here_are_not_offered_and_get_400(spare, monkeyp
     method name) nor runs them: a 400 that says what to do, not a 500."""
     import specdecode.methods as methods
 
-    monkeypatch.setattr(methods, "default_profile_path", lambda target: tmp_path / "none.json")
+    monkeypatch.setattr(methods.self_spec, "default_profile_path", lambda target: tmp_path / "none.json")
     s = Server(lambda: spare, method="ar").start()
     try:
         offered = s.get("/v1/models")[2]["data"][0]["methods"]

@@ -20,7 +20,7 @@ from typing import Iterator
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
-from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare,
+from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, prompt_lookup_method,
                       speculative_config)
 from .models.base import lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
@@ -224,11 +224,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     k = one_of(num_speculative_tokens, "num_speculative_tokens", num_assistant_tokens,
                "num_assistant_tokens")
     if prompt_lookup_num_tokens is not None:
-        named = method.method if isinstance(method, SpeculativeConfig) else method
-        if named not in (None, Method.PROMPT_LOOKUP, Method.PROMPT_LOOKUP.value):
-            raise ValueError(f"prompt_lookup_num_tokens selects prompt lookup; method="
-                             f"{getattr(named, 'value', named)!r} conflicts")
-        method = method if isinstance(method, SpeculativeConfig) else Method.PROMPT_LOOKUP
+        method = prompt_lookup_method(method)
         k = one_of(k, "num_speculative_tokens", prompt_lookup_num_tokens, "prompt_lookup_num_tokens")
     draft = one_of(draft, "draft", assistant_model, "assistant_model")
     spec = speculative_config(
@@ -332,7 +328,7 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
     method = kwargs.get("method")
     spec = speculative_config(method, False) if method is not None else None
-    speculative = spec.method is not Method.AR if spec is not None else any(
+    speculative = spec.method.spec.speculates if spec is not None else any(
         kwargs.get(a) is not None for a in ("draft", "assistant_model", "prompt_lookup_num_tokens"))
     # T(1..17) for the batch's K policy (and the hybrid's, auto K's cost model), measured
     # before the batch holds the target (once per machine, then cached on disk)
@@ -403,8 +399,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     # the rows' draft passes run as one (BatchEngine.draft_view); a model without rows of
     # their own lengths drafts on a fork of its own
     draft_s = verify_profile(drf, 0)[0] if drf is not None else None  # (measured on the model itself)
-    if spec.method.value == "hybrid":  # its feed cost, measured on the model itself too
-        prefill_profile(drf)
+    prepare(spec, tgt, drf)  # what it measures on the draft, on the model itself too
     positions = None if drf is None or check_compatible(tgt, drf) == "same" else \
         CrossTokenizerProposer.draft_positions(batch.max_len)
     view = batch.draft_view(drf.lm, positions) if drf is not None and hasattr(drf.lm, "forward_span") else \

@@ -132,54 +132,21 @@ def write_hf_dir(src: Path, dst: Path, vocab_size: int | None = None,
     return action
 
 
-SELF_SPECULATIVE = (Method.LAYER_SKIP, Method.EARLY_EXIT, Method.SELF_DRAFT, Method.SELF)
-
-
 def engine_settings(engine: str, method: Method, k: int | str | None, draft_dir: Path | None,
                     max_ngram: int, min_ngram: int) -> tuple[str | None, dict | None, list[str], list[str]]:
     """(the engine's method, vLLM's speculative config or None, SGLang's flags, notes) that
-    reproduce ``method`` with speculation length ``k``. Raises ValueError where the engine has
-    no equivalent."""
+    reproduce ``method`` with speculation length ``k`` (the method's ``export`` settings).
+    Raises ValueError where the engine has no equivalent."""
     notes = []
     if isinstance(k, str):  # heuristic / auto: chosen each round here; neither engine does
         notes.append(f"`k={k}` chooses K each round from measured costs; {engine} takes a fixed "
                      "K: the method's default K is exported instead.")
         k = None
-    if method is Method.HYBRID:
-        notes.append(f"{engine} has no hybrid of lookup and draft model: the draft model half is "
-                     "exported (draft model speculation); lookups are left out.")
-        method = Method.DRAFT
-    if method is Method.AR:
-        raise ValueError("method ar speculates nothing: there is nothing to export")
-    if method.value in HEAD_KINDS:
-        raise ValueError(f"{method.value} drafts with a trained head: export it with export_head "
-                         f"(specdecode export {method.value} HEAD --format {engine} OUT)")
-    if method in SELF_SPECULATIVE:
-        raise ValueError(f"vLLM and SGLang have no equivalent of {method.value} (the target "
-                         "drafting with its own layers or weights): nothing reproduces it there")
-    k = k or METHODS[method.value].default_k
-    if engine == "vllm":
-        if method is Method.DRAFT:
-            return "draft_model", {"method": "draft_model", "model": str(draft_dir),
-                                   "num_speculative_tokens": k}, [], notes
-        if method is Method.PROMPT_LOOKUP:
-            return "ngram", {"method": "ngram", "num_speculative_tokens": k,
-                             "prompt_lookup_max": max_ngram, "prompt_lookup_min": min_ngram}, [], notes
-        notes.append("vLLM's suffix decoding needs the arctic-inference package on the serving "
-                     "machine (pip install arctic-inference).")
-        return "suffix", {"method": "suffix", "num_speculative_tokens": k}, [], notes
-    if method is Method.DRAFT:  # SGLang's draft model: a chain of k steps, one candidate each
-        return "STANDALONE", None, [
-            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(k + 1)], notes
-    if method is Method.PROMPT_LOOKUP:
-        notes.append("SGLang's NGRAM runs on CUDA only; it matches the prompt and the output "
-                     "so far, as prompt lookup does.")
-        return "NGRAM", None, ["--speculative-algorithm", "NGRAM",
-                               "--speculative-num-draft-tokens", str(k)], notes
-    raise ValueError("SGLang has no suffix decoding: nothing reproduces it there; export "
-                     "--method prompt-lookup (its NGRAM, the nearest), or suffix for vLLM")
+    how = method.spec.export
+    if how.settings is None:
+        raise ValueError(how.refusal.format(name=method.value, engine=engine))
+    name, config, flags, own = how.settings(engine, k, draft_dir, max_ngram, min_ngram)
+    return name, config, flags, notes + own
 
 
 def export(engine: str, out: str | Path, target: Path, draft: Path | None, method: Method,
@@ -197,7 +164,7 @@ def export(engine: str, out: str | Path, target: Path, draft: Path | None, metho
     out = Path(out).expanduser().resolve()
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty: give a new directory")
-    uses_draft = method in (Method.DRAFT, Method.HYBRID)
+    uses_draft = method.needs_draft_model
     if uses_draft and draft is None:
         raise ValueError(f"method {method.value} needs a draft model to export (--draft)")
     if uses_draft:

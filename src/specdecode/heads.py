@@ -233,7 +233,7 @@ class MedusaHeads(DraftHead):
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}/config.json lacks or has a bad {e}") from None
         # vLLM's truncated draft vocabulary: here heads draft over the target's first ids
-        # (methods._loaded_head), which is what heads trained here export as token_map
+        # (methods.heads.loaded_head), which is what heads trained here export as token_map
         tensors.pop("token_map", None)
         shared = tensors.get("lm_heads.0.weight") if config.get("original_lm_head") else None
         if shared is not None and lm_head is not None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ..methods import PLAIN
 from .workloads import SPEC_BENCH_SUBTASKS
 
-BASES = ("ar", "hf-ar", "llamacpp-ar")  # the methods speedups are quoted against
+BASES = (PLAIN, "hf-ar", "llamacpp-ar")  # the methods speedups are quoted against
 SPEC_BENCH = "spec_bench"  # the group of Spec-Bench's six subtasks, when the run has more
 
 
@@ -63,11 +64,11 @@ def summarize(records: list) -> dict:
             # the same without prefill (which speculation cannot speed up): decode time only
             ratios = [(b.seconds - b.prefill_s) / (r.seconds - r.prefill_s) for r in rs
                       if r.prefill_s is not None and r.seconds > r.prefill_s
-                      and (b := by_key.get(("ar", r.subtask, r.prompt_id, r.turn)))
+                      and (b := by_key.get((PLAIN, r.subtask, r.prompt_id, r.turn)))
                       and b.prefill_s is not None and b.new_tokens == r.new_tokens]
             row["decode_speedup_vs_ar"] = statistics.median(ratios) if ratios else None
             row["spec_bench_speedup_vs_ar"] = spec_bench_speedup(
-                rs, [r for r in records if r.method == "ar" and _in_group(r.subtask, sub)])
+                rs, [r for r in records if r.method == PLAIN and _in_group(r.subtask, sub)])
             row["prefill_share"] = (sum(r.prefill_s for r in rs) / sum(r.seconds for r in rs)
                                     if all(r.prefill_s is not None for r in rs) else None)
             passes = sum(r.num_verify_passes or 0 for r in rs)
@@ -161,11 +162,11 @@ def spec_bench_table(summary: dict) -> str | None:
     on each of Spec-Bench's subtasks in the run and on them together ("spec_bench", or
     "overall" when the run has nothing else); None when the run has none of them or no ar."""
     keep = set(SPEC_BENCH_SUBTASKS) | {SPEC_BENCH}
-    rows = {m: {s: row for s, row in by.items() if s in keep} for m, by in summary.items() if m != "ar"}
+    rows = {m: {s: row for s, row in by.items() if s in keep} for m, by in summary.items() if m != PLAIN}
     if not any(rows.values()):
         return None
     if not any(SPEC_BENCH in by for by in summary.values()):  # only Spec-Bench ran
-        rows = {m: {**rows[m], "overall": by["overall"]} for m, by in summary.items() if m != "ar"}
+        rows = {m: {**rows[m], "overall": by["overall"]} for m, by in summary.items() if m != PLAIN}
     return subtask_table(rows, "spec_bench_speedup_vs_ar")
 
 
@@ -177,7 +178,7 @@ def plot(summary: dict, ceilings: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     subtasks = _groups(summary)
-    methods = [m for m in summary if m != "ar"]
+    methods = [m for m in summary if m != PLAIN]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(subtasks)), 4))
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):

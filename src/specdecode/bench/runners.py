@@ -15,7 +15,7 @@ import torch
 
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
-from ..methods import (METHOD_OPTIONS, METHODS, SpeculativeConfig, build_proposer, build_schedule,
+from ..methods import (METHOD_OPTIONS, METHODS, PLAIN, SpeculativeConfig, build_proposer, build_schedule,
                        method_options, name_and_options)
 from ..models import llamacpp
 from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, check_model_name,
@@ -207,8 +207,8 @@ def row_options(name: str, temperature: float = 0.0) -> list[str]:
     keys = set()
     if method.proposer is not None:
         keys |= {"k", "max_k"}
-        keys |= {key for key, (option, _, _) in OPTION_PARSERS.items() if option in method.options}
-        keys |= {key for key, (option, _, _) in METHOD_OPTIONS.items() if option in method.options}
+        keys |= {key for key, (option, _, _) in OPTION_PARSERS.items() if option in method.option_names}
+        keys |= set(method.keys())
     if method.needs_draft_model:
         keys |= {"dtype", "backend", "model"}
     if name in CROSS_ROWS:
@@ -397,8 +397,8 @@ def build_runners(models: BenchModels, methods,
     for label, name, options in methods:
         opts = dict(options)
         if is_ours(name):
-            runner, ref = ours(models, name, opts, temperature), "ar"
-            if temperature > 0 and not (rules[label] == "gumbel" and rules.get("ar") == "gumbel"):
+            runner, ref = ours(models, name, opts, temperature), PLAIN
+            if temperature > 0 and not (rules[label] == "gumbel" and rules.get(PLAIN) == "gumbel"):
                 ref = None
             if is_lossy(name, options):
                 ref = None

@@ -13,7 +13,7 @@ from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS,
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, SUBTASKS, WORKLOADS,
                                load_code_edit, load_humaneval, load_spec_bench)
 from ..config import SamplingParams
-from ..methods import METHOD_OPTIONS, METHODS
+from ..methods import METHODS
 from ..models import registry
 from ..models.loading import BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES
 from ..train.run import KINDS as HEAD_KINDS, ensure_default_head
@@ -23,8 +23,8 @@ from .common import (EXIT_CODES_HELP, add_threads_argument, apply_threads, devic
 
 def _help() -> str:
     def options(m):
-        given = [f"{key}={values}" for table in (OPTION_PARSERS, METHOD_OPTIONS)
-                 for key, (o, values, _) in table.items() if o in m.options]
+        given = [f"{key}={values}" for key, (o, values, _) in OPTION_PARSERS.items() if o in m.option_names]
+        given += [f"{key}={k.example}" for key, k in m.keys().items()]
         return f" ({', '.join(given)})" if given else ""
 
     ours = "\n".join(f"  {m.name:<14}{m.summary}{options(m)}" for m in METHODS.values())

@@ -8,8 +8,8 @@ import json
 import shlex
 from pathlib import Path
 
-from ..export import ENGINES, HEAD_KINDS, SELF_SPECULATIVE, export, export_head
-from ..methods import Method, speculative_config
+from ..export import ENGINES, HEAD_KINDS, export, export_head
+from ..methods import METHODS, Method, speculative_config
 from ..models import registry
 from ..models.loading import resolve_model_path
 from .common import EXIT_CODES_HELP, check_output, k_argument, run_command
@@ -57,8 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft", default=None,
                    help=f"draft model for draft/hybrid (default {registry.DEFAULT_DRAFT})")
     p.add_argument("--method", default=None,
-                   choices=[m.value for m in Method if m is not Method.AR and m not in SELF_SPECULATIVE
-                            and m.value not in HEAD_KINDS],
+                   choices=[m.name for m in METHODS.values() if m.export.settings is not None],
                    help="the specdecode method to reproduce (default draft; heads: export eagle3|medusa HEAD)")
     p.add_argument("--k", type=k_argument, default=None,
                    help="speculation length K (default: the method's; Medusa: its number of heads)")
@@ -78,7 +77,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ValueError(f"--format is for heads (export eagle3|medusa HEAD --format ...); the engine "
                          f"is already {args.what}")
     method = Method(args.method or Method.DRAFT.value)
-    needs_draft = method in (Method.DRAFT, Method.HYBRID)
+    needs_draft = method.needs_draft_model
     if args.draft is not None and not needs_draft:
         raise ValueError(f"--draft is for the draft and hybrid methods; {method.value} has no draft model")
     spec = speculative_config(method, needs_draft, max_ngram=args.max_ngram)  # generate's checks

@@ -197,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out["threads"] = threads
     out["weights"] = {"target": target.lm.weight_format,
                       "draft": draft.lm.weight_format if draft else None}
-    if args.compare and method is Method.AR:
+    if args.compare and not method.spec.speculates:
         print("--compare: method ar is plain decoding itself; nothing to compare", file=info)
     elif args.compare:
         ar = None

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..config import MAX_LOGPROBS, MAX_TEMPERATURE, MIN_TEMPERATURE
-from ..methods import SpeculativeConfig
+from ..methods import METHODS, SpeculativeConfig
 
 MAX_N = 8  # choices per request
 ROLES = ("system", "user", "assistant")
@@ -203,7 +203,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     if method not in ctx.methods:
         why = ctx.unavailable.get(method) if isinstance(method, str) else None
         hint = (" (the methods with a draft model need one loaded: start the server with --draft "
-                "NAME or --method draft|hybrid)" if method in ("draft", "hybrid")
+                "NAME or --method draft|hybrid)" if isinstance(method, str) and method in METHODS and METHODS[method].needs_draft_model
                 else f" ({method} cannot run here: {why})" if why
                 else " (a request names a method only; its options are the server's: start it with "
                      "--method NAME:KEY=VALUE)" if isinstance(method, str) and ":" in method else "")

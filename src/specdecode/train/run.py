@@ -338,7 +338,7 @@ def _medusa(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
     lm = target.lm
     heads = MedusaHeads(lm.args.dim, lm.vocab_size, recipe.heads, 1,
                         lm_head=checkpoint_tensor(target, "lm_head.weight")[:lm.vocab_size])
-    # over the ids the heads draft when served (methods._loaded_head)
+    # over the ids the heads draft when served (methods.heads.loaded_head)
     first_ids = auto_draft_vocab(lm.args.vocab_size)
     return medusa_task(heads, train_seqs, held, {**info, "first_ids": first_ids}, first_ids)
 
