@@ -825,6 +825,8 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
                                    enumerate([("writing", "Write add(a, b)."), ("qa", "What is 2 + 2?")])))
     assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--dataset", str(tmp_path / "nothere.jsonl")]) == 2
+    assert "Spec-Bench question file not found: " + str(tmp_path / "nothere.jsonl") in capsys.readouterr().err
     assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--method", "ar"]) == 2
     assert "--method and --off-method are both ar" in capsys.readouterr().err
     # a method the target cannot honour ends the run, naming it (it waited forever)
