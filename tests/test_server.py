@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, started on 127.0.0.1 in the test and spoken to with the
-official ``openai`` client (max_retries=0) and raw HTTP: the items of
-../shared/docs/SERVER.md's checklist that apply to a server that runs one request at a time
-(tiny models of the test tokenizer; outputs compared with the same request run in-process)."""
+official ``openai`` client (max_retries=0) and raw HTTP: the items of docs/server.md's
+checklist that apply to a server that runs one request at a time (tiny models of the test
+tokenizer; outputs compared with the same request run in-process)."""
 
 from __future__ import annotations
 
@@ -776,7 +776,7 @@ def test_the_page_shows_who_supplied_each_token_beside_plain_decoding(server, al
 
 
 def test_load_16_concurrent_streams_100_requests(server, alone):
-    """The issue's bounded load test on loopback: 100 streaming requests, 16 at a time (twice
+    """A bounded load test on loopback: 100 streaming requests, 16 at a time (twice
     the batch: the queue holds the rest), mixed methods, prompt lengths, greedy and seeded
     sampling: 0 errors, each equals its solo run, and nothing is left running after."""
     methods = ["ar", "draft", "prompt-lookup", "suffix", "hybrid"]

@@ -8,7 +8,7 @@
 
 The defaults of :class:`HeadRecipe` are the default head's recipe, sized so that the
 default target's EAGLE-3 head, answers included, trains in under two hours on a 2-core CPU
-(BENCHMARKS.md section 11).
+(docs/EXPERIMENTS.md, the draft heads).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class HeadRecipe:
     training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
     intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
     examples per step (None: 64 positions for Medusa, one sequence for EAGLE-3, whose
-    batches pad to their longest sequence; 4 sequences for a distilled draft; BENCHMARKS.md
-    section 11). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
+    batches pad to their longest sequence; 4 sequences for a distilled draft; docs/EXPERIMENTS.md,
+    the draft heads). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
     3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
     seed: the data order's seed. precision: the training steps' arithmetic, "auto", "bf16"
     or "fp32" (:func:`specdecode.train.loop.resolve_precision`). dataset: the Spec-Bench
