@@ -6,8 +6,9 @@ Models: tiny random Llama decoders saved as Hugging Face directories with that t
 (built once per session, a few MB each), and ``MockLM`` models whose logits force an exact
 token script, so that the output is exactly the tokens of a chosen text (multi-byte UTF-8,
 stop strings, EOS at chosen positions). No real model weights are loaded.
-TESTPACK.md sections covered here: 3 (events inside a block), 6 (vocabularies/tokenizers),
-9 (streaming), plus argument validation and model loading.
+The fault kinds covered here (docs/testing.md): events inside an accepted block (stop
+strings, EOS, length), vocabularies and tokenizers, streaming; plus argument validation and
+model loading.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     a, b = results["draft+K3"].stats, results["assistant+num_assistant_tokens3"].stats
     assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == \
         (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens)
-    # method="ar" with a draft is refused, not ignored (issue 21, fault 8)
+    # method="ar" with a draft is refused, not ignored (it was ignored)
     with pytest.raises(ValueError, match="not 'ar'"):
         specdecode.generate(target, PROMPT, draft=draft, method="ar", max_new_tokens=40)
     # do_sample=False alone is greedy too
@@ -282,7 +283,7 @@ def test_suffix_session_cache_lives_with_the_loaded_target(dirs, draft, method):
 
 @pytest.mark.parametrize("method", ["suffix", "hybrid"])
 def test_a_seeded_request_is_the_same_after_other_requests_filled_the_session_cache(dirs, draft, method):
-    """Issue 21, fault 4: with the session suffix cache, T = 1 and seed 7, the same prompt
+    """A fixed fault: with the session suffix cache, T = 1 and seed 7, the same prompt
     gave another text after three other requests ran (the cache changed the proposals, and
     the proposals moved the draws). Under the gumbel rule (the default with a seed) the
     text is plain sampling's with that seed, whatever the cache holds."""
@@ -345,7 +346,7 @@ def test_self_draft_accepts_everything(target):
     assert s.num_verify_passes == 9  # 8 rounds of 5 tokens, then 1 token (no room to draft)
 
 
-# --------------------------------------------------------------------------- §9 streaming
+# --------------------------------------------------------------------------- streaming
 
 def _splits_a_character(tok, chunks) -> bool:
     """Some chunk boundary (not the last) falls inside a multi-byte character."""
@@ -415,7 +416,7 @@ def test_stream_real_models_equals_non_streamed_and_plain(target, draft, k):
         assert len(chunks) - 1 == result.stats.num_verify_passes  # one chunk per verify pass
 
 
-# --------------------------------------------------------------------------- §3 stop strings, EOS, length
+# --------------------------------------------------------------------------- stop strings, EOS, length
 
 def _first_token_completing(tok, script, stop: str) -> int:
     return next(j for j in range(len(script)) if stop in tok.decode(script[:j + 1]))
@@ -573,7 +574,7 @@ def test_max_new_tokens_exact(tok, target, k):
         assert r.token_ids == ar[:m] and r.stats.num_generated_tokens == m
 
 
-# --------------------------------------------------------------------------- §6 vocabularies, tokenizers
+# --------------------------------------------------------------------------- vocabularies, tokenizers
 
 def test_draft_with_more_embedding_rows(dirs, target):
     wide = specdecode.load(dirs["wide_draft"])
@@ -610,7 +611,7 @@ def test_target_with_more_embedding_rows_than_draft(dirs, target):
 
 @pytest.mark.parametrize("method", ["draft", "hybrid"])
 def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
-    """TESTPACK 6: a genuinely different tokenizer is routed through the cross-tokenizer
+    """Vocabularies and tokenizers: a genuinely different tokenizer is routed through the cross-tokenizer
     path (the output is plain decoding's), both ways; the proposer reads its own tokenizer."""
     foreign = specdecode.load(dirs["foreign"])
     assert len(foreign.tokenizer) < 1000 and check_compatible(target, foreign) == "cross"
@@ -640,7 +641,7 @@ def test_a_draft_of_another_tokenizer_goes_through_text(dirs, target, method):
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_a_draft_of_another_tokenizer_streams_and_batches_like_plain_decoding(dirs, target, k):
-    """TESTPACK 6 and 9: with a draft of another tokenizer, the stream of a multilingual
+    """Tokenizers and streaming: with a draft of another tokenizer, the stream of a multilingual
     prompt concatenates to the non-streamed text, which is plain decoding's; a batch of
     prompts (the batched engine: the drafts' passes on rows of one draft cache) gives each
     its solo run."""
@@ -774,7 +775,7 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     (dict(method="draft", max_matching_ngram_size=5), ["n-gram", "'draft'", "max_ngram=5"]),
     (dict(method="suffix", suffix_cache="forever"), ["suffix_cache", "forever"]),
     (dict(draft_p_min=0.5, assistant_confidence_threshold=0.5), ["draft_p_min", "alias"]),
-    # a positive temperature too small to divide by (issue 21, fault 6: nan in multinomial)
+    # a positive temperature too small to divide by (was: nan in multinomial)
     (dict(temperature=1e-40), ["temperature=1e-40", "1e-20"]),
     (dict(temperature=True), ["temperature=True"]),
     (dict(temperature=1e39, top_k=3), ["temperature=1e+39", "1e+30"]),  # top_k was ignored
@@ -821,7 +822,7 @@ def test_bad_prompts(target, tok):
 
 
 def test_text_that_is_not_utf8_is_refused_naming_the_character(target, tok):
-    """Issue 21, fault 5: a lone surrogate (what Python makes of a byte that is not UTF-8)
+    """A fixed fault: a lone surrogate (what Python makes of a byte that is not UTF-8)
     crashed inside the tokenizers library with a TypeError."""
     for prompt, words in (("abc \ud800 def", ["prompt", "U+D800", "character 4", "lone surrogate"]),
                           (b"abc \xff def".decode("utf-8", "surrogateescape"), ["U+DCFF", "0xFF"])):
@@ -836,7 +837,7 @@ def test_text_that_is_not_utf8_is_refused_naming_the_character(target, tok):
 
 @pytest.mark.parametrize("method", ["ar", "prompt-lookup", "suffix"])
 def test_a_draft_given_to_a_method_without_one_is_refused(target, draft, method):
-    """Issue 21, fault 8: one rule for every option: a draft model given to a method that
+    """One rule for every option: a draft model given to a method that
     does not use one is an error, like draft_p_min to prompt lookup (it was dropped)."""
     for kwargs in (dict(draft=draft), dict(assistant_model=draft)):
         with pytest.raises(ValueError) as err:
@@ -893,7 +894,7 @@ def test_bad_model_references(tmp_path, dirs):
         specdecode.load(dirs["target"], backend="onnx")
     broken = tmp_path / "broken_config"
     shutil.copytree(dirs["target"], broken)
-    for text in ("{bad json", "[1, 2]"):  # issue 21, fault 9: a bare JSONDecodeError
+    for text in ("{bad json", "[1, 2]"):  # was: a bare JSONDecodeError
         (broken / "config.json").write_text(text)
         with pytest.raises(ValueError) as err:
             specdecode.load(broken)
@@ -997,7 +998,7 @@ def test_max_matching_ngram_size_sets_the_longest_n_gram_and_keeps_the_shortest_
 def test_a_stream_closed_or_abandoned_early_frees_its_models_at_once(target, draft):
     """``close()`` on a stream, or a ``break`` out of a loop over it, releases the models
     then and there (not when the cyclic garbage collector runs): the next request works,
-    every time. A stream paused but still held keeps them (issue 21, fault 1)."""
+    every time. A stream paused but still held keeps them."""
     import gc
 
     gc.disable()  # only reference counting may free anything here

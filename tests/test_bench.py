@@ -308,8 +308,8 @@ def test_code_edit_workload():
 
 
 def test_spec_bench_subtasks_limit_and_seed(tmp_path):
-    """Spec-Bench's format (a file written here, so the test does not depend on where the
-    shared data lies): the 8 MT-Bench categories form mt_bench, the others are their own."""
+    """Spec-Bench's format (a file written here, so the test does not depend on the shipped
+    copy): the 8 MT-Bench categories form mt_bench, the others are their own."""
     path = tmp_path / "question.jsonl"
     lines, qid = [], 0
     for cat in workloads.MT_BENCH:

@@ -120,7 +120,7 @@ def test_method_ar_loads_no_draft(capsys, dirs, monkeypatch):
 @pytest.mark.parametrize("flag, value", [("--draft", "DRAFT"), ("--draft-dtype", "float32"),
                                          ("--draft-backend", "native")])
 def test_draft_flags_with_a_method_without_a_draft_are_refused(capsys, dirs, method, flag, value):
-    """Issue 21, fault 8: a --draft that the method would not use was dropped in silence."""
+    """A --draft that the method would not use is refused (it was dropped in silence)."""
     value = dirs["draft"] if value == "DRAFT" else value
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--method", method,
                          flag, value, "--prompt", PROMPT, "--max-new-tokens", 3)
@@ -197,7 +197,7 @@ def test_prompt_from_stdin(capsys, dirs, monkeypatch):
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
                          "--prompt", "-", "--json", "--max-new-tokens", 8)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == ref["token_ids"]
-    # issue 21, fault 5: bytes that are not UTF-8 on stdin: one line naming the byte, exit 2
+    # bytes that are not UTF-8 on stdin: one line naming the byte, exit 2
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc \xff def")))
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--prompt", "-",
                          "--method", "ar", "--max-new-tokens", 8)
@@ -248,7 +248,7 @@ def test_a_typo_in_a_method_name_suggests_the_method(capsys):
 
 
 def test_model_directory_with_broken_config_is_a_one_line_error(capsys, dirs, tmp_path):
-    """Issue 21, fault 9: it printed only "error: Expecting property name...", naming no file."""
+    """It names the file (it printed only "error: Expecting property name...", naming no file)."""
     import shutil
 
     broken = tmp_path / "broken"
@@ -310,8 +310,8 @@ def test_unknown_target_is_a_one_line_error(capsys, dirs):
     (["--k", "4", "--max-k", "8"], ["--max-k", "heuristic", "auto"]),
     (["--max-ngram", "2"], ["n-gram", "'draft'"]),
     (["--max-ngram", "5"], ["n-gram", "'draft'"]),  # the default value, given: still an error
-    (["--temperature", "1e-40"], ["temperature=1e-40"]),  # issue 21, fault 6: a traceback
-    (["--prompt", b"abc \xff def".decode("utf-8", "surrogateescape")],  # fault 5: argv bytes
+    (["--temperature", "1e-40"], ["temperature=1e-40"]),  # was: a traceback
+    (["--prompt", b"abc \xff def".decode("utf-8", "surrogateescape")],  # argv bytes
      ["--prompt", "not valid UTF-8", "0xFF"]),
 ])
 def test_bad_values_are_one_line_errors(capsys, dirs, argv, words):

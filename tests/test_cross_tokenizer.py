@@ -1,4 +1,4 @@
-"""Drafts of another tokenizer (TESTPACK section 6): token bytes, the text bridge between two
+"""Drafts of another tokenizer (docs/testing.md, vocabularies and tokenizers): token bytes, the text bridge between two
 vocabularies, greedy equality with mock drafts whose proposals we choose, BOS and special
 tokens, multi-byte text, and the sampling distribution on toy tokenizers."""
 

@@ -30,7 +30,7 @@ from specdecode.train.features import TOPK, Sequence
 from specdecode.train.loop import train
 from tiny_dirs import _llama_config, _randomize, local_tokenizer, tiny_dirs_in
 
-# HEADS.md's table for the default target (Qwen2.5-Coder-1.5B: hidden 1536, 12 heads, 2 KV
+# docs/methods/heads.md's table for the default target (Qwen2.5-Coder-1.5B: hidden 1536, 12 heads, 2 KV
 # heads, head_dim 128, 151,936 ids), with intermediate size I and draft vocabulary N
 QWEN_1_5B = ModelArgs(vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
                       intermediate_size=8960, norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)

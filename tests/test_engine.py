@@ -1,4 +1,6 @@
-"""The speculative loop (TESTPACK §1, 2, 3, 4, 7, 10), on tiny fp32 decoders and mock models.
+"""The speculative loop, on tiny fp32 decoders and mock models: greedy equality, a draft
+equal to its target, events inside an accepted block, the repetition penalty, context
+limits and vocabulary sizes, metrics (the fault kinds of docs/testing.md).
 
 Every engine runs with ``debug=True`` (the cache invariant is asserted after every round).
 Expected outputs are always derived from plain decoding of the same target (``reference``),
@@ -68,7 +70,7 @@ GREEDY128 = SamplingParams(max_new_tokens=128)
 
 
 # ----------------------------------------------------------------------------------------
-# §1 greedy equality
+# greedy equality
 # ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
@@ -101,7 +103,7 @@ def test_greedy_equality_noisy_draft_mixes_accepts_and_rejects():
 
 
 # ----------------------------------------------------------------------------------------
-# §2 draft == target
+# draft == target
 # ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
@@ -212,7 +214,7 @@ def test_one_token_forward_equals_first_row_of_verify_forward(prompt_name, k, pa
 
 
 # ----------------------------------------------------------------------------------------
-# §3 events inside an accepted block
+# events inside an accepted block
 # ----------------------------------------------------------------------------------------
 
 EVENT_PROMPT = PROMPTS["twenty"]
@@ -471,7 +473,7 @@ def test_stop_strings_need_decode():
 
 
 # ----------------------------------------------------------------------------------------
-# §4 repetition penalty: a rejected draft leaves no trace
+# repetition penalty: a rejected draft leaves no trace
 # ----------------------------------------------------------------------------------------
 
 PENALTIES = [0.7, 1.3, 2.0]
@@ -505,7 +507,7 @@ def test_different_penalties_give_different_outputs():
 
 
 # ----------------------------------------------------------------------------------------
-# §7 context limits, vocabulary sizes
+# context limits, vocabulary sizes
 # ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("same_weights", [True, False])
@@ -696,7 +698,7 @@ def test_draft_with_different_vocab_size(vocab):
 
 
 # ----------------------------------------------------------------------------------------
-# §10 metrics
+# metrics
 # ----------------------------------------------------------------------------------------
 
 MV = 32

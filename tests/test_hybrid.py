@@ -1,6 +1,7 @@
 """The hybrid: a policy over free proposers and one draft model (its choices, stats per
-proposer, costs, tuning; TESTPACK §1, 2, 5 for it). Expected outputs always come from plain
-decoding of the same target."""
+proposer, costs, tuning; greedy equality, a draft equal to its target and the sampling
+distribution for it, docs/testing.md). Expected outputs always come from plain decoding of
+the same target."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Proposers that need no model: prompt lookup and suffix matching, and the lookup kinds
-through the engine (TESTPACK §1, 3, 5, 7 for each; the hybrid is among the kinds). Expected
-outputs always come from plain decoding of the same target; every engine asserts the cache
-invariant (debug=True)."""
+through the engine (greedy equality, events inside an accepted block, the sampling
+distribution and context limits for each, docs/testing.md; the hybrid is among the kinds).
+Expected outputs always come from plain decoding of the same target; every engine asserts
+the cache invariant (debug=True)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_lookup_on_copied_text_accepts_nearly_everything():
 
 def test_no_match_proposes_nothing_and_counts_no_drafts():
     """A prompt with no repeated token and a target that only emits new tokens: nothing to
-    look up, so no draft is proposed or counted (§10), and the output is plain decoding's."""
+    look up, so no draft is proposed or counted, and the output is plain decoding's."""
     vocab = 400
     fresh = lambda tokens: torch.nn.functional.one_hot(  # noqa: E731
         torch.tensor(max(tokens) + 1), vocab).float() * 5

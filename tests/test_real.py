@@ -142,9 +142,10 @@ def test_default_target_keeps_the_gguf_q4k_blocks(qwen_pair):
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_smollm2_seeded_sampling_is_the_same_whatever_speculates(smollm2, temperature):
-    """Issue 21 / TESTPACK §11 on a real model: a seeded sampled request gives plain
-    sampling's token ids with every method, K schedule and session state; the draft is the
-    same model quantized to int4 (other logits: it agrees often, not always)."""
+    """Seeded output that no proposer can change (docs/testing.md), on a real model: a
+    seeded sampled request gives plain sampling's token ids with every method, K schedule
+    and session state; the draft is the same model quantized to int4 (other logits: it
+    agrees often, not always)."""
     # int4 needs a Q4_K kernel; elsewhere the float model drafts for the int8 one
     draft = specdecode.load("smollm2-135m-instruct", dtype="int4" if Q4K else "float32", role="draft")
     prompt = "List five fruits and say one thing about each."
@@ -168,7 +169,7 @@ def test_smollm2_seeded_sampling_is_the_same_whatever_speculates(smollm2, temper
 
 
 def test_default_pair_behind_the_server_equals_solo_runs(qwen_pair):
-    """The issue's one server test with the default pair: four concurrent streamed chat
+    """The server test with the default pair: four concurrent streamed chat
     requests (hybrid, draft, prompt lookup, plain) through the OpenAI client each equal the
     request run alone in-process; usage counts what was delivered."""
     import asyncio
@@ -217,7 +218,7 @@ def test_default_pair_behind_the_server_equals_solo_runs(qwen_pair):
 
 @pytest.mark.parametrize("draft_name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_drafts_of_another_tokenizer_equal_greedy(qwen_pair, draft_name):
-    """Issue 20 on the real tokenizers: SmolLM2 (49,152 tokens, ChatML) and Gemma 3 (262,144,
+    """Drafts of another tokenizer on the real tokenizers: SmolLM2 (49,152 tokens, ChatML) and Gemma 3 (262,144,
     SentencePiece with byte fallback, a BOS; the transformers adapter runs its architecture)
     draft for the default target through text: greedy output equal to plain decoding, on a
     chat prompt and on code; and the drafts are accepted (they are real models)."""

@@ -1,4 +1,5 @@
-"""The acceptance rule and logits processing (TESTPACK §5, §4 for the sampler).
+"""The acceptance rule and logits processing (docs/testing.md: the sampling distribution,
+and the repetition penalty and other processors for the sampler).
 
 - ``rejection_sample`` with fixed ±10 logits (certain outcomes), point-mass vs one-hot drafts,
   drafts of a narrower vocabulary, greedy verification as the T -> 0 case.
@@ -612,7 +613,7 @@ def test_default_rule_is_gumbel_with_a_seed_and_rejection_without():
 
 
 # ----------------------------------------------------------------------------------------
-# Seeded output that no proposer can change (TESTPACK §11; issue 21 part 1)
+# Seeded output that no proposer can change (docs/testing.md)
 # ----------------------------------------------------------------------------------------
 
 INVARIANT_PROMPTS = {"twenty": list(range(10, 30)), "repetitive": [11, 23, 5, 42, 17] * 8}

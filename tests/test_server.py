@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, started on 127.0.0.1 in the test and spoken to with the
-official ``openai`` client (max_retries=0) and raw HTTP: the items of
-../shared/docs/SERVER.md's checklist that apply to a server that runs one request at a time
-(tiny models of the test tokenizer; outputs compared with the same request run in-process)."""
+official ``openai`` client (max_retries=0) and raw HTTP: the items of docs/server.md's
+checklist that apply to a server that runs one request at a time (tiny models of the test
+tokenizer; outputs compared with the same request run in-process)."""
 
 from __future__ import annotations
 
@@ -776,7 +776,7 @@ def test_the_page_shows_who_supplied_each_token_beside_plain_decoding(server, al
 
 
 def test_load_16_concurrent_streams_100_requests(server, alone):
-    """The issue's bounded load test on loopback: 100 streaming requests, 16 at a time (twice
+    """A bounded load test on loopback: 100 streaming requests, 16 at a time (twice
     the batch: the queue holds the rest), mixed methods, prompt lengths, greedy and seeded
     sampling: 0 errors, each equals its solo run, and nothing is left running after."""
     methods = ["ar", "draft", "prompt-lookup", "suffix", "hybrid"]
@@ -825,6 +825,8 @@ def test_bench_serve_command_with_check(tmp_path, tmp_path_factory, capsys):
                                    enumerate([("writing", "Write add(a, b)."), ("qa", "What is 2 + 2?")])))
     assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--dataset", str(tmp_path / "nothere.jsonl")]) == 2
+    assert "Spec-Bench question file not found: " + str(tmp_path / "nothere.jsonl") in capsys.readouterr().err
     assert cli.main(["bench-serve", "--target", str(dirs["target"]), "--method", "ar"]) == 2
     assert "--method and --off-method are both ar" in capsys.readouterr().err
     # a method the target cannot honour ends the run, naming it (it waited forever)

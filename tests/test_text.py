@@ -1,5 +1,5 @@
 """Incremental detokenization and stop strings: the same text as one decode of the whole
-output, at a cost per token that does not grow with the output (TESTPACK 9: streaming)."""
+output, at a cost per token that does not grow with the output (docs/testing.md, streaming)."""
 
 from __future__ import annotations
 

@@ -635,7 +635,7 @@ def test_the_default_recipe_asks_a_head_for_more_prompts_than_a_draft(deep_targe
     class Stop(Exception):
         pass
 
-    def prompts(data, max_prompts, to_german=None):
+    def prompts(data, max_prompts, exclude=None, to_german=None):
         asked.append(max_prompts)
         raise Stop
 
@@ -649,6 +649,34 @@ def test_the_default_recipe_asks_a_head_for_more_prompts_than_a_draft(deep_targe
     # a step's examples: EAGLE-3 one sequence (a batch pads to its longest), unless given
     assert [run.DEFAULT_RECIPE.batch_for(k) for k in ("medusa", "eagle3", "draft")] == [64, 1, 4]
     assert run.HeadRecipe(batch_size=3).batch_for("eagle3") == 3
+
+
+def test_the_recipes_dataset_is_the_question_file_the_prompts_stay_apart_from(deep_target_dir, tmp_path,
+                                                                               monkeypatch):
+    """``train --dataset FILE`` (the recipe's dataset): no prompt may share an 8-word run with
+    that file's questions; without it, with the copy of Spec-Bench shipped in the package."""
+    from specdecode.bench.workloads import SPEC_BENCH_PATH
+    question = "Name the three tallest mountains of the Andes with their heights in metres."
+    mine = tmp_path / "question.jsonl"
+    mine.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [question]}))
+    shipped = json.loads(SPEC_BENCH_PATH.read_text().splitlines()[0])["turns"][0]
+    excluded = []
+
+    class Stop(Exception):
+        pass
+
+    def prompts(data, max_prompts, exclude=None, to_german=None):
+        excluded.append(exclude)
+        raise Stop
+
+    monkeypatch.setattr(run, "training_prompts", prompts)
+    target = specdecode.load(deep_target_dir)
+    for i, recipe in enumerate((run.HeadRecipe(dataset=str(mine)), run.HeadRecipe())):
+        with pytest.raises(Stop):
+            run.train_head("medusa", target, tmp_path / str(i), recipe)
+    given, default = excluded
+    assert data.word_runs(question) & given and not data.word_runs(question) & default
+    assert data.word_runs(shipped) & default and not data.word_runs(shipped) & given
 
 
 def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
@@ -683,6 +711,7 @@ def test_an_out_directory_of_something_else_is_refused(tmp_path, capsys):
     (["--batch-size", "0"], "--batch-size must be an integer 1..65536"),
     (["--steps", "0"], "--steps must be an integer 1..8"),
     (["--intermediate-size", "0"], "--intermediate-size must be an integer 1..1000000"),
+    (["--dataset", "nothere.jsonl"], "Spec-Bench question file not found: nothere.jsonl; --dataset takes"),
 ])
 def test_bad_training_arguments_exit_2_with_the_allowed_values(tmp_path, capsys, bad, message):
     assert main(["train", "medusa", "--out", str(tmp_path / "h"), *bad]) == 2

@@ -1,6 +1,6 @@
 """Draft trees (specdecode.tree) and the acceptance rules over them (verify_tree,
 greedy_verify_tree): the tree's mask and positions, certain outcomes, greedy equality with the
-linear rule, and TESTPACK section 5's distribution test for top-k (point-mass) and SpecInfer
+linear rule, and the sampling distribution test of docs/testing.md for top-k (point-mass) and SpecInfer
 (i.i.d. sampled) children, with a power check that a biased use of the rule is detected."""
 
 from __future__ import annotations

@@ -357,7 +357,8 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
 def _own_chat_view(proposer, draft: LoadedModel | None, prompt, chat: bool) -> None:
     """A draft of another tokenizer reads a chat in its own chat template, where it has one:
     its acceptance was 0.351 against 0.333 reading the target's rendered text (SmolLM2-135M
-    for the Qwen2.5-Coder target, 6 Spec-Bench prompts: BENCHMARKS.md section 9)."""
+    for the Qwen2.5-Coder target, 6 Spec-Bench prompts: docs/EXPERIMENTS.md, drafts of
+    another tokenizer)."""
     cross = proposer if isinstance(proposer, CrossTokenizerProposer) else getattr(proposer, "drafter", None)
     if not isinstance(cross, CrossTokenizerProposer) or not (chat or isinstance(prompt, list)):
         return

@@ -1,5 +1,5 @@
 """Batched speculative decoding: many requests share each target forward (continuous
-batching, issue 17's engine).
+batching).
 
 Every step, each active row contributes its last token plus its own K draft tokens (K may
 differ per row, 0 included); one verify pass of rows of their own lengths
@@ -131,7 +131,8 @@ class MeasuredRates:
     the batch grows (a verify pass of n tokens costs T(n), which grows with n): measured
     slower with fewer rows, it is not tried with more; measured faster with more, it is
     taken with fewer. It keeps the batch from running slower than plain decoding where the
-    cost model misjudges (SERVER.md item 21)."""
+    cost model misjudges: speculation must never make a server much slower than plain
+    batched decoding (docs/server.md)."""
 
     def __init__(self, window: int = 16, min_rounds: int = 3, explore_every: int = 16):
         self.window, self.min_rounds, self.explore_every = window, min_rounds, explore_every

@@ -1,4 +1,4 @@
-"""The speculative decoding loop (DESIGN.md), as a generator of token ids.
+"""The speculative decoding loop (docs/DESIGN.md), as a generator of token ids.
 
 Each round: the proposer proposes k draft tokens; the target scores ``last + drafts`` in one
 verify pass; the request's acceptance rule (:func:`~specdecode.verify.rejection_sample`,

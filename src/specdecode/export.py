@@ -256,7 +256,7 @@ def _notes(r: ExportResult, method: str, target_name: str, with_target: bool,
 
 def head_tensor_table(kind: str, config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors (name -> (shape, dtype)) that vLLM (and, for ``eagle3``, SGLang) load for
-    a head of this config.json: HEADS.md's table, weights in bf16, EAGLE-3's d2t int64 and
+    a head of this config.json: the table of docs/methods/heads.md, weights in bf16, EAGLE-3's d2t int64 and
     t2d bool. Raises ValueError for an unknown kind or a config without the sizes it needs."""
     if kind not in HEAD_KINDS:
         raise ValueError(f"head kind {kind!r} is unknown; allowed: {', '.join(HEAD_KINDS)}")

@@ -7,7 +7,7 @@ final hidden state h at the last committed token's predecessor (the lm_head inpu
 predicted that token) and guesses the token i + 1 places after it: a residual block
 ``x + silu(W x + b)`` (``num_layers`` of them), then a vocabulary projection, its own or the
 target's (``original_lm_head``). The directory format is vLLM's Medusa checkpoint
-(``vllm/model_executor/models/medusa.py``; ../shared/docs/HEADS.md): ``config.json`` with
+(``vllm/model_executor/models/medusa.py``; docs/methods/heads.md): ``config.json`` with
 ``"architectures": ["MedusaModel"]`` and ``medusa_fc_bias: true`` (without it vLLM drops the
 blocks' biases), and ``model.safetensors`` with ``blocks.{i}.layers.{j}.weight`` / ``.bias``
 and ``lm_heads.{i}.weight`` (one ``lm_heads.0.weight`` holding the target's projection when
@@ -37,7 +37,8 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 HEAD_ARCHS = {"medusa": MEDUSA_ARCH, "eagle3": EAGLE3_ARCH}
 HEAD_NAMES = {"medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
 # how long the default recipe takes for the 1.5B default target on 2 cores, answers included
-# (the messages that offer to train one say it; BENCHMARKS.md section 11 has the measurements)
+# (the messages that offer to train one say it; docs/EXPERIMENTS.md, the draft heads, has
+# the measurements)
 DEFAULT_HEAD_TIME = "75-105 minutes"
 
 
@@ -283,7 +284,7 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 class Eagle3Head(DraftHead):
     """EAGLE-3 draft head (Li et al., arXiv:2503.01840), in the layout vLLM and SGLang load
-    as ``LlamaForCausalLMEagle3`` (../shared/docs/HEADS.md;
+    as ``LlamaForCausalLMEagle3`` (docs/methods/heads.md;
     ``vllm/model_executor/models/llama_eagle3.py``).
 
     One step reads a token id x (its embedding: the target's own, not part of the head) and
@@ -411,8 +412,9 @@ class Eagle3Head(DraftHead):
 
     def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, **extra) -> Path:
         """Write the head as a ``LlamaForCausalLMEagle3`` directory (config.json and
-        model.safetensors: exactly the tensors of HEADS.md's table, weights in ``dtype``,
-        d2t int64, t2d bool); ``extra`` goes into config.json. Returns the directory."""
+        model.safetensors: exactly the tensors of docs/methods/heads.md's table, weights in
+        ``dtype``, d2t int64, t2d bool); ``extra`` goes into config.json. Returns the
+        directory."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()

@@ -1,7 +1,7 @@
 """Each method's peak resident memory, read where it can be read: a process of its own that
 loads only the models that method runs on and makes one generation of the run's longest
-prompt (issue 16, item 5). In the bench's own process every method's models are loaded side
-by side, so its peak says nothing about one method.
+prompt. In the bench's own process every method's models are loaded side by side, so its
+peak says nothing about one method.
 
 ``python -m specdecode.bench.memory SPEC`` is that process (SPEC: the JSON that
 :func:`method_peak` passes); its last line of stdout is ``{"peak_rss_bytes": N}``.

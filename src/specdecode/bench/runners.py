@@ -162,7 +162,7 @@ def prompt_seed(prompt_ids: list[int]) -> int:
     return zlib.crc32(bytes(str(prompt_ids), "ascii"))
 
 
-# bench rows of our methods that must run a draft of another tokenizer (issue 20's rows):
+# bench rows of our methods that must run a draft of another tokenizer:
 # the method itself routes such a pair through text with no option; the row's name says so
 CROSS_ROWS = {"draft-xtok": "draft", "hybrid-xtok": "hybrid"}
 

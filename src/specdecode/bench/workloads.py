@@ -6,12 +6,11 @@ import gzip
 import json
 import random
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
-# ../shared beside the checkout (the project's layout), else shared/ inside it
-_SPEC_BENCH_CANDIDATES = [Path(__file__).resolve().parents[i] / "shared" / "data" / "spec_bench"
-                          / "question.jsonl" for i in (4, 3)]
-SPEC_BENCH_PATH = next((p for p in _SPEC_BENCH_CANDIDATES if p.exists()), _SPEC_BENCH_CANDIDATES[0])
+# Spec-Bench's question file, shipped inside the package (its licence and source beside it)
+SPEC_BENCH_PATH = Path(str(resources.files("specdecode") / "data" / "spec_bench" / "question.jsonl"))
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 SUBTASKS = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit")  # every workload's (Task.subtask)
@@ -44,8 +43,9 @@ def load_spec_bench(path: str | Path, limit: int | None = None, seed: int = 0) -
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Spec-Bench question file not found: {path}"
-                                + (" (a directory)" if path.is_dir() else "") + ". Pass --dataset PATH "
-                                "(a question.jsonl of Spec-Bench's format), or --workloads humaneval")
+                                + (" (a directory)" if path.is_dir() else "") + "; --dataset takes a "
+                                "question.jsonl of Spec-Bench's format (left out: the copy shipped "
+                                "inside specdecode)")
     fmt = "Spec-Bench's question.jsonl format: one JSON object a line with category, question_id, turns"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

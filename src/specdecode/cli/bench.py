@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"comma-separated from: {', '.join(WORKLOADS)} (default: %(default)s)")
     p.add_argument("--dataset", default=str(SPEC_BENCH_PATH),
-                   help="Spec-Bench question.jsonl (default: the copy in ../shared/data)")
+                   help="Spec-Bench question.jsonl (default: the copy shipped inside specdecode)")
     p.add_argument("--subtasks", default=None,
                    help=f"only these subtasks (comma-separated; Spec-Bench: {', '.join(SPEC_BENCH_SUBTASKS)})")
     p.add_argument("--limit", type=int, default=5, help="prompts per subtask, seeded choice (default 5)")
@@ -152,7 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             tasks += load_spec_bench(args.dataset, args.limit, args.seed)
         except FileNotFoundError as e:  # a bad --dataset is bad input: exit 2
-            raise ValueError(str(e)) from None
+            raise ValueError(f"{e}; or leave Spec-Bench out: --workloads humaneval") from None
     if "humaneval" in workloads:
         tasks += load_humaneval(args.humaneval_limit or args.limit, args.seed)
     if "code-edit" in workloads:

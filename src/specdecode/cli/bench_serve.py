@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
                         "(default 1)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens a request (default 64)")
     p.add_argument("--limit", type=int, default=2, help="Spec-Bench questions per subtask (default 2)")
-    p.add_argument("--dataset", default=str(SPEC_BENCH_PATH), help="a Spec-Bench question.jsonl")
+    p.add_argument("--dataset", default=str(SPEC_BENCH_PATH),
+                   help="Spec-Bench question.jsonl (default: the copy shipped inside specdecode)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="the started server's batch (default: the highest concurrency)")
     p.add_argument("--check", action="store_true",
@@ -105,7 +106,7 @@ def _beside_generate(results: dict, worker: Worker, url: str, model: str, prompt
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """Raises ValueError for bad options, FileNotFoundError for a missing dataset."""
+    """Raises ValueError for bad options and for a missing or malformed --dataset."""
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.repeats < 1:
@@ -114,9 +115,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         tasks = load_spec_bench(args.dataset, args.limit)
-    except FileNotFoundError:
-        raise ValueError(f"Spec-Bench question file not found: {args.dataset}; pass --dataset "
-                         "PATH (a question.jsonl of Spec-Bench's format)") from None
+    except FileNotFoundError as e:  # a bad --dataset is bad input: exit 2
+        raise ValueError(str(e)) from None
     prompts = [[{"role": "user", "content": t.turns[0]}] for t in tasks]
     if args.check and args.url is not None:
         raise ValueError("--check runs the solo runs on the server's own models: leave out --url")

@@ -38,12 +38,12 @@ Each step the rows' draft passes run as one pass, each round's K per row is chos
 whole batch, and a round speculates only while that is measured faster than plain rounds.
 The default method is ar (plain batched decoding) for now: measured with `specdecode
 bench-serve` on 2-core CPUs, the hybrid made 0.98-1.13x plain batched decoding's throughput
-at concurrency 1 and 0.95-1.06x at 4-8 (BENCHMARKS.md sections 7h-7j, medians of paired
-runs); a request may still ask for a method ("method" in extra_body; GET /v1/models lists
-those it can run), and --method sets the default, with its own options: requests naming
-that method run with them (--method medusa:head=DIR serves a head you trained; files its
-options name, a choices= tree or a profile=, are read once, at the start; a request cannot
-give options itself).
+at concurrency 1 and 0.95-1.06x at 4-8 (docs/EXPERIMENTS.md, the server under load;
+medians of paired runs); a request may still ask for a method ("method" in extra_body;
+GET /v1/models lists those it can run), and --method sets the default, with its own
+options: requests naming that method run with them (--method medusa:head=DIR serves a head
+you trained; files its options name, a choices= tree or a profile=, are read once, at the
+start; a request cannot give options itself).
 
 examples:
   specdecode serve

@@ -88,6 +88,10 @@ def add_parser(sub) -> None:
                         "one-line questions, Spec-Bench QA's shape), translation ('Translate German "
                         "to English: ...', the German written by the target from ShareGPT's English "
                         f"sentences) (default {','.join(DEFAULT_SOURCES)})")
+    p.add_argument("--dataset", default=None, metavar="FILE",
+                   help="the Spec-Bench question.jsonl whose questions no training prompt may share an "
+                        "8-word run with (default: the copy shipped inside specdecode; give bench's "
+                        "--dataset file when it reads another)")
     p.add_argument("--max-prompts", type=int, default=None, metavar="N",
                    help=f"prompts answered by the target (default {DEFAULTS.prompts_for('medusa')} for "
                         f"a head, {DEFAULTS.prompts_for('draft')} for a draft, whose steps are dearer; "
@@ -131,7 +135,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                         max_new_tokens=args.max_new_tokens, epochs=args.epochs, heads=args.heads,
                         steps=args.steps, draft_vocab=args.draft_vocab,
                         intermediate_size=args.intermediate_size, batch_size=args.batch_size,
-                        lr=args.lr, layers=args.layers, seed=args.seed, precision=args.precision)
+                        lr=args.lr, layers=args.layers, seed=args.seed, precision=args.precision,
+                        dataset=args.dataset)
     recipe.check()
     apply_threads(args)
     if args.kind == "draft":

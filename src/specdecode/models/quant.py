@@ -191,7 +191,7 @@ def amx_in_use() -> bool:
 # native.SDPA_MIN_TOKENS = 65) of the int8 and Q4_K linears multiply in bf16 on the AMX tile
 # unit (cpu_kernels.cpp, sd_q4k_linear_bf16): bound by arithmetic at such sizes, they run at
 # the tile unit's bf16 rate instead of the integer kernels' (the per-group float steps of
-# Q4_K leave its int8 tiles idle); BENCHMARKS.md section 7d. From 66 to 96 tokens both cost
+# Q4_K leave its int8 tiles idle); docs/EXPERIMENTS.md, prefill on AMX. From 66 to 96 tokens both cost
 # about the same on the 1.5B target (the panels' dequantization is not yet paid back).
 PREFILL_MIN_TOKENS = 96
 

@@ -1,6 +1,6 @@
 """The proposer contract: everything the engine and the hybrid may ask of a proposer.
 
-A proposer proposes draft tokens for the target to verify (DESIGN.md): ``reset`` at the start
+A proposer proposes draft tokens for the target to verify (docs/DESIGN.md): ``reset`` at the start
 of a request, ``propose`` each round, ``on_accept`` after verification. "No draft this round"
 is an empty tensor. Every other capability the engine or a policy over proposers (the hybrid)
 uses is declared here with a default, so a new proposer overrides only what it has.

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies checked into :class:`Job` settings, errors in
 OpenAI's shape, and the response and stream-chunk bodies (the conventions of vLLM, SGLang and
-llama.cpp's server, ../shared/docs/SERVER.md).
+llama.cpp's server; docs/server.md).
 
 Defaults are OpenAI's API defaults, not the model's generation_config: temperature 1,
 top_p 1, max_tokens 16 for completions and the rest of the context for chat completions.

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from ..bench.workloads import SPEC_BENCH_PATH, _humaneval_problems
+from ..bench.workloads import SPEC_BENCH_PATH, _humaneval_problems, load_spec_bench
 
 SOURCES = ("stdlib", "sharegpt", "questions", "translation")
 DEFAULT_SOURCES = ("stdlib", "sharegpt")  # the default recipe's: completion and chat
@@ -104,18 +104,15 @@ def word_runs(text: str, n: int = OVERLAP_WORDS) -> set[int]:
     return {hash(tuple(words[i:i + n])) for i in range(len(words) - n + 1)}
 
 
-def evaluation_runs() -> set[int]:
-    """The 8-word runs of every Spec-Bench question (every turn) and every HumanEval problem
-    (prompt, canonical solution and test). Raises FileNotFoundError when the Spec-Bench file
-    is missing: without it the filter cannot be applied."""
-    if not SPEC_BENCH_PATH.exists():
-        raise FileNotFoundError(f"Spec-Bench questions not found at {SPEC_BENCH_PATH}: training "
-                                "data is filtered against them, so they must be present")
+def evaluation_runs(dataset: str | Path | None = None) -> set[int]:
+    """The 8-word runs of every question (every turn) of ``dataset``, a Spec-Bench
+    question.jsonl (default: the copy shipped inside specdecode), and of every HumanEval
+    problem (prompt, canonical solution and test). Raises as
+    :func:`specdecode.bench.workloads.load_spec_bench` for a missing or malformed file."""
     runs: set[int] = set()
-    for line in SPEC_BENCH_PATH.read_text().splitlines():
-        if line.strip():
-            for turn in json.loads(line)["turns"]:
-                runs |= word_runs(turn)
+    for task in load_spec_bench(SPEC_BENCH_PATH if dataset is None else dataset):
+        for turn in task.turns:
+            runs |= word_runs(turn)
     for p in _humaneval_problems():
         runs |= word_runs(p["prompt"] + "\n" + p["canonical_solution"] + "\n" + p["test"])
     return runs

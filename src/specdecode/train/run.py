@@ -8,7 +8,7 @@
 
 The defaults of :class:`HeadRecipe` are the default head's recipe, sized so that the
 default target's EAGLE-3 head, answers included, trains in under two hours on a 2-core CPU
-(BENCHMARKS.md section 11).
+(docs/EXPERIMENTS.md, the draft heads).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import torch
 from tqdm import tqdm
 
 from ..api import generate
+from ..bench.workloads import load_spec_bench
 from ..heads import DEFAULT_HEAD_TIME, HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
 from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..models.native import auto_draft_vocab
 from ..tokenmap import pair_mode
-from .data import DEFAULT_SOURCES, parse_sources, training_prompts
+from .data import DEFAULT_SOURCES, evaluation_runs, parse_sources, training_prompts
 from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record, recording_seconds
@@ -51,11 +52,13 @@ class HeadRecipe:
     training-time test steps. draft_vocab: EAGLE-3's draft vocabulary (tokens).
     intermediate_size: the EAGLE-3 layer's MLP width (None: the target's). batch_size:
     examples per step (None: 64 positions for Medusa, one sequence for EAGLE-3, whose
-    batches pad to their longest sequence; 4 sequences for a distilled draft; BENCHMARKS.md
-    section 11). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
+    batches pad to their longest sequence; 4 sequences for a distilled draft; docs/EXPERIMENTS.md,
+    the draft heads). lr: AdamW's learning rate (None: 1e-3 for Medusa, 3e-4 for EAGLE-3,
     3e-5 for a draft). layers: a distilled draft's decoder layers trained, from the top.
     seed: the data order's seed. precision: the training steps' arithmetic, "auto", "bf16"
-    or "fp32" (:func:`specdecode.train.loop.resolve_precision`)."""
+    or "fp32" (:func:`specdecode.train.loop.resolve_precision`). dataset: the Spec-Bench
+    question.jsonl that no prompt may share an 8-word run with (None: the copy shipped
+    inside specdecode)."""
 
     data: tuple[str, ...] = DEFAULT_SOURCES
     max_prompts: int | None = None
@@ -70,6 +73,7 @@ class HeadRecipe:
     layers: int = 8
     seed: int = 0
     precision: str = "auto"
+    dataset: str | None = None
 
     def prompts_for(self, kind: str) -> int:
         return self.max_prompts if self.max_prompts is not None else (400 if kind == "draft" else 1000)
@@ -83,6 +87,11 @@ class HeadRecipe:
     def check(self) -> None:
         """Raises ValueError naming the first setting out of range (as its command-line option)."""
         parse_sources(",".join(self.data))  # (raises naming an unknown or repeated source)
+        if self.dataset is not None:
+            try:
+                load_spec_bench(self.dataset)  # (raises naming the file and what it must hold)
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
         for name, v, low, high in (("max-prompts", self.prompts_for("eagle3"), 2, 10**6),
                                    ("max-new-tokens", self.max_new_tokens, 2, 4096),
                                    ("epochs", self.epochs, 1, 1000), ("heads", self.heads, 1, 8),
@@ -202,7 +211,8 @@ def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> t
 
     def prompts_of_the_run():
         to_german = _german_writer(target, features) if "translation" in recipe.data else None
-        return training_prompts(recipe.data, recipe.max_prompts, to_german=to_german)
+        return training_prompts(recipe.data, recipe.max_prompts, exclude=evaluation_runs(recipe.dataset),
+                                to_german=to_german)
 
     if state.is_main_process:
         prompts, summary = prompts_of_the_run()

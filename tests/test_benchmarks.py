@@ -1,0 +1,74 @@
+"""The scripts in benchmarks/, each run here in a small mode: a script that no test runs is
+not kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import specdecode
+from tiny_dirs import tiny_dirs_in
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(args: list, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` in ``tmp_path``, with this specdecode importable and its cache
+    and temporary files under ``tmp_path``."""
+    path = os.pathsep.join(p for p in (str(Path(specdecode.__file__).parent.parent),
+                                       os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "SPECDECODE_CACHE": str(tmp_path / "cache"),
+           "TMPDIR": str(tmp_path)}
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=600)
+
+
+def test_every_benchmark_script_is_run_by_a_test():
+    tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    assert [p.name for p in sorted(SCRIPTS.glob("*.py")) if f'"{p.name}"' not in tests] == []
+
+
+def test_device_check_on_the_cpu(tmp_path):
+    """``python benchmarks/device_check.py cpu``, the check a lent GPU runs with ``cuda``:
+    a load line per dtype, and each method's output, alone and in the batch, is plain
+    decoding's."""
+    proc = _run([SCRIPTS / "device_check.py", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    loads = [r for r in rows if r["check"] == "load"]
+    assert [r["dtype"] for r in loads] == ["float32", "bfloat16"]
+    assert all(isinstance(r["rows_exact"], bool) for r in loads)
+    generated = [r for r in rows if r["check"] == "generate"]
+    assert len(generated) == 2 * 6 * 2 and all(r.get("equal") is True for r in generated), generated
+    assert [r.get("equal") for r in rows if r["check"] == "batch"] == [[True, True]] * 2
+
+
+def test_forward_times_of_a_tiny_target(tmp_path_factory, tmp_path):
+    """``python benchmarks/forward_times.py int8 MODEL target``: T(n) of each size in one
+    JSON line."""
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    proc = _run([SCRIPTS / "forward_times.py", "int8", target, "target"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["kind"] == "int8" and set(out["T_ms"]) == {"1", "2", "4", "8", "16", "17"}
+    assert out["T8/T1"] > 0 and out["peak_rss_gib"] > 0
+
+
+def test_paired_ratios_of_a_runs_records(tmp_path):
+    """``python benchmarks/paired_ratios.py records.jsonl A/B``: per subtask and overall, the
+    median over prompts of B's seconds over A's on the same prompt; a method the run lacks
+    is named with the run's methods."""
+    seconds = {("x", "1"): 2.0, ("x", "2"): 4.0, ("y", "1"): 1.5}  # b's; a takes 1 s on each
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"method": m, "subtask": s, "prompt_id": p, "turn": 0,
+                                           "seconds": 1.0 if m == "a" else b}) + "\n"
+                               for (s, p), b in seconds.items() for m in ("a", "b")))
+    proc = _run([SCRIPTS / "paired_ratios.py", records, "a/b"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["| pair | x | y | overall |", "|---|---|---|---|",
+                                        "| a / b | 3.00× | 1.50× | 2.00× |"]
+    proc = _run([SCRIPTS / "paired_ratios.py", records, "a/c"], tmp_path)
+    assert proc.returncode == 1 and "'a/c': methods must be two of ['a', 'b'], as A/B" in proc.stderr
