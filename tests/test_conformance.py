@@ -85,3 +85,11 @@ def test_every_option_a_method_does_not_honour_is_refused_naming_those_that_do(n
             speculative_config(name, True)
     else:
         assert speculative_config(name, True).method.value == name
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_key_a_method_takes_is_in_its_help(name):
+    """--method's help lists each method's own options from its spec: none left out."""
+    spec = METHODS[name]
+    assert all(f"{key}=" in spec.options_help for key in spec.keys()), (name, spec.options_help)
+    assert bool(spec.options_help) == bool(spec.keys())

@@ -214,16 +214,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Met
     p.add_argument("--method", default=default_method.value, type=server_method_arg if server else method_arg,
                    metavar="METHOD[:KEY=VALUE...]",
                    help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
-                        + ". Own options: layer-skip:layers=3+5-8 (the layers skipped; "
-                        "attn=3+5:mlp=7 skips only those layers' attention or MLP sublayers) or "
-                        "layer-skip:profile=FILE (from `specdecode tune-skip`; neither: the target's "
-                        "default profile, made once and cached), early-exit:layer=E, "
-                        "self-draft:dtype=int8|int4, draft:tree=W (a draft tree W wide), "
-                        "medusa:head=DIR:tree=W (or :choices=FILE, Medusa's node list as JSON), "
-                        "eagle3:head=DIR:tree=W:nodes=N|auto; "
-                        "medusa:lossy-typical=EPS[/DELTA] is LOSSY: Medusa's typical acceptance "
-                        "(arXiv:2401.10774) changes the output of sampled requests (--temperature > 0). "
-                        f"Default: {default_method.value}")
+                        + ". Own options: " + "; ".join(m.options_help for m in METHODS.values() if m.options_help)
+                        + f". Default: {default_method.value}")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES,
                    help="target weights. auto (default): q4 for a known model or a .gguf file on "
                         "an x86 CPU with AVX512-VNNI or AVX2, else int8. q4: the GGUF file's own Q4_K blocks, the "

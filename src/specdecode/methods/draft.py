@@ -100,6 +100,7 @@ METHODS = (
                DraftModelProposer,
                lambda config, target, draft: draft_proposer(target, draft, config.draft_p_min,
                                                             tree_width=config.draft_tree_width),
-               options=(DRAFT, DRAFT_P_MIN, TREE), needs_draft_model=True, start_k=_start_k,
+               options=(DRAFT, DRAFT_P_MIN, TREE), options_help="draft:tree=W (a draft tree W wide)",
+               needs_draft_model=True, start_k=_start_k,
                export=Export(export_settings)),
 )

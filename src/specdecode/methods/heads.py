@@ -198,9 +198,14 @@ _COMMON = dict(schedule=KSchedule.AUTO, cpu_only="its draft heads use the CPU ke
 METHODS = (
     MethodSpec("medusa", "Medusa heads on the target's own last hidden state (head=DIR: vLLM's "
                "Medusa format; default: the target's own, from specdecode train medusa)", MedusaProposer,
-               _medusa, options=(TREE, HEAD, MEDUSA_CHOICES, LOSSY_TYPICAL), k=3, **_COMMON),
+               _medusa, options=(TREE, HEAD, MEDUSA_CHOICES, LOSSY_TYPICAL), k=3,
+               options_help="medusa:head=DIR:tree=W (or :choices=FILE, Medusa's node list as JSON; "
+                            ":lossy-typical=EPS[/DELTA] is LOSSY: Medusa's typical acceptance "
+                            "(arXiv:2401.10774) changes the output of sampled requests, --temperature > 0)",
+               **_COMMON),
     MethodSpec("eagle3", "an EAGLE-3 head on three of the target's own hidden states (head=DIR: the "
                "LlamaForCausalLMEagle3 format vLLM and SGLang load; default: the target's own, from "
                "specdecode train eagle3)", Eagle3Proposer,
-               _eagle3, options=(TREE, TREE_NODES, HEAD), k=4, **_COMMON),
+               _eagle3, options=(TREE, TREE_NODES, HEAD), k=4,
+               options_help="eagle3:head=DIR:tree=W:nodes=N|auto", **_COMMON),
 )

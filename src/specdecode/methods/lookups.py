@@ -128,5 +128,7 @@ METHODS = (
 
 SELF = MethodSpec(
     "self", "suffix matching or the layer-skip draft, whichever promises more tokens/s (no second model)",
-    HybridProposer, _self_hybrid, options=(SKIP, DRAFT_P_MIN, SUFFIX_CACHE), prepare=prepare_profile,
+    HybridProposer, _self_hybrid, options=(SKIP, DRAFT_P_MIN, SUFFIX_CACHE),
+    options_help="self:layers=3+5-8:attn=3+5:mlp=7 or self:profile=FILE (its layer-skip draft's, as "
+                 "layer-skip's)", prepare=prepare_profile,
     cannot_run=profile_problem, export=NO_EQUIVALENT)

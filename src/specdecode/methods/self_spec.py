@@ -286,17 +286,20 @@ def _profile_k(config, target: LoadedModel, draft) -> tuple[int, int]:
 LAYER_SKIP = MethodSpec(
     "layer-skip", "the target with some of its layers skipped drafts on its own KV cache", DraftModelProposer,
     lambda config, target, draft: on_own_cache(config, layer_skip_draft(config, target)[0]),
-    options=(SKIP, DRAFT_P_MIN), k=1, start_k=_profile_k, prepare=prepare_profile,
+    options=(SKIP, DRAFT_P_MIN), k=1, start_k=_profile_k,
+    options_help="layer-skip:layers=3+5-8 (the layers skipped; attn=3+5:mlp=7 skips only those layers' "
+                 "attention or MLP sublayers) or layer-skip:profile=FILE (from `specdecode tune-skip`; "
+                 "neither: the target's default profile, made once and cached)", prepare=prepare_profile,
     cannot_run=profile_problem, export=NO_EQUIVALENT)
 
 METHODS = (
     LAYER_SKIP,
     MethodSpec("early-exit", "the target's first E layers and its LM head draft (early-exit checkpoints)",
                DraftModelProposer, lambda config, target, draft: on_own_cache(config, _exit_draft(config, target)),
-               options=(EXIT_LAYER, DRAFT_P_MIN), k=3, cannot_run=_exit_problem, export=NO_EQUIVALENT),
+               options=(EXIT_LAYER, DRAFT_P_MIN), options_help="early-exit:layer=E", k=3, cannot_run=_exit_problem, export=NO_EQUIVALENT),
     MethodSpec("self-draft", "the target's own weights at a lower precision draft on its KV cache",
                DraftModelProposer,
                lambda config, target, draft: on_own_cache(config, _lower_precision_draft(config, target)),
-               options=(SELF_DRAFT_DTYPE, DRAFT_P_MIN), k=4, export=NO_EQUIVALENT, cannot_run=_dtype_problem,
+               options=(SELF_DRAFT_DTYPE, DRAFT_P_MIN), options_help="self-draft:dtype=int8|int4", k=4, export=NO_EQUIVALENT, cannot_run=_dtype_problem,
                cpu_only="its quantized copy uses the CPU kernels"),
 )

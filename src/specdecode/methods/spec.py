@@ -103,6 +103,8 @@ class MethodSpec:
         default K unless ``k`` gives another.
     build: (config, target, draft or None) -> the request's proposer (None for plain decoding).
     options: the :class:`Option` objects it honours, in help order; any other is refused.
+    options_help: its own ``key=value`` options as ``--method``'s help says them (every key
+        it takes named).
     needs_draft_model: a draft model must be given (and is checked against the target).
     k: its default K where it is not its proposer class's.
     schedule: its K schedule where no K and no schedule is given.
@@ -124,6 +126,7 @@ class MethodSpec:
     proposer: type["Proposer"] | None
     build: Callable[["SpeculativeConfig", "LoadedModel", "LoadedModel | None"], "Proposer | None"] = _no_proposer
     options: tuple[Option, ...] = ()
+    options_help: str = ""
     needs_draft_model: bool = False
     k: int | None = None
     schedule: KSchedule = KSchedule.FIXED
