@@ -67,6 +67,28 @@ def test_engine_asks_proposers_and_schedules_through_their_contracts():
     assert probes == []
 
 
+# What a model offers beyond CausalLM's four methods, declared by the protocols of
+# models/base.py (RowsLM, BatchLM, SelfDrafting, MeasuredDraft, BindableDraft)
+MODEL_CAPABILITIES = ("forward_span", "forward_rows", "forward_row", "rollback_rows", "compact", "row_lengths",
+                      "cost", "self_draft", "bind", "exact_trees", "PREFILL_CHUNK")
+
+
+def test_models_are_asked_through_their_declared_protocols():
+    """No module outside models/ probes a model for a capability with getattr/hasattr: it asks
+    isinstance(model, RowsLM) and the like. (methods.py is left out while it moves into a
+    package.)"""
+    probes = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "models" or rel == Path("methods.py"):
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr") \
+                    and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value in MODEL_CAPABILITIES:
+                probes.append(f"{rel}:{n.lineno}")
+    assert probes == []
+
+
 def test_the_method_registry_is_the_one_list_of_methods():
     assert [m.value for m in Method] == list(METHODS)
     sub = next(a for a in build_parser()._actions if a.dest == "command")

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from . import config
-from .models.base import busy_lock
+from .models.base import SelfDrafting, busy_lock
 from .models.loading import LoadedModel
 from .models.native import sublayer_weights
 from .profile import profile_path, verify_profile
@@ -309,7 +309,7 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
     ValueError for a target outside the native runtime (no layer subsets), RuntimeError
     while the target generates."""
     lm = target.lm
-    if not hasattr(lm, "self_draft"):
+    if not isinstance(lm, SelfDrafting):
         raise ValueError(f"layer skipping needs the native runtime; this target is {type(lm).__name__}")
     times = verify_profile(target, MAX_K)  # (takes the lock itself)
     lock = busy_lock(lm)
