@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 import specdecode
 from specdecode.config import SamplingParams
 from specdecode.models import load, native, quant
-from specdecode.models.native import KVCache, ModelArgs, Prefixes, Transformer, attend_prefixes, \
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.native import ModelArgs, Prefixes, Transformer, attend_prefixes, \
     attend_rows, attention_kernel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 

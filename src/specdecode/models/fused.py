@@ -161,7 +161,7 @@ def run(model, layer_stack: LayerStack, x: torch.Tensor, run_layers, caches, pos
     """Run the decoder layers ``run_layers`` (indices) of ``model`` over x, in place.
 
     x: fp32 [B, T, dim] (the embeddings of the new tokens); caches: the model's per-layer
-    :class:`native.KVCache` (the rows of this pass); pos: int64 [B, T] RoPE positions;
+    :class:`kv_cache.KVCache` (the rows of this pass); pos: int64 [B, T] RoPE positions;
     slots: int64 [B, T] cache slots, -1 for padding; lens: int64 [B, T] the slots each query
     sees (``Prefixes.lens``); seen: None (slots 0..lens-1) or a draft tree's int64 [B, T, S]
     (``Prefixes.slots``); hidden: layer index -> an fp32 [B, T, dim] tensor that gets the
