@@ -34,7 +34,8 @@ from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
 from .heads import check_heads_target
 from .models.base import BatchLM, BindableDraft
-from .models.native import SDPA_MIN_TOKENS, SelfDraft
+from .models.attention import SDPA_MIN_TOKENS
+from .models.native import SelfDraft
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats

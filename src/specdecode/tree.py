@@ -24,7 +24,7 @@ from .models.base import RowsLM
 
 
 # The most nodes a tree pass verifies: a pass of MAX_NODES + 1 rows is the longest the exact
-# attention kernel runs (native.SDPA_MIN_TOKENS); the engine prunes bigger trees.
+# attention kernel runs (attention.SDPA_MIN_TOKENS); the engine prunes bigger trees.
 MAX_NODES = 64
 MAX_TREE_WIDTH = 8  # the widest draft tree: candidates kept per node (draft_tree_width, tree=W)
 

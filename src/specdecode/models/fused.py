@@ -13,7 +13,7 @@ Both kernels have it, ``sd_layers``: ``cpu_kernels.cpp`` (CPUs with AVX512-VNNI)
 that are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (mixed
 freely: a q4 target's Q6_K tensors are int8), ``cpu_kernels_avx2.cpp`` (AVX2 CPUs) for
 Int8Linear in the "nk" layout and Q4KLinear, mixed alike. Used by :meth:`native.Transformer.forward_rows`
-for decode, verify and draft-tree passes (the :class:`native.Prefixes` attention), hidden
+for decode, verify and draft-tree passes (the :class:`attention.Prefixes` attention), hidden
 states of chosen layers included, and prefill in passes of 64 tokens
 (:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
 (prefill past 2,048 slots or on the tile unit, float models, other devices) runs the modules.
