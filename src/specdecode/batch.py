@@ -35,7 +35,7 @@ from .engine import Generation, RequestRun, check_request, hold
 from .heads import check_heads_target
 from .models.base import BatchLM, BindableDraft
 from .models.attention import SDPA_MIN_TOKENS
-from .models.native import SelfDraft
+from .models.self_draft import SelfDraft
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats

@@ -56,7 +56,7 @@ def _kernel_source() -> str:
     here = quant.KERNEL_SOURCE.parent
     files = sorted([*here.glob("*.cpp"), *here.glob("*.h"), here / "native.py", here / "fused.py",
                     here / "quant.py", here / "kv_cache.py",
-                    here / "attention.py"])
+                    here / "attention.py", here / "self_draft.py"])
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
 
 
