@@ -300,7 +300,7 @@ FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head'
 # draft's head to frequent tokens): byte-level BPE numbers its merges in the order it
 # learned them, the most frequent pairs first, so the lowest ids are the most used (the
 # default target's first 32,768 of 151,936 cover 90-96 % of its answers' tokens:
-# BENCHMARKS.md section 8). Its head then reads a fifth of the bytes; a token outside it is
+# docs/EXPERIMENTS.md, a self-draft's head over frequent tokens). Its head then reads a fifth of the bytes; a token outside it is
 # never drafted, and the verify pass, which has the whole vocabulary, still emits it: the
 # output does not change.
 DRAFT_VOCAB = 32768
