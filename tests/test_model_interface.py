@@ -13,9 +13,10 @@ import torch
 import transformers
 from torch import nn
 
-from specdecode.models.base import BatchLM, BindableDraft, CausalLM, MeasuredDraft, RowsLM, SelfDrafting
+from specdecode.models.base import (BatchLM, BindableDraft, CausalLM, ForwardOutput, MeasuredDraft, RowsLM,
+                                    SelfDrafting)
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.native import FINAL, ForwardOutput, ModelArgs, Transformer
+from specdecode.models.native import FINAL, ModelArgs, Transformer
 
 TOL = 3e-5
 V = 96

@@ -8,15 +8,12 @@ attention (models/hf.py) takes the same paths.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import quant
 from .kv_cache import KVCache
-
-if TYPE_CHECKING:  # annotations only: the architecture the kernel is chosen for
-    from .native import ModelArgs
 
 # Forwards of more new tokens use the fused attention kernel; up to it, which covers every
 # verify pass (K <= MAX_K = 64, plus one), :func:`attend_prefixes`.
@@ -72,9 +69,10 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype):
     return quant.vnni_kernel()[0] or quant.avx2_kernel()
 
 
-def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
+def attention_kernel(device: torch.device, dtype: torch.dtype, args):
     """The C++ attention kernel for a cache of this device and dtype, or None (see
-    :func:`attention_kernel_for`)."""
+    :func:`attention_kernel_for`). args: the model's
+    :class:`~specdecode.models.native.ModelArgs` (head_dim, n_heads, n_kv_heads)."""
     return attention_kernel_for(device, dtype, args.head_dim, args.n_heads // args.n_kv_heads)
 
 

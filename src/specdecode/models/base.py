@@ -10,12 +10,10 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
-
-if TYPE_CHECKING:  # annotations only: the native decoder's types
-    from .native import ForwardOutput, ModelArgs
 
 
 @runtime_checkable
@@ -30,11 +28,14 @@ class CausalLM(Protocol):
     The model is the device boundary: ``forward`` takes token ids from any device (the
     engine and the proposers make them on the CPU) and returns logits on the CPU, so that
     the acceptance rule, sampling and every proposer run on the CPU whatever the model's
-    device (a few hundred KB of logits a row copied back from an accelerator). The native decoder also offers what draft
-    heads, draft trees, layer skipping and batching need (rows with their own lengths,
-    attention masks, hidden states, a subset of layers, compaction:
-    :meth:`~specdecode.models.native.Transformer.forward_rows`); the transformers adapter
-    does not.
+    device (a few hundred KB of logits a row copied back from an accelerator).
+
+    What draft heads, draft trees, layer skipping and batching need beyond it is declared by
+    the capability protocols below (:class:`RowsLM`, :class:`BatchLM`, :class:`SelfDrafting`;
+    of drafts: :class:`MeasuredDraft`, :class:`BindableDraft`): the native decoder
+    (:class:`~specdecode.models.native.Transformer`) has them all, the transformers and
+    llama.cpp adapters none. Ask with ``isinstance(model, RowsLM)`` and the like, never by
+    probing for an attribute.
     """
 
     vocab_size: int
@@ -56,6 +57,23 @@ class CausalLM(Protocol):
         """Another handle on the same weights with its own KV cache."""
 
 
+@dataclass
+class ForwardOutput:
+    """What :meth:`RowsLM.forward_rows` returns (the native decoder:
+    :meth:`~specdecode.models.native.Transformer.forward_rows`).
+
+    logits: fp32 [B, n, V] for n = num_logits positions (see forward_rows). hidden: the
+    requested hidden states, each [B, T, dim] in the model dtype, for every new token (padding
+    positions hold unspecified values): key i in 0..n_layers-1 is the residual stream after
+    decoder layer i, before any norm (transformers' ``output_hidden_states`` entry i+1 for
+    i < n_layers-1; transformers has no un-normed entry for the last layer); key
+    :data:`~specdecode.models.native.FINAL` (-1) is the final norm's output, transformers' last entry.
+    """
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+
+
 @runtime_checkable
 class RowsLM(Protocol):
     """A model whose passes take rows of their own lengths, a mask over the new tokens (a
@@ -72,7 +90,7 @@ class RowsLM(Protocol):
 
     def forward_rows(self, input_ids: torch.Tensor, lengths: list[int] | None = None,
                      num_logits: int | None = None, attn_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None, output_hidden=()) -> "ForwardOutput":
+                     position_ids: torch.Tensor | None = None, output_hidden=()) -> ForwardOutput:
         """Append the first ``lengths[b]`` (default T) of ``input_ids`` [B, T] to row b; each
         new token sees its row's cached positions and the new tokens ``attn_mask`` (bool
         [B, T, T] or [T, T], default causal) allows, at RoPE positions ``position_ids`` (int
@@ -103,7 +121,7 @@ class BatchLM(RowsLM, Protocol):
     def forward_span(self, start: int, stop: int, input_ids: torch.Tensor,
                      lengths: list[int] | None = None, num_logits: int | None = None,
                      output_hidden=(), attn_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None) -> "ForwardOutput":
+                     position_ids: torch.Tensor | None = None) -> ForwardOutput:
         """:meth:`RowsLM.forward_rows` over rows ``start .. stop-1`` only (input_ids
         [stop-start, T]), the other rows untouched and not computed."""
 
@@ -121,11 +139,11 @@ class SelfDrafting(Protocol):
     """A model that can be its own draft model (layer skipping, a lower-precision copy of its
     weights), drafting on its own KV cache (:class:`~specdecode.models.self_draft.SelfDraft`).
 
-    ``args``: its architecture, which the draft's layers and sublayers are chosen from
-    (``n_layers``, the sublayers' weights).
+    ``args``: its architecture (a :class:`~specdecode.models.native.ModelArgs`), which the
+    draft's layers and sublayers are chosen from (``n_layers``, the sublayers' weights).
     """
 
-    args: "ModelArgs"
+    args: object
 
     def self_draft(self, layers: list[int] | None = None, weights=None,
                    vocab: int | str | None = "auto", skip_attn=(), skip_mlp=()) -> CausalLM:

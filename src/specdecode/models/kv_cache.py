@@ -9,12 +9,9 @@ the next forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # annotations only: the model these rows belong to
-    from .native import ForwardOutput
+from .base import ForwardOutput
 
 
 class KVCache:

@@ -32,6 +32,7 @@ from torch import nn
 from . import fused, quant
 from .attention import (SDPA_MIN_TOKENS, Prefixes, _softmax, attend_prefixes, attend_rows, attention_kernel,
                         cpu_kernels, tree_kernel, tree_slots)
+from .base import ForwardOutput
 from .kv_cache import CacheRows, KVCache
 from .self_draft import SelfDraft
 
@@ -312,22 +313,6 @@ def auto_draft_vocab(vocab_size: int) -> int | None:
     return DRAFT_VOCAB if vocab_size > 2 * DRAFT_VOCAB else None
 
 
-@dataclass
-class ForwardOutput:
-    """What :meth:`Transformer.forward_rows` returns.
-
-    logits: fp32 [B, n, V] for n = num_logits positions (see forward_rows). hidden: the
-    requested hidden states, each [B, T, dim] in the model dtype, for every new token (padding
-    positions hold unspecified values): key i in 0..n_layers-1 is the residual stream after
-    decoder layer i, before any norm (transformers' ``output_hidden_states`` entry i+1 for
-    i < n_layers-1; transformers has no un-normed entry for the last layer); key
-    :data:`FINAL` (-1) is the final norm's output, transformers' last entry.
-    """
-
-    logits: torch.Tensor
-    hidden: dict[int, torch.Tensor]
-
-
 class Transformer(CacheRows, nn.Module):
     """Llama-family decoder with a pointer-rollback KV cache.
 
@@ -474,7 +459,7 @@ class Transformer(CacheRows, nn.Module):
         num_logits: n in 0..T. Default: logits [B, T, V] aligned with input_ids (padding
         positions unspecified); n: [B, n, V] of each row's last n new tokens, the last at
         index n-1 (entries before a row's first new token unspecified).
-        output_hidden: keys of the hidden states to return (see :class:`ForwardOutput`):
+        output_hidden: keys of the hidden states to return (see :class:`~.base.ForwardOutput`):
         layer indices in ``layers`` and/or FINAL (-1).
         layers: sorted unique layer indices in 0..n_layers-1 to run, for layer skipping
         (default all). A skipped layer's cache gets nothing for the new positions; a later
