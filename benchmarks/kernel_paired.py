@@ -2,16 +2,16 @@
 process: `python benchmarks/kernel_paired.py amx|attention DTYPE [MODEL [ROLE]]`
 (BENCHMARKS.md section 0). amx: the int8 and Q4_K linears' passes of a few rows on the AMX
 tile unit against AVX512-VNNI (the same logits bits, checked); attention: the C++ attention
-of decode and verify rows (native.attend_rows) against the PyTorch per-row products
-(native.attend_prefixes; other bits, each internally row-exact)."""
+of decode and verify rows (attention.attend_rows) against the PyTorch per-row products
+(attention.attend_prefixes; other bits, each internally row-exact)."""
 import sys, time, torch
-from specdecode.models import native, quant, registry
+from specdecode.models import attention, native, quant, registry
 from specdecode.models.loading import load
 torch.set_num_threads(2)
 switch, dtype = sys.argv[1], sys.argv[2]
 name = sys.argv[3] if len(sys.argv) > 3 else registry.DEFAULT_TARGET
 lm = load(name, dtype=dtype, tokenizer=False, role=sys.argv[4] if len(sys.argv) > 4 else "target").lm
-kernel = native.attention_kernel
+kernel = attention.attention_kernel
 
 
 def turn(on: bool):
@@ -19,7 +19,7 @@ def turn(on: bool):
         assert quant.set_amx(on) == on, "no AMX here"
     else:
         assert kernel(torch.device("cpu"), torch.float32, lm.args) is not None, "no kernel here"
-        native.attention_kernel = kernel if on else (lambda *a: None)
+        native.attention_kernel = kernel if on else (lambda *a: None)  # the name the forward reads
 
 
 ids = torch.randint(0, 150000, (1, 300), generator=torch.Generator().manual_seed(0))
