@@ -14,7 +14,8 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
-from specdecode.models.native import ForwardOutput, ModelArgs, Transformer
+from specdecode.models.base import ForwardOutput
+from specdecode.models.native import ModelArgs, Transformer
 from specdecode.proposers import DraftOutput, Proposer, RequestState
 
 

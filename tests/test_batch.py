@@ -12,7 +12,7 @@ from specdecode.batch import BatchEngine
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.models import quant
-from specdecode.models.native import attention_kernel
+from specdecode.models.attention import attention_kernel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer, SuffixProposer
 from specdecode.schedule import FixedK
 

@@ -153,10 +153,10 @@ def test_hf_adapter_int8_verify_rows_equal_one_token_passes_bit_for_bit(tmp_path
     gives each row of a verify pass the bits of the one-token pass there, so speculation
     reproduces that backend's plain decoding (transformers' SDPA did not: logits moved); in a
     sliding-window layer too, with rows whose window starts at other positions."""
-    from specdecode.models import native
+    from specdecode.models import attention
 
     if not kernel:
-        monkeypatch.setattr(native, "cpu_kernels", lambda *a: None)
+        monkeypatch.setattr(attention, "cpu_kernels", lambda *a: None)
     hf_model_dir(tmp_path, name)
     lm = load(tmp_path, backend="transformers", dtype="int8", tokenizer=False).lm
     assert isinstance(lm, HFCausalLM) and lm.row_exact_attention and lm.weight_format.startswith("int8")

@@ -13,7 +13,10 @@ import torch
 import transformers
 from torch import nn
 
-from specdecode.models.native import FINAL, ForwardOutput, ModelArgs, Transformer
+from specdecode.models.base import (BatchLM, BindableDraft, CausalLM, ForwardOutput, MeasuredDraft, RowsLM,
+                                    SelfDrafting)
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.native import FINAL, ModelArgs, Transformer
 
 TOL = 3e-5
 V = 96
@@ -379,3 +382,14 @@ def test_bad_input_raises_value_errors(lm):
         with pytest.raises(ValueError, match=match):
             call()
     assert m.row_lengths == [4, 2]  # nothing ran
+
+
+def test_the_native_decoder_declares_every_capability_and_the_adapter_none(lm, hf):
+    """What the engine asks by isinstance (models/base.py's protocols): the native decoder and
+    its self-draft have it, the transformers adapter has only CausalLM's four methods."""
+    assert all(isinstance(lm, p) for p in (CausalLM, RowsLM, BatchLM, SelfDrafting))
+    draft = lm.self_draft([0])
+    assert isinstance(draft, MeasuredDraft) and isinstance(draft, BindableDraft)
+    adapter = HFCausalLM(hf)
+    assert isinstance(adapter, CausalLM)
+    assert not any(isinstance(adapter, p) for p in (RowsLM, BatchLM, SelfDrafting, MeasuredDraft, BindableDraft))

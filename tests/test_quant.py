@@ -14,9 +14,10 @@ from safetensors.torch import save_file
 
 import specdecode
 from specdecode.config import SamplingParams
-from specdecode.models import load, native, quant
-from specdecode.models.native import KVCache, ModelArgs, Prefixes, Transformer, attend_prefixes, \
-    attend_rows, attention_kernel
+from specdecode.models import attention, load, native, quant
+from specdecode.models.attention import Prefixes, attend_prefixes, attend_rows, attention_kernel
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.native import ModelArgs, Transformer
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
 from helpers import KERNEL_SHAPES, PROMPTS, run, tiny_model
@@ -191,7 +192,7 @@ def test_silu_mul_kernel_equals_pytorch():
     """The MLP's fused activation (sd_silu_mul) against F.silu(gate) * up: within 2 ulp-ish
     relative error over a wide range, 0 and the overflow ends exact, any length (tails of
     1-15 floats; one call over 16,384 floats runs on both threads)."""
-    lib = native.cpu_kernels(torch.device("cpu"), torch.float32)
+    lib = attention.cpu_kernels(torch.device("cpu"), torch.float32)
     if lib is None:
         assert quant.vnni_kernel()[0] is None
         return
@@ -274,12 +275,12 @@ def test_int8_tree_pass_rows_equal_one_token_passes_bit_for_bit():
     """A draft tree verified in one pass (two rows of their own cached lengths): every node's
     row has the bits of the one-token passes along its root-to-node path, and after
     compaction to an accepted path the next step has plain decoding's bits, where the
-    attention kernel runs trees (native.tree_kernel: both CPU kernels). Elsewhere the target
+    attention kernel runs trees (attention.tree_kernel: both CPU kernels). Elsewhere the target
     says it has no exact trees (and the engine refuses them)."""
     from specdecode.tree import DraftTree
     model = tiny_model(5, int8="nk", **KERNEL_SHAPES)
     kernel = attention_kernel(torch.device("cpu"), torch.float32, model.args)
-    exact = native.tree_kernel(kernel)
+    exact = attention.tree_kernel(kernel)
     assert model.exact_trees == exact
     if not exact:  # the engine refuses draft trees on such a target (test_tree.py)
         return
@@ -765,7 +766,7 @@ def _long_pass_reference(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor
 
 def test_long_pass_bounds_keep_every_verify_pass_on_the_exact_kernels():
     """A verify pass has at most SDPA_MIN_TOKENS tokens a row; prefill chunks are longer."""
-    assert native.SDPA_MIN_TOKENS < quant.PREFILL_MIN_TOKENS < Transformer.PREFILL_CHUNK
+    assert attention.SDPA_MIN_TOKENS < quant.PREFILL_MIN_TOKENS < Transformer.PREFILL_CHUNK
 
 
 def _long_pass_linears():
@@ -844,7 +845,7 @@ def test_cpus_without_the_vnni_kernel_run_int8_on_the_avx2_kernel():
     if quant.avx2_kernel() is None:
         return
     assert quant.best_layout("target") == quant.best_layout("draft") == "nk"
-    assert native.cpu_kernels(torch.device("cpu"), torch.float32) is quant.avx2_kernel()
+    assert attention.cpu_kernels(torch.device("cpu"), torch.float32) is quant.avx2_kernel()
     for k, bias in ((80, torch.randn(48)), (83, None)):  # 83: the quantization's scalar tail
         lin = quant.Int8Linear.from_float(torch.randn(48, k), bias, layout="nk")
         x = torch.randn(3, 5, k) * torch.logspace(-3, 3, 5)[:, None]

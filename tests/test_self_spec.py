@@ -24,7 +24,7 @@ from specdecode.methods import (Method, SpeculativeConfig, build_proposer, build
 from specdecode.profile import verify_profile
 from specdecode.models.loading import LoadedModel
 from specdecode.models import fused, native, quant
-from specdecode.models.native import SelfDraft, sublayer_weights
+from specdecode.models.self_draft import SelfDraft, sublayer_weights
 from specdecode.proposers import DraftModelProposer
 
 GREEDY = SamplingParams(max_new_tokens=40)
@@ -117,7 +117,7 @@ def test_sublayer_self_draft_is_lossless_and_leaves_no_trace_in_the_cache(int8, 
 
 def test_sublayer_self_draft_checks_its_sublayers_and_estimates_its_cost():
     tgt = _target()
-    a, m = native.sublayer_weights(tgt.args)
+    a, m = sublayer_weights(tgt.args)
     assert tgt.self_draft([0, 2]).cost == 0.5
     assert tgt.self_draft(None, skip_attn=(1,), skip_mlp=(2, 3)).cost == pytest.approx(
         (4 * (a + m) - a - 2 * m) / (4 * (a + m)))

@@ -22,7 +22,7 @@ from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
 from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, prompt_lookup_method,
                       speculative_config)
-from .models.base import lm_device
+from .models.base import BatchLM, MeasuredDraft, lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
 from .profile import prefill_profile, verify_profile
 from .stats import SpecDecodingStats
@@ -403,7 +403,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     prepare(spec, tgt, drf)  # what it measures on the draft, on the model itself too
     positions = None if drf is None or check_compatible(tgt, drf) == "same" else \
         CrossTokenizerProposer.draft_positions(batch.max_len)
-    view = batch.draft_view(drf.lm, positions) if drf is not None and hasattr(drf.lm, "forward_span") else \
+    view = batch.draft_view(drf.lm, positions) if drf is not None and isinstance(drf.lm, BatchLM) else \
         drf.lm.fork() if drf is not None else None
     own = replace(drf, lm=view, session_proposers={}) if drf is not None else None
     proposer = build_proposer(spec, tgt, own)
@@ -411,7 +411,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
     schedule = build_schedule(spec, tgt, drf, proposer)
     if draft_s is None and proposer is not None and batch.forward_seconds:
         # a self-draft's cost: its share of the target's T(1)
-        costs = [m.cost for m in proposer.models() if hasattr(m, "cost")]
+        costs = [m.cost for m in proposer.models() if isinstance(m, MeasuredDraft)]
         draft_s = batch.forward_seconds[0] * costs[0] if costs else None
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids

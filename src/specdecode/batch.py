@@ -33,7 +33,9 @@ from .config import SamplingParams
 from .costmodel import expected_tokens, relative_cost
 from .engine import Generation, RequestRun, check_request, hold
 from .heads import check_heads_target
-from .models.native import SDPA_MIN_TOKENS, SelfDraft
+from .models.base import BatchLM, BindableDraft
+from .models.attention import SDPA_MIN_TOKENS
+from .models.self_draft import SelfDraft
 from .proposers import Proposer
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
@@ -321,7 +323,7 @@ class BatchEngine:
 
     def __init__(self, target, max_batch: int, max_len: int, debug: bool = False,
                  forward_seconds: list[float] | None = None):
-        if not hasattr(target, "forward_span"):
+        if not isinstance(target, BatchLM):
             raise ValueError(f"batched decoding needs the native runtime (rows of their own "
                              f"lengths); this target is {type(target).__name__}")
         if not (isinstance(max_batch, int) and max_batch >= 1):
@@ -432,7 +434,7 @@ class BatchEngine:
             w = self.waiting.popleft()
             locks = hold([], w.proposer)
             for m in (w.proposer.models() if w.proposer is not None else ()):
-                if hasattr(m, "bind"):  # a draft row, or a self-draft on the target's row
+                if isinstance(m, BindableDraft):  # a draft row, or a self-draft on the target's row
                     m.bind(b)
             target.rollback_rows([0 if r == b else n for r, n in enumerate(target.row_lengths)])
             check = (lambda b=b: target.row_lengths[b]) if self.debug else None
@@ -444,7 +446,7 @@ class BatchEngine:
     def _prefill(self) -> None:
         """The next prefill chunk of each joining row, up to PREFILL_CHUNK tokens in all this
         step (at least one chunk); rows whose prefill ends begin their rounds."""
-        chunk = getattr(self.target, "PREFILL_CHUNK", 512)
+        chunk = self.target.PREFILL_CHUNK
         budget = chunk
         for b, row in enumerate(self.rows):
             if row is None or row.prompt is None:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .models import registry
-from .models.base import module_device
+from .models.base import RowsLM, module_device
 from .models.loading import save_tensors
 from .models.native import ModelArgs, apply_rope, rope_inv_freq
 from .models.quant import quantize_linears
@@ -256,7 +256,7 @@ class MedusaHeads(DraftHead):
 def check_heads_target(target) -> None:
     """Raise ValueError unless ``target`` returns hidden states with its passes (the native
     runtime's ``forward_rows``), which draft heads read."""
-    if not hasattr(target, "forward_rows"):
+    if not isinstance(target, RowsLM):
         raise ValueError(f"draft heads read the target's hidden states, which the native runtime "
                          f"gives; this target is {type(target).__name__} (load it with "
                          "backend='native')")

@@ -2,7 +2,7 @@
 
 A layer-skip draft is the target with some decoder layers left out (the residual stream
 passes through them), drafting on the target's own KV cache
-(:class:`~specdecode.models.native.SelfDraft`); the full model verifies. It may also leave out
+(:class:`~specdecode.models.self_draft.SelfDraft`); the full model verifies. It may also leave out
 single sublayers, a layer's attention or its MLP (SWIFT, arXiv:2410.06916, skips the two
 separately): the residual stream passes through the skipped one. Which layers (and
 sublayers) to skip is found on a few calibration prompts and written to a small JSON profile.
@@ -23,7 +23,7 @@ With ``sublayers`` (``tune-skip --sublayers``, opt-in) the candidates of both st
 layer's attention and MLP sublayers separately, 2 x n_layers of them: about twice the
 evaluations; a layer both of whose sublayers are chosen is skipped whole. Step 1 then ranks
 by agreement lost per weight skipped, (1 - agreement) / the sublayer's weights
-(:func:`~specdecode.models.native.sublayer_weights`), not by agreement alone: a one-token
+(:func:`~specdecode.models.self_draft.sublayer_weights`), not by agreement alone: a one-token
 pass is bound by the bytes of weights it reads, and an attention sublayer holds an eighth of
 a layer's (5.5 M of 46.8 M parameters in the default target), so ranking by agreement alone
 fills the draft with attention sublayers that save little. Each candidate's cost is
@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 
 from . import config
-from .models.base import busy_lock
+from .models.base import SelfDrafting, busy_lock
 from .models.loading import LoadedModel
-from .models.native import sublayer_weights
+from .models.self_draft import sublayer_weights
 from .profile import profile_path, verify_profile
 
 # Profile format 1. skip_attn and skip_mlp (skipped sublayers) came later within it: a
@@ -309,7 +309,7 @@ def tune_skip(target: LoadedModel, max_new_tokens: int = 32, rank_positions: int
     ValueError for a target outside the native runtime (no layer subsets), RuntimeError
     while the target generates."""
     lm = target.lm
-    if not hasattr(lm, "self_draft"):
+    if not isinstance(lm, SelfDrafting):
         raise ValueError(f"layer skipping needs the native runtime; this target is {type(lm).__name__}")
     times = verify_profile(target, MAX_K)  # (takes the lock itself)
     lock = busy_lock(lm)

@@ -55,7 +55,8 @@ def _kernel_source() -> str:
     drive them): a changed forward is measured again."""
     here = quant.KERNEL_SOURCE.parent
     files = sorted([*here.glob("*.cpp"), *here.glob("*.h"), here / "native.py", here / "fused.py",
-                    here / "quant.py"])
+                    here / "quant.py", here / "kv_cache.py",
+                    here / "attention.py", here / "self_draft.py"])
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
 
 

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .models.base import RowsLM
+
 
 # The most nodes a tree pass verifies: a pass of MAX_NODES + 1 rows is the longest the exact
-# attention kernel runs (native.SDPA_MIN_TOKENS); the engine prunes bigger trees.
+# attention kernel runs (attention.SDPA_MIN_TOKENS); the engine prunes bigger trees.
 MAX_NODES = 64
 MAX_TREE_WIDTH = 8  # the widest draft tree: candidates kept per node (draft_tree_width, tree=W)
 
@@ -160,7 +162,7 @@ def check_tree_target(target) -> None:
     verifies draft trees with the bits of its one-token passes
     (:attr:`~specdecode.models.native.Transformer.exact_trees`), so that trees keep its output
     exactly its own decoding."""
-    if not getattr(target, "exact_trees", False):
+    if not (isinstance(target, RowsLM) and target.exact_trees):
         raise ValueError(
             "draft trees need a target whose tree passes give the bits of its one-token passes: "
             "the native runtime on a CPU with its attention kernel (AVX512 or AVX2, fp32 activations); this target "

@@ -190,7 +190,7 @@ def _prepare(config, target: LoadedModel, draft=None) -> None:
 # a head trained on a CPU's budget is weak, and the papers' fixed K of 3-4 then verifies rows
 # it rarely gets right, slower than plain decoding (docs/EXPERIMENTS.md, the draft heads):
 # their K schedule is auto
-_COMMON = dict(schedule=KSchedule.AUTO, cpu_only="its draft heads use the CPU kernels", prepare=_prepare,
+_COMMON = dict(schedule=KSchedule.AUTO, native_only=True, cpu_only="its draft heads use the CPU kernels", prepare=_prepare,
                head_dir=head_directory,
                export=Export(refusal="{name} drafts with a trained head: export it with export_head "
                                      "(specdecode export {name} HEAD --format {engine} OUT)"))

@@ -131,4 +131,4 @@ SELF = MethodSpec(
     HybridProposer, _self_hybrid, options=(SKIP, DRAFT_P_MIN, SUFFIX_CACHE),
     options_help="self:layers=3+5-8:attn=3+5:mlp=7 or self:profile=FILE (its layer-skip draft's, as "
                  "layer-skip's)", prepare=prepare_profile,
-    cannot_run=profile_problem, export=NO_EQUIVALENT)
+    cannot_run=profile_problem, native_only=True, export=NO_EQUIVALENT)

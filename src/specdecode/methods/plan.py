@@ -8,13 +8,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import KSchedule
-from ..models.base import lm_device
+from ..models.base import MeasuredDraft, lm_device
 from ..models.loading import LoadedModel, check_compatible
 from ..profile import verify_profile
 from ..proposers import Proposer
 from ..schedule import AutoK, FixedK, HeuristicK, Schedule
 from .config import SpeculativeConfig
 from .registry import OPTIONS
+from .spec import native_lm
 
 
 def read_files(config: SpeculativeConfig) -> SpeculativeConfig:
@@ -52,20 +53,28 @@ def cannot_run(config: SpeculativeConfig, target: LoadedModel) -> str | None:
     method (with the options it was started with, else none), and whose batch holds the
     target so that nothing can be measured on it later (:func:`prepare`). Draft models and
     draft heads are checked elsewhere."""
-    return config.method.spec.cannot_run(config, target)
+    spec = config.method.spec
+    if spec.native_only:
+        try:
+            native_lm(target, spec.name)
+        except ValueError as e:
+            return str(e)
+    return spec.cannot_run(config, target)
 
 
 def build_proposer(config: SpeculativeConfig, target: LoadedModel,
                    draft: LoadedModel | None) -> Proposer | None:
     """The proposer of ``config.method`` for one request on ``target`` (None for plain
-    decoding). Raises ValueError when the method needs a draft model and none is given, or
-    runs on the CPU only and the target is elsewhere; IncompatibleDraftError when the draft's
+    decoding). Raises ValueError when the method needs a draft model and none is given, the
+    native runtime and the target runs on another, or the CPU and the target is elsewhere; IncompatibleDraftError when the draft's
     tokenizer differs and cannot be bridged (checked once per pair)."""
     spec = config.method.spec
     device = lm_device(target.lm)
     if spec.cpu_only is not None and device.type != "cpu":
         raise ValueError(f"method {spec.name!r} runs on the CPU only ({spec.cpu_only}); the target is "
                          f"on {device}: load it on the CPU, or use a draft model, a lookup method or layer-skip")
+    if spec.native_only:
+        native_lm(target, spec.name)
     if spec.needs_draft_model:
         if draft is None:
             raise ValueError(f"method {spec.name!r} needs a draft model (draft= or assistant_model=)")
@@ -96,7 +105,7 @@ def build_schedule(config: SpeculativeConfig, target: LoadedModel, draft: Loaded
         if spec.needs_draft_model and draft is not None:
             draft_s = verify_profile(draft, 0)[0]
         else:  # a lookup costs nothing; a self-draft its share of the target's pass
-            costs = [m.cost for m in (proposer.models() if proposer is not None else ()) if hasattr(m, "cost")]
+            costs = [m.cost for m in (proposer.models() if proposer is not None else ()) if isinstance(m, MeasuredDraft)]
             draft_s = times[0] * costs[0] if costs else 0.0
         return AutoK(times, config.max_speculative_tokens, draft_seconds_per_token=draft_s, lookahead=lookahead)
     return FixedK(k)

@@ -237,12 +237,9 @@ def prepare_profile(config, target: LoadedModel, draft=None) -> None:
 
 
 def profile_problem(config, target: LoadedModel) -> str | None:
-    """Why a layer-skip draft cannot be built on ``target`` without measuring: a bad given
-    profile, or no default profile made yet (None: it can)."""
-    try:
-        lm = native_lm(target, config.method.value)
-    except ValueError as e:
-        return str(e)
+    """Why a layer-skip draft cannot be built on the native ``target`` without measuring: a
+    bad given profile, or no default profile made yet (None: it can)."""
+    lm = target.lm
     if skips_given(config):
         return None
     try:
@@ -259,20 +256,12 @@ def profile_problem(config, target: LoadedModel) -> str | None:
 
 
 def _exit_problem(config, target: LoadedModel) -> str | None:
-    try:
-        native_lm(target, "early-exit")
-    except ValueError as e:
-        return str(e)
     return (None if config.exit_layer is not None else
             "it needs its exit layer E (early-exit:layer=E), which a method name cannot give")
 
 
 def _dtype_problem(config, target: LoadedModel) -> str | None:
-    try:
-        lm = native_lm(target, "self-draft")
-    except ValueError as e:
-        return str(e)
-    return self_draft_problem(lm, config.self_draft_dtype or "int4")
+    return self_draft_problem(target.lm, config.self_draft_dtype or "int4")
 
 
 def _profile_k(config, target: LoadedModel, draft) -> tuple[int, int]:
@@ -290,16 +279,17 @@ LAYER_SKIP = MethodSpec(
     options_help="layer-skip:layers=3+5-8 (the layers skipped; attn=3+5:mlp=7 skips only those layers' "
                  "attention or MLP sublayers) or layer-skip:profile=FILE (from `specdecode tune-skip`; "
                  "neither: the target's default profile, made once and cached)", prepare=prepare_profile,
-    cannot_run=profile_problem, export=NO_EQUIVALENT)
+    cannot_run=profile_problem, native_only=True, export=NO_EQUIVALENT)
 
 METHODS = (
     LAYER_SKIP,
     MethodSpec("early-exit", "the target's first E layers and its LM head draft (early-exit checkpoints)",
                DraftModelProposer, lambda config, target, draft: on_own_cache(config, _exit_draft(config, target)),
-               options=(EXIT_LAYER, DRAFT_P_MIN), options_help="early-exit:layer=E", k=3, cannot_run=_exit_problem, export=NO_EQUIVALENT),
+               options=(EXIT_LAYER, DRAFT_P_MIN), options_help="early-exit:layer=E", k=3, cannot_run=_exit_problem, native_only=True,
+               export=NO_EQUIVALENT),
     MethodSpec("self-draft", "the target's own weights at a lower precision draft on its KV cache",
                DraftModelProposer,
                lambda config, target, draft: on_own_cache(config, _lower_precision_draft(config, target)),
-               options=(SELF_DRAFT_DTYPE, DRAFT_P_MIN), options_help="self-draft:dtype=int8|int4", k=4, export=NO_EQUIVALENT, cannot_run=_dtype_problem,
+               options=(SELF_DRAFT_DTYPE, DRAFT_P_MIN), options_help="self-draft:dtype=int8|int4", k=4, export=NO_EQUIVALENT, cannot_run=_dtype_problem, native_only=True,
                cpu_only="its quantized copy uses the CPU kernels"),
 )

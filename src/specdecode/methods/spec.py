@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import KSchedule
+from ..models.base import SelfDrafting
 from ..models.native import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -108,13 +109,15 @@ class MethodSpec:
     needs_draft_model: a draft model must be given (and is checked against the target).
     k: its default K where it is not its proposer class's.
     schedule: its K schedule where no K and no schedule is given.
+    native_only: it drafts with the target's own layers or hidden states, which only the
+        native runtime offers (:class:`~specdecode.models.base.SelfDrafting`).
     cpu_only: why it runs on the CPU only (None: on any device).
     start_k: (config, target, draft) -> (K where none was given, the draft's lookahead in
         tokens for the auto schedule); default: the config's K and none.
     prepare: (config, target, draft or None) -> None: measures or loads, once, what the
         method reads from the target (or the draft) before a batch holds them; raises
         ValueError for a bad head or profile.
-    cannot_run: (config, target) -> why the method cannot run on this target as it stands,
+    cannot_run: (config, target) -> why the method cannot run on this native target as it stands,
         without measuring or loading anything (None: it can).
     head_dir: (config, target name) -> the draft head's directory it reads (None: no head);
         raises ValueError saying how to make a missing default head.
@@ -130,6 +133,7 @@ class MethodSpec:
     needs_draft_model: bool = False
     k: int | None = None
     schedule: KSchedule = KSchedule.FIXED
+    native_only: bool = False
     cpu_only: str | None = None
     start_k: Callable[["SpeculativeConfig", "LoadedModel", "LoadedModel | None"], tuple[int, int]] = _given_k
     prepare: Callable[["SpeculativeConfig", "LoadedModel", "LoadedModel | None"], None] = _nothing
@@ -198,7 +202,7 @@ def native_lm(target: "LoadedModel", method: str):
     Raises ValueError naming the method and what to use instead when the target runs on
     another backend."""
     lm = target.lm
-    if not hasattr(lm, "self_draft"):
+    if not isinstance(lm, SelfDrafting):
         raise ValueError(f"method {method!r} drafts with the target's own layers, which needs the "
                          f"native runtime (model types {', '.join(SUPPORTED_MODEL_TYPES)}, backend "
                          f"'native' or 'auto'); this target runs on {type(lm).__name__}: use a "

@@ -1,6 +1,6 @@
 // The CPU kernels of the native runtime, for x86 CPUs with AVX512-VNNI: the row-independent
 // W8A8 and Q4_K linears (see quant.py, Int8Linear layout "vnni", Q4KLinear), the attention of
-// decode and verify rows and the MLP's activation (native.py, attend_rows, MLP); built by
+// decode and verify rows and the MLP's activation (attention.py: attend_rows; native.py: MLP); built by
 // quant.py at first use, loaded with ctypes.
 //
 // y[m, n] = ((float)(sum_k q[m, k] * w[n, k]) * xs[m]) * ws[n] (+ bias[n]), where row m of x
@@ -503,7 +503,7 @@ void sd_q4k_linear_x(const float* x, int64_t M, int64_t Kin, int64_t K, const ui
 
 }  // extern "C"
 
-// Causal attention of decode and verify rows (native.py, attend_rows). Query row (b, t) of
+// Causal attention of decode and verify rows (attention.py, attend_rows). Query row (b, t) of
 // head h attends to cache slots 0..lens[b * T + t] - 1 of its KV head, computed by one thread
 // in one fixed order that depends only on that row's own query, keys and values: a row comes
 // out the same bit for bit alone or among any other rows (the property speculative decoding

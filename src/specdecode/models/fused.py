@@ -13,7 +13,7 @@ Both kernels have it, ``sd_layers``: ``cpu_kernels.cpp`` (CPUs with AVX512-VNNI)
 that are :class:`quant.Int8Linear` in the "vnni" layout or :class:`quant.Q4KLinear` (mixed
 freely: a q4 target's Q6_K tensors are int8), ``cpu_kernels_avx2.cpp`` (AVX2 CPUs) for
 Int8Linear in the "nk" layout and Q4KLinear, mixed alike. Used by :meth:`native.Transformer.forward_rows`
-for decode, verify and draft-tree passes (the :class:`native.Prefixes` attention), hidden
+for decode, verify and draft-tree passes (the :class:`attention.Prefixes` attention), hidden
 states of chosen layers included, and prefill in passes of 64 tokens
 (:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
 (prefill past 2,048 slots or on the tile unit, float models, other devices) runs the modules.
@@ -161,7 +161,7 @@ def run(model, layer_stack: LayerStack, x: torch.Tensor, run_layers, caches, pos
     """Run the decoder layers ``run_layers`` (indices) of ``model`` over x, in place.
 
     x: fp32 [B, T, dim] (the embeddings of the new tokens); caches: the model's per-layer
-    :class:`native.KVCache` (the rows of this pass); pos: int64 [B, T] RoPE positions;
+    :class:`kv_cache.KVCache` (the rows of this pass); pos: int64 [B, T] RoPE positions;
     slots: int64 [B, T] cache slots, -1 for padding; lens: int64 [B, T] the slots each query
     sees (``Prefixes.lens``); seen: None (slots 0..lens-1) or a draft tree's int64 [B, T, S]
     (``Prefixes.slots``); hidden: layer index -> an fp32 [B, T, dim] tensor that gets the

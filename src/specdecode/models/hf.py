@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import native
+from . import attention
 
 ROWS_ATTENTION = "specdecode_rows"
 
@@ -18,8 +18,8 @@ def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     """A ``transformers`` attention function (``AttentionInterface``) whose rows are the
     one-token passes': each of the T new queries attends to its own prefix of the cache (the
     last ``sliding_window`` positions of it in a sliding-window layer), computed as the native
-    decoder does (:func:`native.attend_rows` on the CPU in fp32, else
-    :func:`native.attend_prefixes`), so a verify pass gives every row the bits a one-token
+    decoder does (:func:`attention.attend_rows` on the CPU in fp32, else
+    :func:`attention.attend_prefixes`), so a verify pass gives every row the bits a one-token
     pass gives it. transformers' own SDPA runs all T rows in one masked product, whose
     reduction order changes with T: with int8 linears those last-bit differences became other
     activation roundings and moved logits by up to 4.4 (SmolLM2-135M, 8 cached tokens), and
@@ -28,12 +28,12 @@ def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     query: [B, H, T, D], key/value: [B, H_kv, S, D] (S = cached + T, the new tokens last,
     every position kept: :class:`HFCausalLM` gives sliding layers full caches; rows of one
     length, as this adapter runs them). Returns ([B, T, H, D], None). Prefill
-    (T > native.SDPA_MIN_TOKENS), dropout, soft-capping and position biases go to
+    (T > attention.SDPA_MIN_TOKENS), dropout, soft-capping and position biases go to
     transformers' SDPA function with its mask (row-exactness is a decode property; those
     models' verify rows may then differ from one-token passes in the last bits).
     """
     t, s = query.shape[2], key.shape[2]
-    if (t > native.SDPA_MIN_TOKENS or dropout or kwargs.get("softcap") is not None
+    if (t > attention.SDPA_MIN_TOKENS or dropout or kwargs.get("softcap") is not None
             or kwargs.get("position_bias") is not None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -53,12 +53,12 @@ def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 def _attend_prefixes(query, key, value, scaling):
     """Query i of T over keys 0..S-T+i; [B, H, T, D], [B, H_kv, S, D] -> [B, T, H, D]."""
     (b, h, t, d), s = query.shape, key.shape[2]
-    lib = native.attention_kernel_for(query.device, query.dtype, d, h // key.shape[1])
+    lib = attention.attention_kernel_for(query.device, query.dtype, d, h // key.shape[1])
     if lib is not None:
         lens = torch.arange(s - t + 1, s + 1).expand(b, t).contiguous()
         cache = SimpleNamespace(k=key.contiguous(), v=value.contiguous())
-        return native.attend_rows(native.Prefixes(lib, lens), query, cache, scaling)
-    return native.attend_prefixes(query, key, value, s - t, scaling).transpose(1, 2).contiguous()
+        return attention.attend_rows(attention.Prefixes(lib, lens), query, cache, scaling)
+    return attention.attend_prefixes(query, key, value, s - t, scaling).transpose(1, 2).contiguous()
 
 
 @functools.cache

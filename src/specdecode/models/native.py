@@ -1,13 +1,14 @@
 """Compact PyTorch decoder for the Llama family (Llama, Qwen2, Mistral, SmolLM2).
 
 The shape follows gpt-fast's ``model.py``: a frozen :class:`ModelArgs`, a preallocated
-:class:`KVCache` and a plain forward. What ``transformers`` hides and speculative decoding
+:class:`~.kv_cache.KVCache` and a plain forward. What ``transformers`` hides and speculative decoding
 needs is explicit here: the cache is a buffer plus a position pointer, so rolling back
 rejected draft tokens is ``rollback(n)`` (no copy), and logits can be computed for only the
 last positions (prefill needs none). For draft heads, draft trees, layer skipping and batched
 serving, :meth:`Transformer.forward_rows` runs rows of their own cache lengths, a tree mask
 over the new tokens, a subset of the layers, and returns chosen hidden states;
-:meth:`Transformer.rollback_rows` and :meth:`Transformer.compact` edit the cache per row.
+:meth:`Transformer.rollback_rows` and :meth:`Transformer.compact` edit the cache per row
+(their bookkeeping: :mod:`.kv_cache`).
 
 Parameter names match ``transformers``' Llama/Qwen2/Mistral checkpoints, so a safetensors
 file saved by ``save_pretrained`` loads with ``load_state_dict`` unchanged. Logits equal
@@ -22,7 +23,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +30,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from . import fused, quant
+from .attention import (SDPA_MIN_TOKENS, Prefixes, _softmax, attend_prefixes, attend_rows, attention_kernel,
+                        cpu_kernels, tree_kernel, tree_slots)
+from .base import ForwardOutput
+from .kv_cache import CacheRows, KVCache
+from .self_draft import SelfDraft
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-# Forwards of more new tokens use the fused attention kernel; up to it, which covers every
-# verify pass (K <= MAX_K = 64, plus one), :func:`attend_prefixes`.
-SDPA_MIN_TOKENS = 65
 
 
 def read_json(path: Path) -> dict:
@@ -198,43 +200,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class KVCache:
-    """Preallocated key/value buffers [B, n_kv_heads, max_len, head_dim] for one layer.
-
-    The number of valid positions of each row is kept by the model
-    (``Transformer.row_lengths``), so rolling back is moving that pointer; stale entries past
-    it are overwritten by the next forward.
-    """
-
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def rows(self, start: int, stop: int) -> "KVCache":
-        """The cache of rows start..stop-1: views of these buffers (the batch is outermost)."""
-        view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[start:stop], self.v[start:stop]
-        return view
-
-    def update(self, where, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v [B, H_kv, T, D]; return views [B, H_kv, end, D] of slots 0..end-1.
-
-        where: an int ``start`` (every row writes its T tokens at start..start+T-1, end =
-        start+T), or index tensors ``(rows, slots, toks, end)`` [N] (token toks[i] of row
-        rows[i] goes to slot slots[i]; rows of their own lengths, padding never written).
-        """
-        if isinstance(where, int):
-            end = where + k.shape[2]
-            self.k[:, :, where:end] = k
-            self.v[:, :, where:end] = v
-        else:
-            rows, slots, toks, end = where
-            self.k[rows, :, slots] = k[rows, :, toks]
-            self.v[rows, :, slots] = v[rows, :, toks]
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -246,9 +211,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
 
     def forward(self, x, cos, sin, where, mask, cache: KVCache):
-        """cos, sin: [T, D] or [B, 1, T, D]; where: see :meth:`KVCache.update`; mask: None
+        """cos, sin: [T, D] or [B, 1, T, D]; where: see :meth:`~.kv_cache.KVCache.update`; mask: None
         (causal over the new tokens, all cached slots visible), bool [T, end] or
-        [B, 1, T, end], True where a query sees a key, or :class:`Prefixes`."""
+        [B, 1, T, end], True where a query sees a key, or :class:`~.attention.Prefixes`."""
         b, t, _ = x.shape
         a = self.args
         q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
@@ -276,146 +241,6 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(~mask, float("-inf"))
             y = (_softmax(scores).to(q.dtype) @ v).view(b, a.n_heads, t, a.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim))
-
-
-class Prefixes(NamedTuple):
-    """Query (b, t) sees cache slots 0..lens[b, t]-1: the attention of decode and verify
-    rows, chains of their own lengths included, run by :func:`attend_rows`; or, with
-    ``slots``, the slots slots[b, t, 0..lens[b, t]-1] in that order (a draft tree's node: the
-    committed slots, then its ancestors and itself; see :func:`tree_slots`).
-
-    lib: the loaded ``cpu_kernels.cpp`` or ``cpu_kernels_avx2.cpp``; lens: int64 [B, T],
-    contiguous, each in 1..max_len; slots: None or int64 [B, T, S], contiguous.
-    """
-
-    lib: object
-    lens: torch.Tensor
-    slots: torch.Tensor | None = None
-
-
-def tree_slots(tree: torch.Tensor, starts: list[int], valid: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slots each new token of a tree pass sees, in slot order: its row's committed slots
-    0..start-1, then the new tokens its mask row allows (ancestors and itself) at start + j.
-
-    tree: bool [B, T, T] (the pass's attn_mask); starts: each row's cache length before the
-    pass; valid: bool [B, T], False for padding (which sees slot 0 only: computed, never
-    used). Returns (lens int64 [B, T], slots int64 [B, T, max(starts) + T]) for
-    :class:`Prefixes`.
-    """
-    b, t, _ = tree.shape
-    width = max(starts) + t
-    slots = torch.zeros(b, t, width, dtype=torch.long)
-    lens = torch.ones(b, t, dtype=torch.long)
-    new = torch.arange(t)
-    for row, start in enumerate(starts):
-        sees = tree[row].cpu() & valid[row].cpu()[None]
-        # the visible new tokens first, in order; the rest (past the count, never read) 0
-        tail = torch.where(sees, start + new, width).sort(1).values
-        slots[row, :, :start] = torch.arange(start)
-        slots[row, :, start:start + t] = tail.masked_fill(tail == width, 0)
-        lens[row] = torch.where(valid[row].cpu(), start + sees.sum(1), 1)
-    return lens, slots
-
-
-def cpu_kernels(device: torch.device, dtype: torch.dtype):
-    """The loaded ``cpu_kernels.cpp`` (AVX512) or ``cpu_kernels_avx2.cpp`` for fp32 tensors on
-    the CPU, or None (another device or dtype, or no kernel on this CPU: then PyTorch's
-    operators)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return None
-    return quant.vnni_kernel()[0] or quant.avx2_kernel()
-
-
-def attention_kernel(device: torch.device, dtype: torch.dtype, args: ModelArgs):
-    """The C++ attention kernel for a cache of this device and dtype, or None (see
-    :func:`attention_kernel_for`)."""
-    return attention_kernel_for(device, dtype, args.head_dim, args.n_heads // args.n_kv_heads)
-
-
-def attention_kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, group: int):
-    """The C++ attention kernel for these tensors, or None (see :func:`cpu_kernels`; also
-    head_dim not a multiple of 16, or of 8 for the AVX2 kernel, or over 256 query heads per
-    KV head): then the PyTorch paths, :func:`attend_prefixes`."""
-    lib = cpu_kernels(device, dtype)
-    if lib is None or head_dim % (8 if lib is quant.avx2_kernel() else 16) or group > 256:
-        return None
-    return lib
-
-
-def tree_kernel(lib) -> bool:
-    """Whether this attention kernel (:func:`attention_kernel`) also runs tree passes
-    (``sd_attend_slots``, in both CPU kernel files), so that a tree node's row has the bits of
-    the one-token pass of its path. Elsewhere (no CPU kernel: another device, dtype or head
-    size) a tree pass takes PyTorch's masked path, whose bits may differ from the decode
-    kernel's."""
-    return lib is not None and hasattr(lib, "sd_attend_slots")
-
-
-def attend_rows(prefixes: Prefixes, q: torch.Tensor, cache: KVCache,
-                scale: float | None = None) -> torch.Tensor:
-    """Attention of each query over its own prefix of the cache, on the CPU (``sd_attend``).
-
-    q: fp32 [B, H, T, D] (RoPE applied, D contiguous); cache: the layer's (or any object
-    with contiguous fp32 ``k``, ``v`` [B, H_kv, L, D]), the new tokens written; scale: of
-    the scores, default D ** -0.5. Returns fp32 [B, T, H, D] (``o_proj``'s input order: no
-    transpose copy).
-    Each (row, KV head) is computed by one thread, in an order that depends only on its own
-    query, keys and values (fp32 dot products, softmax with its own max, the value sum in
-    slot order), so a row is the same bit for bit alone or among any others, at any thread
-    count: the one-token pass and every row of a verify pass, or of a batch of requests of
-    their own lengths, compute it alike. 1.5-2x less time than :func:`attend_prefixes`'
-    per-row products in an 8-row pass (docs/EXPERIMENTS.md).
-    """
-    b, h, t, d = q.shape
-    if q.stride(3) != 1:
-        q = q.contiguous()
-    out = torch.empty(b, t, h, d)
-    kc, lens = cache.k, prefixes.lens
-    scale = d ** -0.5 if scale is None else scale
-    if prefixes.slots is None:
-        prefixes.lib.sd_attend(q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1),
-                               kc.data_ptr(), cache.v.data_ptr(), kc.shape[1], kc.shape[2],
-                               lens.data_ptr(), scale, out.data_ptr())
-    else:
-        sl = prefixes.slots
-        prefixes.lib.sd_attend_slots(q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2),
-                                     q.stride(1), kc.data_ptr(), cache.v.data_ptr(), kc.shape[1],
-                                     kc.shape[2], lens.data_ptr(), sl.data_ptr(), sl.shape[2],
-                                     scale, out.data_ptr())
-    return out
-
-
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    # softmax over a length-1 axis is pathologically slow on CPU in torch 2.13
-    return scores.float().softmax(-1) if scores.shape[-1] > 1 else torch.ones_like(scores)
-
-
-def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                    scale: float | None = None) -> torch.Tensor:
-    """Causal attention of T new tokens at positions start..start+T-1, each row computed as
-    the one-token pass at its position computes it.
-
-    q: [B, H, T, D] (RoPE applied); k, v: [B, H_kv, start+T, D] (the cache, new tokens
-    included); scale: of the scores, default D ** -0.5. Returns [B, H, T, D]. Query i attends to slots 0..start+i through products
-    of exactly the shapes a one-token pass there uses ([g, D] x [D, start+i+1] per group of
-    g = H / H_kv heads), so its floating-point result is the same bit for bit. One product
-    over all T rows and start+T keys (with the future masked) is faster, but the order of its
-    reductions changes with T and with the key count, and the last-bit differences it leaves
-    become different int8 roundings downstream (models/quant.py), then different logits:
-    measured on Qwen2.5-Coder-1.5B W8A8, a 9-row verify pass moved logits by up to 1.2 and
-    flipped an argmax. This costs ~4-9 % of an 8-row verify pass at 200-1,000 cached tokens.
-    """
-    b, h, t, d = q.shape
-    kv = k.shape[1]
-    qg = q.view(b, kv, h // kv, t, d)
-    scale = d ** -0.5 if scale is None else scale
-    rows = []
-    for i in range(t):
-        n = start + i + 1
-        scores = (qg[:, :, :, i] @ k[:, :, :n].transpose(-1, -2)) * scale
-        rows.append(_softmax(scores).to(q.dtype) @ v[:, :, :n])  # [B, kv, g, D]
-    return torch.stack(rows, 3).view(b, h, t, d)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -476,7 +301,7 @@ FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head'
 # draft's head to frequent tokens): byte-level BPE numbers its merges in the order it
 # learned them, the most frequent pairs first, so the lowest ids are the most used (the
 # default target's first 32,768 of 151,936 cover 90-96 % of its answers' tokens:
-# BENCHMARKS.md section 8). Its head then reads a fifth of the bytes; a token outside it is
+# docs/EXPERIMENTS.md, a self-draft's head over frequent tokens). Its head then reads a fifth of the bytes; a token outside it is
 # never drafted, and the verify pass, which has the whole vocabulary, still emits it: the
 # output does not change.
 DRAFT_VOCAB = 32768
@@ -488,23 +313,7 @@ def auto_draft_vocab(vocab_size: int) -> int | None:
     return DRAFT_VOCAB if vocab_size > 2 * DRAFT_VOCAB else None
 
 
-@dataclass
-class ForwardOutput:
-    """What :meth:`Transformer.forward_rows` returns.
-
-    logits: fp32 [B, n, V] for n = num_logits positions (see forward_rows). hidden: the
-    requested hidden states, each [B, T, dim] in the model dtype, for every new token (padding
-    positions hold unspecified values): key i in 0..n_layers-1 is the residual stream after
-    decoder layer i, before any norm (transformers' ``output_hidden_states`` entry i+1 for
-    i < n_layers-1; transformers has no un-normed entry for the last layer); key
-    :data:`FINAL` (-1) is the final norm's output, transformers' last entry.
-    """
-
-    logits: torch.Tensor
-    hidden: dict[int, torch.Tensor]
-
-
-class Transformer(nn.Module):
+class Transformer(CacheRows, nn.Module):
     """Llama-family decoder with a pointer-rollback KV cache.
 
     Use: ``allocate(batch, max_len)`` once, then ``forward(input_ids [B,T], num_logits)``
@@ -561,22 +370,6 @@ class Transformer(nn.Module):
     def max_context(self) -> int:
         return self.args.max_position_embeddings
 
-    @property
-    def seq_len(self) -> int:
-        """Positions in the KV cache, the same in every row (the single-request interface).
-
-        Raises ValueError when the rows hold different numbers (read ``row_lengths``).
-        Setting it moves every row's pointer, unchecked, as it always did.
-        """
-        r = self.row_lengths
-        if len(r) > 1 and r.count(r[0]) != len(r):
-            raise ValueError(f"seq_len is undefined: the rows hold {r} positions; read row_lengths")
-        return r[0]
-
-    @seq_len.setter
-    def seq_len(self, length: int):
-        self._set_lengths([length] * len(self.row_lengths))
-
     def tie_weights(self):
         if self.args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -616,7 +409,9 @@ class Transformer(nn.Module):
                    weights: "Transformer | None" = None, vocab: int | str | None = "auto",
                    skip_attn=(), skip_mlp=()) -> "SelfDraft":
         """This model as its own draft model, drafting on its own KV cache: see
-        :class:`SelfDraft`."""
+        :class:`~.self_draft.SelfDraft`. vocab "auto": :func:`auto_draft_vocab`."""
+        if vocab == "auto":
+            vocab = auto_draft_vocab(self.args.vocab_size)
         return SelfDraft(self, layers, weights, vocab, skip_attn, skip_mlp)
 
     def draft_head(self, m: int) -> nn.Module:
@@ -630,117 +425,14 @@ class Transformer(nn.Module):
             cached = self.__dict__["_draft_head"] = (key, quant.first_rows(head, m))
         return cached[1]
 
-    def _set_lengths(self, lengths: list[int]):
-        self.row_lengths = lengths
-        if self._layer_lengths is not None:
-            ll = [[min(h, n) for h, n in zip(held, lengths)] for held in self._layer_lengths]
-            self._layer_lengths = None if all(h == lengths for h in ll) else ll
-
-    def rollback(self, length: int):
-        """Keep only the first ``length`` cached positions of every row
-        (0 <= length <= the shortest row's length; ValueError otherwise)."""
-        r = self.row_lengths
-        if not 0 <= length <= min(r):
-            ragged = "" if r.count(r[0]) == len(r) else f" in its shortest row (rows: {r})"
-            raise ValueError(f"cannot roll back to {length}: cache holds {min(r)} "
-                             f"positions{ragged}")
-        self._set_lengths([length] * len(r))
-
-    def rollback_rows(self, lengths: list[int]):
-        """Keep only the first ``lengths[b]`` cached positions of row b, for each row.
-
-        Raises ValueError unless there is one int per row with 0 <= lengths[b] <= row_lengths[b].
-        """
-        r = self.row_lengths
-        if len(lengths) != len(r):
-            raise ValueError(f"rollback_rows got {len(lengths)} lengths for {len(r)} cache rows")
-        for row, (n, held) in enumerate(zip(lengths, r)):
-            if not (isinstance(n, int) and 0 <= n <= held):
-                raise ValueError(f"cannot roll back row {row} to {n!r}: it holds {held} "
-                                 f"positions (allowed: 0..{held})")
-        self._set_lengths(list(lengths))
-
     @property
     def exact_trees(self) -> bool:
         """Whether a tree pass computes each node's row as a verify pass of its path would
         (tree passes of up to SDPA_MIN_TOKENS tokens on the attention kernel that also runs
-        trees, :func:`tree_kernel`): trees then keep the exactness chains have, the bits of
+        trees, :func:`~.attention.tree_kernel`): trees then keep the exactness chains have, the bits of
         one-token passes on the int8 kernels."""
         w = self.model.norm.weight  # the caches' dtype and device (see allocate)
         return tree_kernel(attention_kernel(w.device, w.dtype, self.args))
-
-    @torch.inference_mode()  # the caches may be inference tensors (allocated under it)
-    def compact(self, row: int, start: int, keep: list[int]):
-        """Keep only some of the positions a pass wrote from ``start`` on in one row.
-
-        After a tree pass that wrote slots start..start+T-1 of ``row`` (T = row_lengths[row] -
-        start), the entries at offsets ``keep`` (strictly increasing, each in 0..T-1; for an
-        accepted root-to-leaf path, node keep[i] at depth i, so that its RoPE position
-        start+i is also its new slot) move to slots start, start+1, ... and the row's length
-        becomes start+len(keep), in every layer's cache. Raises ValueError for a row outside
-        0..B-1, a start outside 0..row_lengths[row], or offsets that break those rules.
-        """
-        r = self.row_lengths
-        if not (isinstance(row, int) and 0 <= row < len(r)):
-            raise ValueError(f"compact: row {row!r} is not a cache row (allowed: 0..{len(r) - 1})")
-        if not (isinstance(start, int) and 0 <= start <= r[row]):
-            raise ValueError(f"compact: start {start!r} is out of range for row {row} "
-                             f"(allowed: 0..{r[row]}, its length)")
-        t = r[row] - start
-        keep = list(keep)
-        if not all(isinstance(o, int) and 0 <= o < t for o in keep) or \
-                any(a >= b for a, b in zip(keep, keep[1:])):
-            raise ValueError(f"compact: keep={keep} must be strictly increasing offsets in "
-                             f"0..{t - 1} (row {row} holds {t} positions from start {start})")
-        n = len(keep)
-        if keep != list(range(n)):  # else already in place
-            src = torch.tensor(keep, device=self._cos.device) + start
-            for c in self.caches:
-                for buf in (c.k[row], c.v[row]):
-                    buf[:, start:start + n] = buf[:, src]
-        if self._layer_lengths is not None:
-            # a layer skipped by part of the pass holds only a prefix of the offsets
-            for held in self._layer_lengths:
-                if held[row] > start:
-                    held[row] = start + sum(1 for o in keep if o < held[row] - start)
-        self._set_lengths(r[:row] + [start + n] + r[row + 1:])
-
-    def forward_row(self, row: int, input_ids: torch.Tensor,
-                    num_logits: int | None = None) -> torch.Tensor:
-        """Append ``input_ids`` [1, T] to one row as a one-row model would (the pass a request
-        run alone makes: the same code path and bits, prefill chunks included), the other rows
-        untouched; returns that pass's logits [1, num_logits, V]. For a batched engine's
-        prefill of a joining request. Raises ValueError for a row outside 0..B-1, after a
-        pass over a subset of layers that is not rolled back, or as :meth:`forward_rows`."""
-        if not (isinstance(row, int) and 0 <= row < len(self.row_lengths)):
-            raise ValueError(f"row {row!r} is not a cache row (allowed: 0..{len(self.row_lengths) - 1})")
-        return self.forward_span(row, row + 1, input_ids, None, num_logits).logits
-
-    def forward_span(self, start: int, stop: int, input_ids: torch.Tensor,
-                     lengths: list[int] | None = None, num_logits: int | None = None,
-                     output_hidden=(), attn_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None) -> ForwardOutput:
-        """:meth:`forward_rows` over cache rows ``start .. stop-1`` only (input_ids [stop-start,
-        T], lengths, attn_mask and position_ids per row of the span; output_hidden as there), the other rows untouched and
-        not computed: a batch whose active rows are few does not pay for the idle ones' padding. Rows are
-        independent in the native kernels, so each row's bits are those of the whole-batch
-        pass. Raises ValueError for a span outside 0..B, after a pass over a subset of layers
-        that is not rolled back, or as :meth:`forward_rows`."""
-        b = len(self.row_lengths)
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= b):
-            raise ValueError(f"rows {start!r}..{stop!r} are not a span of cache rows (allowed: 0 <= "
-                             f"start < stop <= {b})")
-        if self._layer_lengths is not None:
-            raise ValueError("a pass over a span of rows after a pass over a subset of layers: roll it back first")
-        caches, row_lengths = self.caches, self.row_lengths
-        self.caches, self.row_lengths = [c.rows(start, stop) for c in caches], row_lengths[start:stop]
-        try:
-            out = self.forward_rows(input_ids, lengths, num_logits, attn_mask, position_ids, output_hidden)
-            new = self.row_lengths
-        finally:
-            self.caches, self.row_lengths, self._layer_lengths = caches, row_lengths, None
-        self.row_lengths = row_lengths[:start] + new + row_lengths[stop:]
-        return out
 
     def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
         """Append ``input_ids`` [B, T] to every row at seq_len..seq_len+T-1; return fp32
@@ -767,7 +459,7 @@ class Transformer(nn.Module):
         num_logits: n in 0..T. Default: logits [B, T, V] aligned with input_ids (padding
         positions unspecified); n: [B, n, V] of each row's last n new tokens, the last at
         index n-1 (entries before a row's first new token unspecified).
-        output_hidden: keys of the hidden states to return (see :class:`ForwardOutput`):
+        output_hidden: keys of the hidden states to return (see :class:`~.base.ForwardOutput`):
         layer indices in ``layers`` and/or FINAL (-1).
         layers: sorted unique layer indices in 0..n_layers-1 to run, for layer skipping
         (default all). A skipped layer's cache gets nothing for the new positions; a later
@@ -996,18 +688,6 @@ class Transformer(nn.Module):
                                  f"0..{self.max_len - 1} (the allocated max_len)")
         return attn_mask, position_ids
 
-    def _advance(self, run, partial: bool, lens):
-        """Move the row pointers past the new tokens; track layers a pass skipped (``run``:
-        the layers that wrote the cache; ``partial``: whether some did not)."""
-        new = [s + n for s, n in zip(self.row_lengths, lens)]
-        if partial or self._layer_lengths is not None:
-            ll = self._layer_lengths or [list(self.row_lengths) for _ in range(self.args.n_layers)]
-            ll = [list(h) for h in ll]
-            for i in run:
-                ll[i] = [e if n else h for e, h, n in zip(new, ll[i], lens)]
-            self._layer_lengths = None if all(h == new for h in ll) else ll
-        self.row_lengths = new
-
     def quantize(self, layout: str | None = None, int4: bool = False) -> "Transformer":
         """Turn this float model into the int8 model ``from_pretrained(dtype="int8")`` would
         load (models/quant.py; ``int4``: dtype "int4"'s), in place; returns it. layout: see
@@ -1108,171 +788,3 @@ class Transformer(nn.Module):
         if pack:
             pack_linears(model)
         return model.eval()
-
-
-def sublayer_share(args: ModelArgs, layers, skip_attn=(), skip_mlp=()) -> float:
-    """The share of the decoder layers' weights a pass over ``layers`` reads when the
-    attention sublayers of ``skip_attn`` and the MLP sublayers of ``skip_mlp`` are skipped
-    (a memory-bound pass's cost over a full one's, before it is measured)."""
-    a, m = sublayer_weights(args)
-    read = sum((0 if i in skip_attn else a) + (0 if i in skip_mlp else m) for i in layers)
-    return read / (args.n_layers * (a + m))
-
-
-def sublayer_weights(args: ModelArgs) -> tuple[int, int]:
-    """The weights of one layer's attention (q, k, v, o) and MLP (gate, up, down) sublayers."""
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    return args.dim * (2 * q + 2 * kv), 3 * args.dim * args.intermediate_size
-
-
-class SelfDraft:
-    """The target as its own draft model (self-speculative decoding): a subset of its layers
-    (layer skipping, Draft & Verify arXiv:2309.08168, SWIFT arXiv:2410.06916; early exit,
-    LayerSkip arXiv:2404.16710) and/or its weights at a lower precision (``weights``: a
-    quantized copy, QSpec arXiv:2410.11305), drafting on the target's own KV cache.
-
-    The CausalLM a :class:`~specdecode.proposers.DraftModelProposer` drives (``seq_len``,
-    ``allocate``, ``forward``, ``rollback``), with no cache of its own and no prefill:
-
-    - The committed prefix is read from the target's cache, which holds the full model's
-      keys and values of every committed token but the last (the engine's invariant). So
-      ``seq_len`` is never below the target's length: the draft is always caught up.
-    - Drafted tokens are written into the target's buffers past the target's length, in
-      the layers the draft runs only. A slot at or past a row's length is invisible to the
-      target, and the verify pass of the round (the last token + every draft token)
-      overwrites each slot the draft wrote before the target's length passes it: the draft
-      never leaves a trace in the cache the target reads (tests compare it with plain
-      decoding's after every round).
-
-    target: the native Transformer that verifies. layers: sorted unique layer indices to run
-    (None: all; the final norm and LM head always run). skip_attn, skip_mlp: layers of those
-    whose attention, or MLP, sublayer the draft skips, the residual stream passing through
-    it (SWIFT, arXiv:2410.06916, skips the two separately): a layer whose attention is
-    skipped writes no keys or values (for the cache it is a skipped layer, whose drafted
-    slots the verify pass fills), one whose MLP only is skipped writes them as the other
-    layers the draft runs do (overwritten by the verify pass alike). weights: a Transformer of the same
-    architecture whose layers and head draft instead of the target's (its activations'
-    dtype must be the target's cache dtype). vocab: the first token ids its LM head covers
-    ("auto": ``DRAFT_VOCAB`` for a vocabulary more than twice that, else all; None: all);
-    its logits of the other ids are -inf. Rows: row 0 of a one-row target, or the row a
-    batched engine gives the request (:meth:`bind`).
-    Raises ValueError for bad layers or sublayers, weights of another shape or dtype, or a
-    bad vocab.
-    """
-
-    def __init__(self, target: Transformer, layers: list[int] | None = None,
-                 weights: Transformer | None = None, vocab: int | str | None = "auto",
-                 skip_attn=(), skip_mlp=()):
-        nl = target.args.n_layers
-        if layers is not None:
-            layers = list(layers)
-            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < nl for i in layers) \
-                    or any(a >= b for a, b in zip(layers, layers[1:])):
-                raise ValueError(f"layers={layers}: allowed: sorted unique layer indices in 0..{nl - 1}")
-        runs = range(nl) if layers is None else layers
-        for name, sub in (("skip_attn", skip_attn), ("skip_mlp", skip_mlp)):
-            sub = list(sub)
-            if not all(isinstance(i, int) and not isinstance(i, bool) and i in runs for i in sub) \
-                    or any(a >= b for a, b in zip(sub, sub[1:])):
-                raise ValueError(f"{name}={sub}: allowed: sorted unique layer indices of the layers "
-                                 f"the draft runs ({'0..' + str(nl - 1) if layers is None else layers})")
-        self.skip_attn, self.skip_mlp = tuple(skip_attn), tuple(skip_mlp)
-        source = target if weights is None else weights
-        if weights is not None:
-            if (weights.args.n_layers, weights.args.dim, weights.args.n_kv_heads, weights.args.head_dim,
-                    weights.args.vocab_size) != (nl, target.args.dim, target.args.n_kv_heads,
-                                                 target.args.head_dim, target.args.vocab_size):
-                raise ValueError("the self-draft's weights must be the target's architecture "
-                                 "(layers, width, KV heads, vocabulary)")
-            if weights.model.norm.weight.dtype != target.model.norm.weight.dtype:
-                raise ValueError(f"the self-draft's activations are {weights.model.norm.weight.dtype}, "
-                                 f"the target's KV cache {target.model.norm.weight.dtype}: they must agree")
-        self.target, self.layers = target, layers
-        self._lm = copy.copy(source)  # its own pointers; weights shared, caches set per pass
-        self.row, self._len = 0, 0
-        # a draft pass's cost over the target's T(1): the share of the layers' weights it
-        # reads until measured (layer_skip.draft_cost; the layer-skip methods set it from
-        # their profile)
-        self.cost = sublayer_share(target.args, runs, self.skip_attn, self.skip_mlp)
-        v = target.args.vocab_size
-        if vocab == "auto":
-            vocab = auto_draft_vocab(v)
-        if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool)
-                                      and 16 <= vocab <= v and vocab % 16 == 0):
-            raise ValueError(f"vocab={vocab!r}: allowed: 'auto', None (the whole vocabulary) or a "
-                             f"multiple of 16 in 16..{v} (the first token ids the draft's head covers)")
-        self.vocab = vocab
-        self._head = source.draft_head(vocab) if vocab is not None else None
-        self.vocab_size = target.vocab_size
-        self.max_context = target.max_context
-        self.weight_format = source.weight_format
-
-    def bind(self, row: int) -> None:
-        """Draft on row ``row`` of a batched target (its request's row)."""
-        self.row, self._len = row, 0
-
-    @property
-    def seq_len(self) -> int:
-        return max(self._len, self.target.row_lengths[self.row])
-
-    def allocate(self, batch: int, max_len: int) -> None:
-        if batch != 1 or max_len > self.target.max_len:
-            raise ValueError(f"a self-draft drafts one request inside the target's cache of "
-                             f"{self.target.max_len} positions, asked for {batch} x {max_len}")
-        self._len = 0
-
-    def forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
-        """Append input_ids [1, T] at seq_len.. in the layers that draft; logits [1, n, V]
-        (all T when num_logits is None)."""
-        n = input_ids.shape[1] if num_logits is None else num_logits
-        return SelfDraft.forward_together([(self, input_ids, n)])[0]
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.seq_len:
-            raise ValueError(f"cannot roll back to {length}: the self-draft holds {self.seq_len} positions")
-        self._len = length
-
-    def same_pass(self) -> tuple:
-        """Drafts with equal keys (one target, layers and weights) can run their rows' passes
-        as one (:meth:`forward_together`)."""
-        return (id(self.target), tuple(self.layers or ()), self.layers is None, id(self._lm.model), self.vocab,
-                self.skip_attn, self.skip_mlp)
-
-    @staticmethod
-    def forward_together(passes: list[tuple["SelfDraft", torch.Tensor, int]]) -> list[torch.Tensor]:
-        """Each (draft, input_ids [1, T], n) pass of drafts of one :meth:`same_pass` key, on
-        their own rows (a batched engine's requests), as one pass over the span of those rows
-        (a draft step of B rows costs about one of 1 row on a memory-bound CPU); returns each
-        pass's logits [1, n, V]. Rows are independent in the native kernels: each row's bits
-        are those of its pass alone. Raises ValueError for two passes on one row."""
-        d0 = passes[0][0]
-        t, lm = d0.target, d0._lm
-        rows = [d.row for d, _, _ in passes]
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"two self-draft passes on one row: rows {rows}")
-        first, stop = min(rows), max(rows) + 1
-        width, n_max = max(ids.shape[1] for _, ids, _ in passes), max(n for _, _, n in passes)
-        x = torch.zeros(stop - first, width, dtype=torch.long)
-        lengths = [0] * (stop - first)
-        starts = list(t.row_lengths[first:stop])
-        for d, ids, _ in passes:
-            x[d.row - first, :ids.shape[1]] = ids[0]
-            lengths[d.row - first] = ids.shape[1]
-            starts[d.row - first] = d.seq_len
-            if d.seq_len + ids.shape[1] > t.max_len:
-                raise ValueError(f"KV cache overflow: {d.seq_len}+{ids.shape[1]} positions > "
-                                 f"allocated {t.max_len} in row {d.row}")
-        lm.caches = [c.rows(first, stop) for c in t.caches]
-        lm.max_len, lm._cos, lm._sin = t.max_len, t._cos, t._sin
-        lm.row_lengths, lm._layer_lengths = starts, None
-        logits = lm.forward_rows(x, lengths, num_logits=n_max, layers=d0.layers, head=d0._head,
-                                 skip_attn=d0.skip_attn, skip_mlp=d0.skip_mlp).logits
-        if d0._head is not None:  # tokens past the draft's head are never drafted
-            full = logits.new_full((*logits.shape[:2], t.args.vocab_size), float("-inf"))
-            full[..., :d0.vocab] = logits
-            logits = full
-        out = []
-        for d, ids, n in passes:
-            d._len = starts[d.row - first] + ids.shape[1]
-            out.append(logits[d.row - first:d.row - first + 1, n_max - n:n_max])
-        return out

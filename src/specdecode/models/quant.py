@@ -188,7 +188,7 @@ def amx_in_use() -> bool:
 
 
 # Passes of more tokens a row than this (prefill chunks; a verify pass has at most
-# native.SDPA_MIN_TOKENS = 65) of the int8 and Q4_K linears multiply in bf16 on the AMX tile
+# attention.SDPA_MIN_TOKENS = 65) of the int8 and Q4_K linears multiply in bf16 on the AMX tile
 # unit (cpu_kernels.cpp, sd_q4k_linear_bf16): bound by arithmetic at such sizes, they run at
 # the tile unit's bf16 rate instead of the integer kernels' (the per-group float steps of
 # Q4_K leave its int8 tiles idle); docs/EXPERIMENTS.md, prefill on AMX. From 66 to 96 tokens both cost
@@ -222,7 +222,7 @@ def _bf16_linear(linear: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
     tile unit: ``run(x pointer, rows, y pointer)`` calls the kernel. fp32 in and out (x
     rounded to bf16 inside, products summed in fp32). Each row's output is its own, bit for
     bit (a fixed order of sums whatever the other rows); it differs from the integer
-    kernels' (a verify pass, at most native.SDPA_MIN_TOKENS tokens, never comes here)."""
+    kernels' (a verify pass, at most attention.SDPA_MIN_TOKENS tokens, never comes here)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float().contiguous()
     y = torch.empty(x2.shape[0], linear.out_features)

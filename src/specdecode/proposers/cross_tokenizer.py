@@ -78,7 +78,7 @@ class CrossTokenizerProposer(Proposer):
     """
 
     name = "draft"
-    # SmolLM2 -> Qwen, HumanEval answers of 512 tokens (BENCHMARKS 9): K 6 with drafting
+    # SmolLM2 -> Qwen, HumanEval answers of 512 tokens (docs/EXPERIMENTS.md, a draft of another tokenizer): K 6 with drafting
     # stopped below a top probability of 0.4 took 1.05-1.06x less time than a fixed K 3 in
     # two runs of 10 problems (its drafts are accepted about half the time: a confident run
     # goes on, an unsure token ends the proposal before it costs a draft step); once a stop

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .. import api
 from ..batch import BatchEngine
+from ..models.base import BatchLM
 from ..profile import prefill_profile, verify_profile
 from .protocol import Job, Token
 
@@ -136,7 +137,7 @@ class Worker:
     def _main(self) -> None:
         try:
             self.target, self.draft = self._load()
-            if hasattr(self.target.lm, "forward_span"):
+            if isinstance(self.target.lm, BatchLM):
                 # T(1..17), for the batch's K policy and the hybrid's cost model: measured
                 # before the batch holds the target (once per machine, then cached on disk)
                 times = verify_profile(self.target)

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..api import generate
+from ..models.base import RowsLM
 from ..models.loading import LoadedModel
 from ..heads import aux_layers
 from ..models.native import FINAL
@@ -99,7 +100,7 @@ def record(target: LoadedModel, prompts: list[Prompt], out: str | Path, *, max_n
     target, dtype or answer length, or bad sizes.
     """
     lm = target.lm
-    if not hasattr(lm, "forward_rows"):
+    if not isinstance(lm, RowsLM):
         raise ValueError(f"recording features reads the target's hidden states, which the native "
                          f"runtime gives; this target is {type(lm).__name__} (load it with backend='native')")
     if not (isinstance(max_new_tokens, int) and 1 <= max_new_tokens <= 4096):
