@@ -93,3 +93,25 @@ def test_every_key_a_method_takes_is_in_its_help(name):
     spec = METHODS[name]
     assert all(f"{key}=" in spec.options_help for key in spec.keys()), (name, spec.options_help)
     assert bool(spec.options_help) == bool(spec.keys())
+
+
+def test_a_methods_options_as_keyword_arguments_are_its_method_strings(setup):
+    """generate(method=..., skip_layers=..., head_dir=...): a method's own options by their
+    SpeculativeConfig names, as its method string gives them; a keyword that is no option is
+    a TypeError naming the allowed ones, an option given both ways a ValueError."""
+    target, _, texts = setup
+    head = texts["medusa"].split("head=")[1].split(":")[0]
+    plain = specdecode.generate(target, PROMPTS[0], method="ar", max_new_tokens=16).token_ids
+    for method, kwargs, text in (("layer-skip", dict(skip_layers=[3, 5]), "layer-skip:layers=3+5"),
+                                 ("early-exit", dict(exit_layer=4), "early-exit:layer=4"),
+                                 ("medusa", dict(head_dir=head, draft_tree_width=2), texts["medusa"])):
+        by_keyword = specdecode.generate(target, PROMPTS[0], method=method, max_new_tokens=16, **kwargs)
+        by_text = specdecode.generate(target, PROMPTS[0], method=text, max_new_tokens=16)
+        assert by_keyword.token_ids == by_text.token_ids == plain
+        assert by_keyword.stats.num_draft_tokens == by_text.stats.num_draft_tokens > 0
+    with pytest.raises(TypeError, match="'skip_layer'; a method's own options are .*skip_layers"):
+        specdecode.generate(target, PROMPTS[0], method="layer-skip", skip_layer=[3])
+    with pytest.raises(ValueError, match="given both"):
+        specdecode.generate(target, PROMPTS[0], method="layer-skip:layers=3", skip_layers=[3])
+    with pytest.raises(ValueError, match="an exit layer .* applies to 'early-exit', not 'prompt-lookup'"):
+        specdecode.generate(target, PROMPTS[0], method="prompt-lookup", exit_layer=2)

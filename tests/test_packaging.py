@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import specdecode
+
 from tiny_dirs import tiny_dirs_in
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
@@ -34,6 +36,10 @@ def installed(tmp_path_factory) -> Path:
                            "--no-build-isolation", "--target", str(site), str(source)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # installed inside a user's own repository (a project's .venv): its commit is not ours
+    for args in (["init", "-q"], ["-c", "user.name=u", "-c", "user.email=u@example.com", "commit", "-q",
+                                  "--allow-empty", "-m", "the user's project"]):
+        subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, timeout=60)
     return site
 
 
@@ -58,3 +64,6 @@ def test_the_readmes_bench_runs_from_an_installed_copy(installed, tmp_path_facto
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert {r["subtask"] for r in records} == {"mt_bench", "qa", "humaneval"}
     assert {r["method"] for r in records} == {"ar", "draft"}
+    run = json.loads((out / "run.json").read_text())
+    # the version of the code that ran; no commit: the repository around the copy is another's
+    assert run["version"] == specdecode.__version__ and run["commit"] is None

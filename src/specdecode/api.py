@@ -20,7 +20,7 @@ from typing import Iterator
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
-from .methods import (Method, SpeculativeConfig, build_proposer, build_schedule, prepare, prompt_lookup_method,
+from .methods import (KEYWORD_OPTIONS, Method, SpeculativeConfig, build_proposer, build_schedule, prepare, prompt_lookup_method,
                       speculative_config)
 from .models.base import BatchLM, MeasuredDraft, lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
@@ -172,7 +172,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
            assistant_confidence_threshold: float | None = None,
            prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
            suffix_cache: str = "request", dtype: str = DEFAULT_DTYPE, device: str | None = None,
-           debug: bool = False, batch: BatchEngine | None = None) -> Iterator[StreamChunk]:
+           debug: bool = False, batch: BatchEngine | None = None, **options) -> Iterator[StreamChunk]:
     """Generate, yielding :class:`StreamChunk` pieces as each verify pass commits tokens.
 
     target / draft (alias ``assistant_model``): a :class:`LoadedModel` (from
@@ -198,6 +198,9 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     ``prompt_lookup_num_tokens=N`` (transformers) selects
     prompt lookup with K = N; ``max_matching_ngram_size``: its longest n-gram (default 5;
     the shortest is 2, or this if smaller).
+    **options: a method's own options by their :class:`~specdecode.methods.SpeculativeConfig`
+    names (``skip_layers=``, ``exit_layer=``, ``head_dir=``, ``draft_tree_width=``, ...:
+    :data:`~specdecode.methods.KEYWORD_OPTIONS`), as its method string gives them.
     suffix_cache: "request", or "session" to also match the outputs of earlier requests of
     the same loaded target (the suffix and hybrid methods).
     temperature 0 / ``do_sample=False`` is greedy (the default); sampling is lossless for
@@ -231,7 +234,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         method, draft is not None, k, max_speculative_tokens,
         one_of(draft_p_min, "draft_p_min", assistant_confidence_threshold,
                "assistant_confidence_threshold"),
-        max_matching_ngram_size, suffix_cache)
+        max_matching_ngram_size, suffix_cache, **options)
     own_k = isinstance(k, int) and not isinstance(k, bool)  # (the config fills in a default K)
     gen, tgt, params, prompt_ids = _start(
         target, prompt, input_ids, draft, spec, chat,
@@ -327,7 +330,8 @@ def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list
     new = kwargs.get("max_new_tokens", 128)
     max_len = min(tgt.lm.max_context, max(map(len, ids)) + (new if isinstance(new, int) else 0) + 1)
     method = kwargs.get("method")
-    spec = speculative_config(method, False) if method is not None else None
+    own = {key: value for key, value in kwargs.items() if key in KEYWORD_OPTIONS}
+    spec = speculative_config(method, False, **own) if method is not None else None
     speculative = spec.method.spec.speculates if spec is not None else any(
         kwargs.get(a) is not None for a in ("draft", "assistant_model", "prompt_lookup_num_tokens"))
     # T(1..17) for the batch's K policy (and the hybrid's, auto K's cost model), measured

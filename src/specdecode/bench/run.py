@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .. import __version__
 from ..models.loading import LoadedModel
 from ..profile import measure_forward_times
 from .memory import method_peak
@@ -125,7 +126,7 @@ def check_run_settings(args) -> None:
             raise ValueError(f"--resume: the run in {args.out} used other settings ({'; '.join(diff)}); "
                              "resume with the same ones, or choose another --out")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**mine, "commit": _commit(), "command": command_line(),
+    path.write_text(json.dumps({**mine, "version": __version__, "commit": _commit(), "command": command_line(),
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
 
 
@@ -135,11 +136,17 @@ def command_line() -> str:
 
 
 def _commit() -> str | None:
-    """The git commit of the code that runs (``git describe --always --dirty``), or None
-    outside a git checkout."""
+    """The git commit of the code that runs (``git describe --always --dirty``) where the
+    package runs from its own checkout; None for an installed copy (whose directory may sit
+    inside some other repository, whose commit is not this code's: ``version`` says it)."""
+    package = Path(__file__).resolve().parents[1]  # src/specdecode in a checkout
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             cwd=package, timeout=10)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() / "src" / "specdecode" != package:
+            return None
         proc = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, timeout=10)
+                              text=True, cwd=package, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout.strip() or None if proc.returncode == 0 else None

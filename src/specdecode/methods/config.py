@@ -77,10 +77,17 @@ SpeculativeConfig = make_dataclass(
     bases=(_KSettings,), frozen=True, namespace={"__doc__": _DOC, "__module__": __name__})
 
 
+# the option fields the API takes as keyword arguments (skip_layers=, head_dir=, ...): all but
+# those speculative_config names itself (the n-gram sizes as max_matching_ngram_size)
+KEYWORD_OPTIONS = tuple(name for o in OPTIONS.values() for name, _, _ in o.fields
+                        if name not in ("draft_p_min", "max_ngram", "min_ngram", "suffix_cache"))
+
+
 def speculative_config(method: "str | Method | SpeculativeConfig | None", has_draft: bool,
                        num_speculative_tokens: int | str | None = None,
                        max_speculative_tokens: int = 16, draft_p_min: float | None = None,
-                       max_ngram: int | None = None, suffix_cache: str = "request") -> SpeculativeConfig:
+                       max_ngram: int | None = None, suffix_cache: str = "request",
+                       **options) -> SpeculativeConfig:
     """The :class:`SpeculativeConfig` of the API's / CLI's arguments.
 
     Args:
@@ -90,15 +97,27 @@ def speculative_config(method: "str | Method | SpeculativeConfig | None", has_dr
             parsed once), or None: "draft" when a draft model is given (``has_draft``), else "ar".
         num_speculative_tokens: K, an integer, "heuristic" or "auto".
         max_ngram: alone sets the shortest n-gram to min(2, max_ngram).
+        options: the method's own options by field name (:data:`KEYWORD_OPTIONS`), as its
+            method string gives them.
     Raises:
+        TypeError: a keyword that is no option (naming the allowed ones).
         ValueError: a bad or inapplicable value (a draft model given to a method without one,
             like every option a method does not honour).
     """
+    unknown = sorted(set(options) - set(KEYWORD_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
+                        f"a method's own options are {', '.join(KEYWORD_OPTIONS)}")
     own, base = {}, None
     if isinstance(method, SpeculativeConfig):
         base, method = method, method.method
     elif isinstance(method, str) and not isinstance(method, Method) and ":" in method:
-        method, own = split_method(method)
+        text, (method, own) = method, split_method(method)
+        twice = sorted(set(own) & set(options))
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given both in the method string {text!r} and as a "
+                             "keyword: give it once")
+    own = {**own, **options}
     method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
     if has_draft and "draft" not in method.spec.option_names:
         raise ValueError(f"{inapplicable('draft', method.value)}: drop the draft model, or choose "
@@ -119,7 +138,7 @@ def speculative_config(method: "str | Method | SpeculativeConfig | None", has_dr
         ngram = dict(max_ngram=max_ngram, min_ngram=min(SpeculativeConfig.min_ngram, max_ngram))
     call = dict(num_speculative_tokens=k, schedule=schedule, max_speculative_tokens=max_speculative_tokens,
                 draft_p_min=draft_p_min, suffix_cache=suffix_cache, **ngram)
-    return replace(base, **call) if base is not None else SpeculativeConfig(method, **call, **own)
+    return replace(base, **call, **own) if base is not None else SpeculativeConfig(method, **call, **own)
 
 
 def prompt_lookup_method(method: "str | Method | SpeculativeConfig | None"):
