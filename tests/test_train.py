@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import specdecode
+from specdecode.bench.workloads import SPEC_BENCH_PATH
 from specdecode.cli import main
 from specdecode.heads import EAGLE3_ARCH, Eagle3Head, MedusaHeads, aux_layers, default_head_dir, draft_vocabulary
 from specdecode.train import data, run
@@ -627,54 +628,51 @@ def test_the_bench_trains_a_missing_default_head_once_then_measures_it(tmp_path_
     assert "training it now" not in capsys.readouterr().err
 
 
-def test_the_default_recipe_asks_a_head_for_more_prompts_than_a_draft(deep_target_dir, tmp_path, monkeypatch):
-    """Without --max-prompts a head's run (Medusa or EAGLE-3) answers 1,000 prompts, a
-    distilled draft's 400 (its steps are dearer); a given number is every kind's."""
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def prompts_asked(monkeypatch):
+    """Stops a training run where it asks for its prompts (raising _Stop); the list of what
+    each run asked: (max_prompts, the question runs excluded)."""
     asked = []
 
-    class Stop(Exception):
-        pass
-
     def prompts(data, max_prompts, exclude=None, to_german=None):
-        asked.append(max_prompts)
-        raise Stop
+        asked.append((max_prompts, exclude))
+        raise _Stop
 
     monkeypatch.setattr(run, "training_prompts", prompts)
+    return asked
+
+
+def test_the_default_recipe_asks_a_head_for_more_prompts_than_a_draft(deep_target_dir, tmp_path, prompts_asked):
+    """Without --max-prompts a head's run (Medusa or EAGLE-3) answers 1,000 prompts, a
+    distilled draft's 400 (its steps are dearer); a given number is every kind's."""
     target = specdecode.load(deep_target_dir)
     for kind, recipe in (("medusa", run.HeadRecipe()), ("eagle3", run.HeadRecipe()),
                          ("medusa", run.HeadRecipe(max_prompts=6)), ("eagle3", run.HeadRecipe(max_prompts=6))):
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             run.train_head(kind, target, tmp_path / kind, recipe)
-    assert asked == [1000, 1000, 6, 6] and run.DEFAULT_RECIPE.prompts_for("draft") == 400
+    assert [n for n, _ in prompts_asked] == [1000, 1000, 6, 6] and run.DEFAULT_RECIPE.prompts_for("draft") == 400
     # a step's examples: EAGLE-3 one sequence (a batch pads to its longest), unless given
     assert [run.DEFAULT_RECIPE.batch_for(k) for k in ("medusa", "eagle3", "draft")] == [64, 1, 4]
     assert run.HeadRecipe(batch_size=3).batch_for("eagle3") == 3
 
 
 def test_the_recipes_dataset_is_the_question_file_the_prompts_stay_apart_from(deep_target_dir, tmp_path,
-                                                                               monkeypatch):
+                                                                               prompts_asked):
     """``train --dataset FILE`` (the recipe's dataset): no prompt may share an 8-word run with
     that file's questions; without it, with the copy of Spec-Bench shipped in the package."""
-    from specdecode.bench.workloads import SPEC_BENCH_PATH
     question = "Name the three tallest mountains of the Andes with their heights in metres."
     mine = tmp_path / "question.jsonl"
     mine.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [question]}))
     shipped = json.loads(SPEC_BENCH_PATH.read_text().splitlines()[0])["turns"][0]
-    excluded = []
-
-    class Stop(Exception):
-        pass
-
-    def prompts(data, max_prompts, exclude=None, to_german=None):
-        excluded.append(exclude)
-        raise Stop
-
-    monkeypatch.setattr(run, "training_prompts", prompts)
     target = specdecode.load(deep_target_dir)
     for i, recipe in enumerate((run.HeadRecipe(dataset=str(mine)), run.HeadRecipe())):
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             run.train_head("medusa", target, tmp_path / str(i), recipe)
-    given, default = excluded
+    (_, given), (_, default) = prompts_asked
     assert data.word_runs(question) & given and not data.word_runs(question) & default
     assert data.word_runs(shipped) & default and not data.word_runs(shipped) & given
 
