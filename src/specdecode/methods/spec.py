@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..config import KSchedule
 from ..models.base import SelfDrafting
+from ..models.loading import LoadedModel
 from ..models.native import SUPPORTED_MODEL_TYPES
+from ..proposers import Proposer
 
-if TYPE_CHECKING:
-    from ..models.loading import LoadedModel
-    from ..proposers import Proposer
-    from .config import SpeculativeConfig
+# a SpeculativeConfig (methods/config.py), whose fields are built from these specs' options
+SpeculativeConfig = Any
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,11 @@ class Option:
     fields: tuple[tuple[str, Any, Any], ...] = ()
     doc: str = ""
     keys: dict[str, Key] = field(default_factory=dict)
-    check: Callable[["SpeculativeConfig"], dict[str, Any]] | None = None
-    given: Callable[["SpeculativeConfig"], bool] | None = None
-    read: Callable[["SpeculativeConfig"], dict[str, Any]] | None = None
+    check: Callable[[SpeculativeConfig], dict[str, Any]] | None = None
+    given: Callable[[SpeculativeConfig], bool] | None = None
+    read: Callable[[SpeculativeConfig], dict[str, Any]] | None = None
 
-    def is_given(self, config: "SpeculativeConfig") -> bool:
+    def is_given(self, config: SpeculativeConfig) -> bool:
         if self.given is not None:
             return self.given(config)
         return any(getattr(config, name) != default for name, _, default in self.fields)
@@ -126,8 +126,8 @@ class MethodSpec:
 
     name: str
     summary: str
-    proposer: type["Proposer"] | None
-    build: Callable[["SpeculativeConfig", "LoadedModel", "LoadedModel | None"], "Proposer | None"] = _no_proposer
+    proposer: type[Proposer] | None
+    build: Callable[[SpeculativeConfig, LoadedModel, LoadedModel | None], Proposer | None] = _no_proposer
     options: tuple[Option, ...] = ()
     options_help: str = ""
     needs_draft_model: bool = False
@@ -135,10 +135,10 @@ class MethodSpec:
     schedule: KSchedule = KSchedule.FIXED
     native_only: bool = False
     cpu_only: str | None = None
-    start_k: Callable[["SpeculativeConfig", "LoadedModel", "LoadedModel | None"], tuple[int, int]] = _given_k
-    prepare: Callable[["SpeculativeConfig", "LoadedModel", "LoadedModel | None"], None] = _nothing
-    cannot_run: Callable[["SpeculativeConfig", "LoadedModel"], str | None] = _nothing
-    head_dir: Callable[["SpeculativeConfig", str], str | None] = _nothing
+    start_k: Callable[[SpeculativeConfig, LoadedModel, LoadedModel | None], tuple[int, int]] = _given_k
+    prepare: Callable[[SpeculativeConfig, LoadedModel, LoadedModel | None], None] = _nothing
+    cannot_run: Callable[[SpeculativeConfig, LoadedModel], str | None] = _nothing
+    head_dir: Callable[[SpeculativeConfig, str], str | None] = _nothing
     export: Export = Export(refusal="method {name} speculates nothing: there is nothing to export")
 
     @property
@@ -197,7 +197,7 @@ def is_int(v) -> bool:
 PRECISION = {"float32": 4, "bfloat16": 3, "float16": 3, "int8": 2, "q4": 1, "int4": 1}
 
 
-def native_lm(target: "LoadedModel", method: str):
+def native_lm(target: LoadedModel, method: str):
     """The target's native model, for a method that drafts with the target's own layers.
     Raises ValueError naming the method and what to use instead when the target runs on
     another backend."""
