@@ -115,3 +115,11 @@ def test_a_methods_options_as_keyword_arguments_are_its_method_strings(setup):
         specdecode.generate(target, PROMPTS[0], method="layer-skip:layers=3", skip_layers=[3])
     with pytest.raises(ValueError, match="an exit layer .* applies to 'early-exit', not 'prompt-lookup'"):
         specdecode.generate(target, PROMPTS[0], method="prompt-lookup", exit_layer=2)
+
+
+def test_option_fields_are_given_by_name():
+    """A config's option fields follow the registry's order, so they are keyword-only: a
+    positional value past the K settings is a TypeError, never another option's value."""
+    with pytest.raises(TypeError):
+        SpeculativeConfig("draft", None, "fixed", 16, 0.1, 2)
+    assert SpeculativeConfig("draft", 3, "fixed", 16, draft_p_min=0.1).draft_p_min == 0.1

@@ -73,7 +73,8 @@ silently ignored).
 
 SpeculativeConfig = make_dataclass(
     "SpeculativeConfig",
-    [(name, kind, field(default=default)) for o in OPTIONS.values() for name, kind, default in o.fields],
+    [(name, kind, field(default=default, kw_only=True))  # by name: their order is the registry's
+     for o in OPTIONS.values() for name, kind, default in o.fields],
     bases=(_KSettings,), frozen=True, namespace={"__doc__": _DOC, "__module__": __name__})
 
 

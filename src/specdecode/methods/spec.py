@@ -203,7 +203,7 @@ def native_lm(target: LoadedModel, method: str):
     another backend."""
     lm = target.lm
     if not isinstance(lm, SelfDrafting):
-        raise ValueError(f"method {method!r} drafts with the target's own layers, which needs the "
+        raise ValueError(f"method {method!r} drafts with the target's own layers or hidden states, which needs the "
                          f"native runtime (model types {', '.join(SUPPORTED_MODEL_TYPES)}, backend "
                          f"'native' or 'auto'); this target runs on {type(lm).__name__}: use a "
                          "draft model or a lookup method for it")
