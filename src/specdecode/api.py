@@ -24,7 +24,7 @@ from .methods import (KEYWORD_OPTIONS, Method, SpeculativeConfig, build_proposer
                       speculative_config)
 from .models.base import BatchLM, MeasuredDraft, lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
-from .profile import prefill_profile, verify_profile
+from .profile import verify_profile
 from .stats import SpecDecodingStats
 from .proposers import CrossTokenizerProposer
 from .text import IncrementalDetokenizer, TokenSpans
