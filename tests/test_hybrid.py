@@ -21,6 +21,13 @@ from lossless import EV, N_RUNS, assert_lossless, engine_joint, mock_draft, mock
 from lookups import COPY_PROMPT, GREEDY128, L_PROMPT, copying_logits, lookup
 
 
+@pytest.fixture(autouse=True)
+def modelled_costs_only(monkeypatch):
+    """The policy on its declared costs: mock models' wall times mean nothing, so the
+    calibration by measured round times is left out here (tests/test_hybrid_measured.py)."""
+    monkeypatch.setattr(HybridProposer, "observe", lambda self, draft_s, verify_s: None)
+
+
 def test_hybrid_uses_both_and_reports_each():
     tgt = MockLM(50, copying_logits(50))
     # a draft that knows the copying rule only sometimes: a noisy version of the same logits

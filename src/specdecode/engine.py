@@ -375,6 +375,7 @@ class RequestRun:
             depth = k if self.tree is None else self.tree.depth
             if self.clocked:
                 self.schedule.update(depth, accepted, t2 - t1, t3 - t2)
+                self.proposer.observe(t2 - t1, t3 - t2)
             else:
                 self.schedule.update(depth, accepted, None, None)
         if hidden:

@@ -170,6 +170,14 @@ class Proposer(ABC):
         batch's trial of speculation, which may not go on, so a draft that must first be fed
         what it skipped does not draft. Default: ignored."""
 
+    def observe(self, draft_s: float, verify_s: float) -> None:
+        """The round just verified took ``draft_s`` seconds to propose and ``verify_s`` to
+        verify (the target's pass and the acceptance rule); called after each verify pass,
+        before :meth:`on_accept`, only for requests whose output cannot depend on the clock
+        (not for a seeded request of the rejection rule, whose random draws depend on what
+        is proposed). A proposer that chooses what to propose from modelled costs may
+        calibrate them here. Default: ignored."""
+
     def unseen(self, state: RequestState) -> int:
         """Committed tokens the proposer must first process before it can propose (a draft
         model's catch-up after rounds it skipped; 0 for lookups)."""

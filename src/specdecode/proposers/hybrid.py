@@ -19,9 +19,10 @@ class HybridTuning:
     """Weight, in rounds (or tokens), of the prior in every estimate the hybrid learns."""
     draft_prior_alpha: float = 0.85
     """Prior acceptance of the draft's first token before it has drafted in this request."""
-    horizon: int = 64
+    horizon: int = 16
     """Fewest tokens an answer is expected to go on for when spreading a draft's catch-up
-    (never more than the request has left of its max_new_tokens)."""
+    (never more than the request has left of its max_new_tokens); past it, as many as it
+    has gone on for so far."""
     explore: float = 0.03
     """The draft drafts the longest length within this fraction of the best rate, so the
     positions past the best length keep being measured."""
@@ -44,6 +45,9 @@ class HybridTuning:
     """A draft that must first be fed more than two committed tokens drafts only if it beats
     plain decoding by this factor: that feed is paid for certain, its return only if the
     answer goes on."""
+    measured_decay: float = 0.9
+    """Weight the draft's measured gain (:attr:`HybridProposer.draft_pays`) keeps per draft
+    round (about the last 1/(1 - x) rounds count)."""
 
 
 class _LookupArm:
@@ -87,6 +91,13 @@ class HybridProposer(Proposer):
       plain decoding's, 1/T(1) (by ``cold_margin`` when it must first catch up), or as a
       probe (see :class:`HybridTuning`); else the best lookup proposes its best L if that
       beats plain decoding; else nothing is proposed.
+    - Pay or stop: where the engine reports round times (:meth:`observe`: alone, and not a
+      seeded request of the rejection rule), each draft round without a feed is measured
+      against plain decoding: its tokens times a plain step's time (its own verify pass
+      over T(k+1)/T(1)) minus what the round took. While the decayed sum of those gains is
+      negative (:attr:`draft_pays`), the draft drafts only as a probe, whatever the model
+      predicts: the model's costs and acceptance are estimates, the clock is what the user
+      waits for.
     - Greedy requests, when the draft member ``reads_guess``: the best lookup's L tokens go
       to the draft as a guess, which it reads in one pass (keeping those it would have
       drafted too); a lookup round also goes through the draft that way when the draft has
@@ -99,8 +110,8 @@ class HybridProposer(Proposer):
     T(1), ``draft_prefill_cost`` = the draft's prefill per token / T(1) (the methods pass
     the two models' measured ones: :func:`~specdecode.profile.prefill_profile`; the defaults
     are those of the 0.5B draft for the 1.5B target measured here). Choices depend only
-    on the request's tokens and these costs, never on the clock, so a seeded sampled
-    request is reproducible with the same costs. The members are used as given: build the
+    on the request's tokens, these costs and the times :meth:`observe` reports (none for a
+    seeded request of the rejection rule, which is so reproducible with the same costs). The members are used as given: build the
     draft member with :meth:`draft_for` for the settings the hybrid was tuned with.
     Raises ValueError for members that are not one non-free proposer plus at least one free
     one, a verify_cost that is not positive, a negative draft_cost or draft_prefill_cost,
@@ -142,6 +153,7 @@ class HybridProposer(Proposer):
         self._own_rounds = [0.0, 0.0]  # the draft's rounds without a guess: [it proposed, all]
         self._idle, self._probe_every = 0, tuning.probe_every  # rounds since the draft drafted
         self._rows, self._feed = 1, True  # requests that share this round's passes; a feed allowed
+        self._ledger = _DraftLedger(tuning.measured_decay)
 
     @staticmethod
     def draft_for(lm: CausalLM, p_min: float | None = None) -> DraftModelProposer:
@@ -177,6 +189,16 @@ class HybridProposer(Proposer):
         w = self.tuning.prior_weight
         return (proposed + w) / (asked + w)
 
+    @property
+    def draft_pays(self) -> bool:
+        """False while the measured gain of this request's draft rounds is negative (see
+        the class's pay or stop); True before any was measured."""
+        return self._ledger.gain >= 0
+
+    def observe(self, draft_s: float, verify_s: float) -> None:
+        if self._rows == 1:  # (a batch's passes are shared: its times are not this request's)
+            self._ledger.time(draft_s, verify_s, self._t)
+
     def lookup_realism(self, i: int = 0) -> float:
         """r of lookup member i: this request's accepted / expected tokens of its forecasts,
         over the positions the committed tokens reached."""
@@ -194,6 +216,7 @@ class HybridProposer(Proposer):
         self._drafted = None
         self._own_rounds = [0.0, 0.0]
         self._idle, self._probe_every = 0, self.tuning.probe_every
+        self._ledger = _DraftLedger(self.tuning.measured_decay)
 
     def share_passes(self, rows: int, feed: bool = True) -> None:
         self._rows, self._feed = rows, feed
@@ -253,14 +276,15 @@ class HybridProposer(Proposer):
         # the first round's output is the request's first token: never held up by a feed
         if cold and (not self._feed or state.num_generated == 0):
             d, draft_rate = 0, 0.0
-        merit = draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
+        pays = self.draft_pays
+        merit = pays and draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
         # a draft given up after a bad start (rejected, or unsure) is tried again now and then
         # (never one that was not fed yet: its catch-up prefill is left to the cost model)
         probe = (d > 0 and lookup_rate <= 1.0 and self._idle >= self._probe_every
                  and (self._draft_counts[0][0] > 0 or self._own_rounds[1] > 0))
         greedy = state.params.greedy and self.drafter.reads_guess and tune.read_guess
         sure = lookup_rate * self._t(length + 1) / (1 + length) if length else 1.0
-        check = greedy and d > 0 and length > 0 and k > 1 and behind <= 1 and sure < tune.check_below
+        check = pays and greedy and d > 0 and length > 0 and k > 1 and behind <= 1 and sure < tune.check_below
         if merit or probe or check:
             guess = out[:min(length, k - 1)] if greedy else []
             if not guess:  # scoring only unused forecasts would bias the lookups' calibration
@@ -268,6 +292,8 @@ class HybridProposer(Proposer):
                     other.proposer.discard_last_proposal()
             drafted = yield from self.drafter.propose_steps_with_guess(state, d, guess)
             m = drafted.token_ids.shape[1]
+            # measured unless it fed the draft (a feed is the model's bet on the answer ahead)
+            self._ledger.start(n, m if m else 0 if guess else length, measured=not cold)
             if not guess:  # its own round: did it propose, or stop unsure before its first token
                 self._own_rounds[0] += m > 0
                 self._own_rounds[1] += 1
@@ -287,6 +313,7 @@ class HybridProposer(Proposer):
         return DraftOutput.point_mass(out[:length], arm.proposer.name)
 
     def on_accept(self, state: RequestState) -> None:
+        self._ledger.commit(len(state.tokens))
         if self._drafted is not None:
             start, proposed = self._drafted
             accepted = min(proposed, len(state.tokens) - start - 1)
@@ -311,3 +338,29 @@ class HybridProposer(Proposer):
                 arm.pending = None
         for m in self._members():
             m.on_accept(state)
+
+
+class _DraftLedger:
+    """A request's measured gain from its draft rounds: per round, tokens committed times a
+    plain step's time (the round's verify time / T(k+1), in units of T(1)) minus the round's
+    time, summed with ``decay`` per round. ``start`` a round after ``n`` committed tokens
+    that verifies k tokens, ``time`` it (the engine's report), ``commit`` it once the
+    committed tokens are known; a round not started (or not timed) counts nothing."""
+
+    def __init__(self, decay: float):
+        self.decay, self.gain = decay, 0.0
+        self.round: tuple[int, int] | None = None  # (n, k) of the round in flight
+        self.seconds: tuple[float, float] | None = None  # (round, plain step)
+
+    def start(self, n: int, k: int, measured: bool = True) -> None:
+        self.round, self.seconds = ((n, k) if measured else None), None
+
+    def time(self, draft_s: float, verify_s: float, relative_cost) -> None:
+        if self.round is not None and verify_s > 0:
+            self.seconds = (draft_s + verify_s, verify_s / relative_cost(self.round[1] + 1))
+
+    def commit(self, committed: int) -> None:
+        if self.round is not None and self.seconds is not None:
+            (n, _), (spent, step) = self.round, self.seconds
+            self.gain = self.gain * self.decay + (committed - n) * step - spent
+        self.round = self.seconds = None
