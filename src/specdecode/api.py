@@ -180,9 +180,9 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     prompt: text, or chat messages [{"role", "content"}]; ``chat=True`` applies the target's
     chat template to text. input_ids: token ids instead of a prompt. dtype, device: how a
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
-    method: "draft" (default when a draft is given, else "ar": plain decoding),
-    "prompt-lookup", "suffix" or "hybrid" (lookup when it matches well, else the draft), any
-    other :class:`Method`, a name with its options ("medusa:head=DIR"), or a
+    method: "hybrid" (default when a draft is given, else "ar": plain decoding; each round
+    suffix matching or the draft, whichever promises more, the draft only while its rounds
+    are measured to pay), "draft", "prompt-lookup", "suffix", any other :class:`Method`, a name with its options ("medusa:head=DIR"), or a
     :class:`~specdecode.methods.SpeculativeConfig` (its method and options; K and the other
     arguments are this call's).
     ``"medusa:lossy-typical=EPS"`` is LOSSY: Medusa's typical acceptance changes the output

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import MAX_K, check_k
-from ..methods import METHODS, Method, split_method
+from ..methods import DEFAULT_METHOD, METHODS, Method, split_method
 from ..models import registry
 from ..models.llamacpp import MissingExtraError
 from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
@@ -201,7 +201,7 @@ def device_arg(value: str) -> torch.device:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = Method.DRAFT,
+def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = DEFAULT_METHOD,
                         server: bool = False) -> None:
     """--target, --draft, --method and the weights and backends of both (generate, serve;
     ``server``: --method is a server's, :func:`server_method_arg`)."""

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, make_dataclass, replace
 
 from ..config import MAX_K, KSchedule, check_k
 from .options import split_method
-from .registry import OPTIONS, Method, inapplicable
+from .registry import DEFAULT_METHOD, OPTIONS, Method, inapplicable
 
 
 @dataclass(frozen=True)
 class _KSettings:
-    method: Method = Method.DRAFT
+    method: Method = DEFAULT_METHOD
     num_speculative_tokens: int | None = None
     schedule: KSchedule = KSchedule.FIXED
     max_speculative_tokens: int = 16
@@ -95,7 +95,8 @@ def speculative_config(method: "str | Method | SpeculativeConfig | None", has_dr
         method: a name, a name with its own options (``"layer-skip:layers=3+5-8"``,
             :func:`~specdecode.methods.options.split_method`), a SpeculativeConfig whose method
             and own options are kept (the other fields are this call's: a server's method,
-            parsed once), or None: "draft" when a draft model is given (``has_draft``), else "ar".
+            parsed once), or None: :data:`DEFAULT_METHOD` ("hybrid") when a draft model is
+            given (``has_draft``), else "ar".
         num_speculative_tokens: K, an integer, "heuristic" or "auto".
         max_ngram: alone sets the shortest n-gram to min(2, max_ngram).
         options: the method's own options by field name (:data:`KEYWORD_OPTIONS`), as its
@@ -119,7 +120,7 @@ def speculative_config(method: "str | Method | SpeculativeConfig | None", has_dr
             raise ValueError(f"{', '.join(twice)} given both in the method string {text!r} and as a "
                              "keyword: give it once")
     own = {**own, **options}
-    method = Method.parse(method) if method is not None else (Method.DRAFT if has_draft else Method.AR)
+    method = Method.parse(method) if method is not None else (DEFAULT_METHOD if has_draft else Method.AR)
     if has_draft and "draft" not in method.spec.option_names:
         raise ValueError(f"{inapplicable('draft', method.value)}: drop the draft model, or choose "
                          "one of those methods")

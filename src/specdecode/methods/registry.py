@@ -60,3 +60,8 @@ Method = _MethodBase("Method", {name.upper().replace("-", "_"): name for name in
                      module="specdecode.methods")
 Method.__doc__ = ("Who proposes draft tokens: one member per :data:`METHODS` entry "
                   "(``Method.AR`` is plain decoding, no proposer).")
+
+# what runs where a draft model is given (or the CLI loads its default one) and no method is
+# named: the hybrid, whose pay or stop keeps the draft from drafting where its rounds are
+# measured slower than plain decoding (docs/methods/lookups.md)
+DEFAULT_METHOD = Method.HYBRID

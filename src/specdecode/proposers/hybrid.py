@@ -95,9 +95,9 @@ class HybridProposer(Proposer):
       seeded request of the rejection rule), each draft round without a feed is measured
       against plain decoding: its tokens times a plain step's time (its own verify pass
       over T(k+1)/T(1)) minus what the round took. While the decayed sum of those gains is
-      negative (:attr:`draft_pays`), the draft drafts only as a probe, whatever the model
-      predicts: the model's costs and acceptance are estimates, the clock is what the user
-      waits for.
+      negative (:attr:`draft_pays`), the draft drafts only as a probe that needs no feed,
+      whatever the model predicts: the model's costs and acceptance are estimates, the
+      clock is what the user waits for.
     - Greedy requests, when the draft member ``reads_guess``: the best lookup's L tokens go
       to the draft as a guess, which it reads in one pass (keeping those it would have
       drafted too); a lookup round also goes through the draft that way when the draft has
@@ -279,9 +279,12 @@ class HybridProposer(Proposer):
         pays = self.draft_pays
         merit = pays and draft_rate > max(lookup_rate / tune.lookup_margin, tune.cold_margin if cold else 1.0)
         # a draft given up after a bad start (rejected, or unsure) is tried again now and then
-        # (never one that was not fed yet: its catch-up prefill is left to the cost model)
+        # (never one that was not fed yet: its catch-up prefill is left to the cost model);
+        # once its rounds were measured to lose, never one that must first be fed what it
+        # skipped meanwhile: the feed is a probe's surest cost, the model's promise what lost
         probe = (d > 0 and lookup_rate <= 1.0 and self._idle >= self._probe_every
-                 and (self._draft_counts[0][0] > 0 or self._own_rounds[1] > 0))
+                 and (self._draft_counts[0][0] > 0 or self._own_rounds[1] > 0)
+                 and (pays or not cold))
         greedy = state.params.greedy and self.drafter.reads_guess and tune.read_guess
         sure = lookup_rate * self._t(length + 1) / (1 + length) if length else 1.0
         check = pays and greedy and d > 0 and length > 0 and k > 1 and behind <= 1 and sure < tune.check_below
