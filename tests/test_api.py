@@ -24,7 +24,7 @@ import torch
 
 import specdecode
 from specdecode import IncompatibleDraftError, LoadedModel, check_compatible
-from specdecode.methods import SpeculativeConfig, build_proposer, build_schedule, speculative_config
+from specdecode.methods import DEFAULT_METHOD, Method, SpeculativeConfig, build_proposer, build_schedule, speculative_config
 from specdecode.proposers import CrossTokenizerProposer, DraftModelProposer
 from specdecode.models import registry
 from specdecode.api import GenerationResult, StreamChunk
@@ -196,11 +196,11 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     ar = specdecode.generate(target, PROMPT, method="ar", max_new_tokens=40)
     assert ar.stats.num_draft_tokens == 0 and len(ar.token_ids) == 40
     variants = {
-        "draft": dict(draft=draft),
-        "assistant_model": dict(assistant_model=draft),
-        "draft+K3": dict(draft=draft, num_speculative_tokens=3),
-        "assistant+num_assistant_tokens3": dict(assistant_model=draft, num_assistant_tokens=3),
-        "do_sample=False beats temperature": dict(draft=draft, do_sample=False, temperature=0.7, seed=5),
+        "draft": dict(method="draft", draft=draft),
+        "assistant_model": dict(method="draft", assistant_model=draft),
+        "draft+K3": dict(method="draft", draft=draft, num_speculative_tokens=3),
+        "assistant+num_assistant_tokens3": dict(method="draft", assistant_model=draft, num_assistant_tokens=3),
+        "do_sample=False beats temperature": dict(method="draft", draft=draft, do_sample=False, temperature=0.7, seed=5),
         "path strings": dict(draft=str(draft.path), method="draft"),
     }
     results = {}
@@ -217,6 +217,10 @@ def test_speculative_greedy_equals_plain_decoding_with_transformers_aliases(targ
     a, b = results["draft+K3"].stats, results["assistant+num_assistant_tokens3"].stats
     assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == \
         (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens)
+    # a draft and no method named: the default method (the hybrid), the same output
+    assert speculative_config(None, True).method is DEFAULT_METHOD is Method.HYBRID
+    default = specdecode.generate(target, PROMPT, assistant_model=draft, max_new_tokens=40)
+    assert default.token_ids == ar.token_ids
     # method="ar" with a draft is refused, not ignored (it was ignored)
     with pytest.raises(ValueError, match="not 'ar'"):
         specdecode.generate(target, PROMPT, draft=draft, method="ar", max_new_tokens=40)
@@ -330,7 +334,7 @@ def test_do_sample_true_samples_like_temperature(target, draft):
     t07 = specdecode.generate(target, PROMPT, temperature=0.7, seed=11, max_new_tokens=30).token_ids
     assert specdecode.generate(target, PROMPT, do_sample=True, temperature=0.7, seed=11,
                                max_new_tokens=30).token_ids == t07
-    spec = [specdecode.generate(target, PROMPT, assistant_model=draft, do_sample=True, seed=4,
+    spec = [specdecode.generate(target, PROMPT, method="draft", assistant_model=draft, do_sample=True, seed=4,
                                 max_new_tokens=30) for _ in range(2)]
     assert spec[0].token_ids == spec[1].token_ids and spec[0].token_ids != greedy
     assert spec[0].stats.num_draft_tokens > 0
@@ -339,7 +343,7 @@ def test_do_sample_true_samples_like_temperature(target, draft):
 def test_self_draft_accepts_everything(target):
     """Draft == target (a forked cache): every round emits K+1 tokens, exactly as many as asked."""
     ar = specdecode.generate(target, PROMPT, max_new_tokens=41)
-    r = specdecode.generate(target, PROMPT, draft=target, num_speculative_tokens=4, max_new_tokens=41)
+    r = specdecode.generate(target, PROMPT, method="draft", draft=target, num_speculative_tokens=4, max_new_tokens=41)
     assert r.token_ids == ar.token_ids and len(r.token_ids) == 41
     s = r.stats
     assert s.num_accepted_tokens == s.num_draft_tokens and s.acceptance_rate == 1.0
@@ -457,7 +461,7 @@ def test_stop_string_early_in_a_long_accepted_block(tok):
     n = len(tok.encode(PROMPT))
     stop = tok.decode(script[1:3])  # " quick brown"
     tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
-    r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=8, stop=stop, max_new_tokens=100)
+    r = specdecode.generate(tgt, PROMPT, method="draft", draft=drf, num_speculative_tokens=8, stop=stop, max_new_tokens=100)
     assert r.token_ids == script[:3] and r.text == tok.decode(script[:1])
     assert r.finish_reason == "stop"
     assert r.stats.num_verify_passes == 1 and r.stats.num_accepted_tokens == 3
@@ -495,7 +499,7 @@ def test_eos_inside_a_block(tok, k):
     for j in range(0, 12):
         script = text_ids[:j] + [EOS] + text_ids[j:]
         tgt, drf = scripted(tok, script, n), scripted(tok, script, n)
-        chunks, r = collect(specdecode.stream(tgt, PROMPT, draft=drf, num_speculative_tokens=k,
+        chunks, r = collect(specdecode.stream(tgt, PROMPT, method="draft", draft=drf, num_speculative_tokens=k,
                                               max_new_tokens=60))
         assert r.token_ids == script[:j + 1] and r.token_ids[-1] == EOS, j
         assert r.text == tok.decode(text_ids[:j]) and "<|im_end|>" not in r.text
@@ -583,13 +587,13 @@ def test_draft_with_more_embedding_rows(dirs, target):
     raw = wide.lm.forward(torch.tensor([target.tokenizer.encode(PROMPT)]))
     assert (raw.argmax(-1) >= VOCAB).all()  # rows the target lacks would win if not cut off
     ar = specdecode.generate(target, PROMPT, max_new_tokens=40)
-    r = specdecode.generate(target, PROMPT, draft=wide, num_speculative_tokens=4, max_new_tokens=40)
+    r = specdecode.generate(target, PROMPT, method="draft", draft=wide, num_speculative_tokens=4, max_new_tokens=40)
     assert r.token_ids == ar.token_ids
     # on the target's rows the wide draft has the target's weights: all drafts accepted
     assert r.stats.acceptance_rate == 1.0 and r.stats.num_draft_tokens > 0
     # sampling: the draft's distribution over the target's VOCAB rows
-    s1 = specdecode.generate(target, PROMPT, draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
-    s2 = specdecode.generate(target, PROMPT, draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
+    s1 = specdecode.generate(target, PROMPT, method="draft", draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
+    s2 = specdecode.generate(target, PROMPT, method="draft", draft=wide, temperature=0.8, seed=2, max_new_tokens=30)
     assert s1.token_ids == s2.token_ids and len(s1.token_ids) == 30
     assert s1.stats.num_accepted_tokens > 0.5 * s1.stats.num_draft_tokens
     t, d = specdecode.load_pair(dirs["target"], dirs["wide_draft"])
@@ -600,11 +604,11 @@ def test_target_with_more_embedding_rows_than_draft(dirs, target):
     wide = specdecode.load(dirs["wide"])
     ar = specdecode.generate(wide, PROMPT, max_new_tokens=40)
     assert ar.token_ids == specdecode.generate(target, PROMPT, max_new_tokens=40).token_ids
-    r = specdecode.generate(wide, PROMPT, draft=target, num_speculative_tokens=4, max_new_tokens=40)
+    r = specdecode.generate(wide, PROMPT, method="draft", draft=target, num_speculative_tokens=4, max_new_tokens=40)
     assert r.token_ids == ar.token_ids and r.stats.acceptance_rate == 1.0
     # sampling: draft distributions of VOCAB rows against target ones of WIDE_VOCAB (padded with 0)
-    s1 = specdecode.generate(wide, PROMPT, draft=target, temperature=0.8, seed=2, max_new_tokens=30)
-    s2 = specdecode.generate(wide, PROMPT, draft=target, temperature=0.8, seed=2, max_new_tokens=30)
+    s1 = specdecode.generate(wide, PROMPT, method="draft", draft=target, temperature=0.8, seed=2, max_new_tokens=30)
+    s2 = specdecode.generate(wide, PROMPT, method="draft", draft=target, temperature=0.8, seed=2, max_new_tokens=30)
     assert s1.token_ids == s2.token_ids and s1.stats.num_accepted_tokens > 0
     assert all(t < VOCAB for t in s1.token_ids)  # the zero rows are never likely
 
@@ -736,7 +740,7 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     tgt = LoadedModel(t, target.tokenizer, "t", target.eos_token_ids)
     drf = LoadedModel(d, draft.tokenizer, "d", draft.eos_token_ids)
     for prompt, chat in ((PROMPT, True), (PROMPT, False), ([{"role": "user", "content": "2+2?"}], False)):
-        r = specdecode.generate(tgt, prompt, draft=drf, chat=chat, max_new_tokens=20)
+        r = specdecode.generate(tgt, prompt, method="draft", draft=drf, chat=chat, max_new_tokens=20)
         ids = r.prompt_token_ids
         if chat or isinstance(prompt, list):
             assert ids[:1] == tok.encode("<|im_start|>") and tok.decode(ids).endswith("<|im_start|>assistant\n")
@@ -930,7 +934,7 @@ def test_transformers_backend_matches_native(dirs, target, draft):
     ar = specdecode.generate(target, PROMPT, max_new_tokens=30)
     assert specdecode.generate(hf_target, PROMPT, max_new_tokens=30).token_ids == ar.token_ids
     for tgt, drf in ((target, hf_draft), (hf_target, draft), (hf_target, hf_draft), (hf_target, hf_target)):
-        r = specdecode.generate(tgt, PROMPT, draft=drf, num_speculative_tokens=4, max_new_tokens=30,
+        r = specdecode.generate(tgt, PROMPT, method="draft", draft=drf, num_speculative_tokens=4, max_new_tokens=30,
                                 debug=True)
         assert r.token_ids == ar.token_ids
         assert r.stats.num_draft_tokens > 0
@@ -944,7 +948,7 @@ def test_int8_draft_keeps_the_output(dirs, target, name, backend):
     q = specdecode.load(dirs[name], backend=backend, dtype="int8")
     assert q.lm.vocab_size == VOCAB
     ar = specdecode.generate(target, PROMPT, max_new_tokens=30)
-    r = specdecode.generate(target, PROMPT, draft=q, max_new_tokens=30)
+    r = specdecode.generate(target, PROMPT, method="draft", draft=q, max_new_tokens=30)
     assert r.token_ids == ar.token_ids and r.stats.num_draft_tokens > 0
 
 
@@ -982,7 +986,7 @@ def test_gguf_file_is_converted_once_and_matches(dirs, target, tmp_path, monkeyp
     r = specdecode.generate(m, PROMPT, max_new_tokens=20)
     assert r.prompt_token_ids == ar.prompt_token_ids and r.token_ids == ar.token_ids
     # the GGUF model and the directory pair as target and draft (same tokenizer)
-    r = specdecode.generate(target, PROMPT, draft=m, max_new_tokens=20)
+    r = specdecode.generate(target, PROMPT, method="draft", draft=m, max_new_tokens=20)
     assert r.token_ids == ar.token_ids and r.stats.acceptance_rate == 1.0
 
 

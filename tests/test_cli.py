@@ -53,7 +53,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def draft_flag(dirs, extra) -> list:
     """``--draft DIR`` unless ``extra`` names a method without a draft model (where a draft is
     refused)."""
-    method = extra[list(extra).index("--method") + 1] if "--method" in extra else "draft"
+    method = extra[list(extra).index("--method") + 1] if "--method" in extra else "hybrid"
     return ["--draft", dirs["draft"]] if method in ("draft", "hybrid") else []
 
 
@@ -69,7 +69,7 @@ def run_json(capsys, dirs, *extra, max_new_tokens: int = 20) -> dict:
 
 
 def test_generate_json(capsys, dirs, tok, target):
-    obj = run_json(capsys, dirs)
+    obj = run_json(capsys, dirs, "--method", "draft")  # (one that drafts every round)
     assert {"text", "token_ids", "finish_reason", "stats"} <= set(obj)
     assert len(obj["token_ids"]) == 20 and obj["finish_reason"] == "length"
     assert all(isinstance(t, int) and 0 <= t < VOCAB for t in obj["token_ids"])
@@ -186,7 +186,7 @@ def test_seeded_sampling_is_reproducible(capsys, dirs):
 @pytest.mark.parametrize("dtype", [None, "int8", "float32"])
 def test_draft_dtype_never_changes_the_output(capsys, dirs, dtype):
     extra = [] if dtype is None else ["--draft-dtype", dtype]
-    obj = run_json(capsys, dirs, "--compare", *extra)
+    obj = run_json(capsys, dirs, "--compare", "--method", "draft", *extra)
     assert obj["identical"] is True and obj["token_ids"] == obj["ar"]["token_ids"]
     assert obj["stats"]["num_draft_tokens"] > 0
 
@@ -263,7 +263,7 @@ def test_model_directory_with_broken_config_is_a_one_line_error(capsys, dirs, tm
 def test_streaming_mode_prints_text_then_stats(capsys, dirs, target):
     plain = specdecode.generate(target, PROMPT, max_new_tokens=20)
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
-                         "--prompt", PROMPT, "--max-new-tokens", 20)
+                         "--method", "draft", "--prompt", PROMPT, "--max-new-tokens", 20)
     assert code == 0, err
     assert out[:out.index("\n[draft] ")] == plain.text
     stats = out[len(plain.text) + 1:]
@@ -271,7 +271,7 @@ def test_streaming_mode_prints_text_then_stats(capsys, dirs, target):
     assert "speedup" not in out
 
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
-                         "--prompt", PROMPT, "--max-new-tokens", 20, "--compare")
+                         "--method", "draft", "--prompt", PROMPT, "--max-new-tokens", 20, "--compare")
     assert code == 0, err
     assert out.startswith(plain.text + "\n")
     tail = out[len(plain.text) + 1:]
@@ -287,7 +287,7 @@ def test_streaming_mode_with_stop_prints_only_the_cut_text(capsys, dirs, tok, ta
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
                          "--prompt", PROMPT, "--max-new-tokens", 30, "--stop", stop)
     assert code == 0, err
-    assert out[:out.index("\n[draft] ")] == expected
+    assert out[:out.index("\n[hybrid] ")] == expected  # (the default method)
 
 
 def test_unknown_target_is_a_one_line_error(capsys, dirs):
@@ -308,8 +308,8 @@ def test_unknown_target_is_a_one_line_error(capsys, dirs):
     (["--draft-p-min", "1"], ["draft_p_min", "1"]),
     (["--method", "prompt-lookup", "--max-ngram", "0"], ["max_ngram=0"]),
     (["--k", "4", "--max-k", "8"], ["--max-k", "heuristic", "auto"]),
-    (["--max-ngram", "2"], ["n-gram", "'draft'"]),
-    (["--max-ngram", "5"], ["n-gram", "'draft'"]),  # the default value, given: still an error
+    (["--max-ngram", "2"], ["n-gram", "'hybrid'"]),  # (the default method)
+    (["--max-ngram", "5"], ["n-gram", "'hybrid'"]),  # the default value, given: still an error
     (["--temperature", "1e-40"], ["temperature=1e-40"]),  # was: a traceback
     (["--prompt", b"abc \xff def".decode("utf-8", "surrogateescape")],  # argv bytes
      ["--prompt", "not valid UTF-8", "0xFF"]),
@@ -607,7 +607,7 @@ def test_generate_color_shades_each_token_by_who_supplied_it(capsys, dirs, targe
 
     from specdecode.cli.generate import COLORS
     code, out, err = run(capsys, "generate", "--target", dirs["target"], "--draft", dirs["draft"],
-                         "--prompt", PROMPT, "--max-new-tokens", 20, "--color", "--k", 4)
+                         "--method", "draft", "--prompt", PROMPT, "--max-new-tokens", 20, "--color", "--k", 4)
     assert code == 0, err
     text = out.split("\ncolours:")[0]
     plain = specdecode.generate(target, PROMPT, max_new_tokens=20).text

@@ -58,7 +58,7 @@ def test_gemma3_past_its_sliding_window():
 def test_smollm2_as_its_own_draft(smollm2, k):
     prompt = "Write a short story about a robot who learns to paint."
     ar = specdecode.generate(smollm2, prompt, chat=True, method="ar", max_new_tokens=96)
-    spec = specdecode.generate(smollm2, prompt, chat=True, draft=smollm2, max_new_tokens=96,
+    spec = specdecode.generate(smollm2, prompt, chat=True, method="draft", draft=smollm2, max_new_tokens=96,
                                num_speculative_tokens=k, debug=True)
     assert spec.token_ids == ar.token_ids and spec.text == ar.text
     assert spec.stats.acceptance_rate == 1.0
@@ -96,10 +96,14 @@ def test_default_qwen_pair_equals_greedy(qwen_pair, prompt):
     target, draft = qwen_pair
     assert target.lm.vocab_size == 151936 and draft.lm.vocab_size == 151936
     ar = specdecode.generate(target, prompt, chat=True, method="ar", max_new_tokens=32)
-    spec = specdecode.generate(target, prompt, chat=True, draft=draft, max_new_tokens=32, debug=True)
+    spec = specdecode.generate(target, prompt, chat=True, method="draft", draft=draft, max_new_tokens=32,
+                               debug=True)
     assert spec.token_ids == ar.token_ids
     assert len(spec.token_ids) == 32 or spec.finish_reason == "stop"
     assert spec.stats.acceptance_rate > 0.3  # a real draft of the same family, not noise
+    # no method named: the default method (the hybrid), its draft judged by the clock
+    default = specdecode.generate(target, prompt, chat=True, draft=draft, max_new_tokens=32, debug=True)
+    assert default.token_ids == ar.token_ids
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
@@ -152,8 +156,8 @@ def test_smollm2_seeded_sampling_is_the_same_whatever_speculates(smollm2, temper
     common = dict(chat=True, max_new_tokens=64, temperature=temperature, seed=11)
     plain = specdecode.generate(smollm2, prompt, method="ar", **common)
     runs = {
-        "draft K=4": dict(draft=draft, num_speculative_tokens=4),
-        "draft auto": dict(draft=draft, num_speculative_tokens="auto"),
+        "draft K=4": dict(method="draft", draft=draft, num_speculative_tokens=4),
+        "draft auto": dict(method="draft", draft=draft, num_speculative_tokens="auto"),
         "prompt-lookup": dict(method="prompt-lookup"),
         "suffix session": dict(method="suffix", suffix_cache="session"),
         "hybrid": dict(method="hybrid", draft=draft),
@@ -229,7 +233,8 @@ def test_drafts_of_another_tokenizer_equal_greedy(qwen_pair, draft_name):
     for prompt, chat in (("Write a Python function that returns the n-th Fibonacci number.", True),
                          ("def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n", False)):
         ar = specdecode.generate(target, prompt, chat=chat, method="ar", max_new_tokens=40)
-        spec = specdecode.generate(target, prompt, chat=chat, draft=draft, max_new_tokens=40, debug=True)
+        spec = specdecode.generate(target, prompt, chat=chat, method="draft", draft=draft, max_new_tokens=40,
+                                   debug=True)
         assert spec.token_ids == ar.token_ids and spec.text == ar.text
         accepted += spec.stats.num_accepted_tokens
     assert accepted > 10

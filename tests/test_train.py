@@ -815,7 +815,7 @@ def test_train_draft_end_to_end_the_distilled_draft_keeps_the_output(tmp_path_fa
     distilled = specdecode.load(out, role="draft")
     prompt = "def add(a, b):"
     plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24)
-    spec = specdecode.generate(target, prompt, draft=distilled, max_new_tokens=24)
+    spec = specdecode.generate(target, prompt, method="draft", draft=distilled, max_new_tokens=24)
     assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
     # a draft of another tokenizer is refused before anything is recorded
     assert main(args[:4] + ["--draft", str(dirs["foreign"]), "--out", str(tmp_path / "f")] + args[8:]) == 2
