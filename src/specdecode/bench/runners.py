@@ -351,7 +351,8 @@ PEERS: dict[str, Peer] = {
                             "llama-cpp-python's prompt lookup decoding of that file (k=num_pred_tokens, "
                             "default 10)", frozenset({"k"})),
 }
-DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft"
+# transformers beside us (hf-assisted: the same draft), and the default method (hybrid)
+DEFAULT_METHODS = "ar,hf-ar,hf-assisted,hf-pld,draft,hybrid"
 
 
 def is_ours(name: str) -> bool:

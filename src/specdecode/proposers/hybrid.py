@@ -48,6 +48,10 @@ class HybridTuning:
     measured_decay: float = 0.9
     """Weight the draft's measured gain (:attr:`HybridProposer.draft_pays`) keeps per draft
     round (about the last 1/(1 - x) rounds count)."""
+    measured_slack: float = 1.0
+    """Plain steps of time the draft's measured gain may fall below zero before the draft
+    stops: a round's time on a shared machine moves by a tenth or more, and a draft stopped
+    on one slow round is seldom measured again."""
 
 
 class _LookupArm:
@@ -95,7 +99,8 @@ class HybridProposer(Proposer):
       seeded request of the rejection rule), each draft round without a feed is measured
       against plain decoding: its tokens times a plain step's time (its own verify pass
       over T(k+1)/T(1)) minus what the round took. While the decayed sum of those gains is
-      negative (:attr:`draft_pays`), the draft drafts only as a probe that needs no feed,
+      below minus ``measured_slack`` plain steps (:attr:`draft_pays`: the times are noisy),
+      the draft drafts only as a probe that needs no feed,
       whatever the model predicts: the model's costs and acceptance are estimates, the
       clock is what the user waits for.
     - Greedy requests, when the draft member ``reads_guess``: the best lookup's L tokens go
@@ -191,9 +196,10 @@ class HybridProposer(Proposer):
 
     @property
     def draft_pays(self) -> bool:
-        """False while the measured gain of this request's draft rounds is negative (see
-        the class's pay or stop); True before any was measured."""
-        return self._ledger.gain >= 0
+        """False while the measured gain of this request's draft rounds is below minus
+        ``measured_slack`` plain steps (see the class's pay or stop); True before any was
+        measured."""
+        return self._ledger.gain >= -self.tuning.measured_slack * self._ledger.step
 
     def observe(self, draft_s: float, verify_s: float) -> None:
         if self._rows == 1:  # (a batch's passes are shared: its times are not this request's)
@@ -352,6 +358,7 @@ class _DraftLedger:
 
     def __init__(self, decay: float):
         self.decay, self.gain = decay, 0.0
+        self.step = 0.0  # the last measured plain step's time
         self.round: tuple[int, int] | None = None  # (n, k) of the round in flight
         self.seconds: tuple[float, float] | None = None  # (round, plain step)
 
@@ -364,6 +371,6 @@ class _DraftLedger:
 
     def commit(self, committed: int) -> None:
         if self.round is not None and self.seconds is not None:
-            (n, _), (spent, step) = self.round, self.seconds
-            self.gain = self.gain * self.decay + (committed - n) * step - spent
+            (n, _), (spent, self.step) = self.round, self.seconds
+            self.gain = self.gain * self.decay + (committed - n) * self.step - spent
         self.round = self.seconds = None
