@@ -1,6 +1,7 @@
 """transformers-style assisted generation through specdecode's API, by default: plain
 decoding against ``generate(target, prompt, assistant_model=draft)`` with no method named
-(the default method), for drafts of the target's tokenizer and of another one, alternated
+(the default method), for drafts of the target's tokenizer and of another one: one untimed
+run of each (what is measured once per model: forward-time profiles), then alternated
 ``--repeats`` times (A B, B A, ...), median seconds of each. Usage:
 
     python benchmarks/assisted_example.py OUT.json [--prompt TEXT] [--max-new-tokens N]
@@ -43,6 +44,8 @@ def main() -> None:
         draft = specdecode.load(name, role="draft")
         runs = {"plain": [], "default": []}
         texts = {}
+        specdecode.generate(target, args.prompt, **common)  # untimed: once-per-model measurements
+        specdecode.generate(target, args.prompt, assistant_model=draft, **common)
         for r in range(args.repeats):
             order = ("plain", "default") if r % 2 == 0 else ("default", "plain")
             for which in order:

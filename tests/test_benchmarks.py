@@ -72,3 +72,19 @@ def test_paired_ratios_of_a_runs_records(tmp_path):
                                         "| a / b | 3.00× | 1.50× | 2.00× |"]
     proc = _run([SCRIPTS / "paired_ratios.py", records, "a/c"], tmp_path)
     assert proc.returncode == 1 and "'a/c': methods must be two of ['a', 'b'], as A/B" in proc.stderr
+
+
+def test_assisted_example_of_tiny_models(tmp_path_factory, tmp_path):
+    """``python benchmarks/assisted_example.py OUT``: plain decoding against the default
+    method with a draft of the target's tokenizer and one of another, the same text."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "assisted.json"
+    proc = _run([SCRIPTS / "assisted_example.py", out, "--target", dirs["target"], "--drafts",
+                 f"{dirs['draft']},{dirs['foreign']}", "--prompt", "hello", "--max-new-tokens", "6",
+                 "--repeats", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["drafts"]) == {str(dirs["draft"]), str(dirs["foreign"])}
+    for r in result["drafts"].values():
+        assert r["identical"] is True and len(r["seconds"]["plain"]) == len(r["seconds"]["default"]) == 2
+        assert r["speedup"] > 0 and r["default_stats"]["num_generated_tokens"] == 6
