@@ -182,7 +182,8 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "hybrid" (default when a draft is given, else "ar": plain decoding; each round
     suffix matching or the draft, whichever promises more, the draft only while its rounds
-    are measured to pay), "draft", "prompt-lookup", "suffix", any other :class:`Method`, a name with its options ("medusa:head=DIR"), or a
+    are measured to pay), "draft", "prompt-lookup", "suffix", any other :class:`Method`, a
+    name with its options ("medusa:head=DIR"), or a
     :class:`~specdecode.methods.SpeculativeConfig` (its method and options; K and the other
     arguments are this call's).
     ``"medusa:lossy-typical=EPS"`` is LOSSY: Medusa's typical acceptance changes the output

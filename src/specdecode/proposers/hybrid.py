@@ -100,9 +100,8 @@ class HybridProposer(Proposer):
       against plain decoding: its tokens times a plain step's time (its own verify pass
       over T(k+1)/T(1)) minus what the round took. While the decayed sum of those gains is
       below minus ``measured_slack`` plain steps (:attr:`draft_pays`: the times are noisy),
-      the draft drafts only as a probe that needs no feed,
-      whatever the model predicts: the model's costs and acceptance are estimates, the
-      clock is what the user waits for.
+      the draft drafts only as a probe that needs no feed, whatever the model predicts: the
+      model's costs and acceptance are estimates, the clock is what the user waits for.
     - Greedy requests, when the draft member ``reads_guess``: the best lookup's L tokens go
       to the draft as a guess, which it reads in one pass (keeping those it would have
       drafted too); a lookup round also goes through the draft that way when the draft has
@@ -116,8 +115,8 @@ class HybridProposer(Proposer):
     the two models' measured ones: :func:`~specdecode.profile.prefill_profile`; the defaults
     are those of the 0.5B draft for the 1.5B target measured here). Choices depend only
     on the request's tokens, these costs and the times :meth:`observe` reports (none for a
-    seeded request of the rejection rule, which is so reproducible with the same costs). The members are used as given: build the
-    draft member with :meth:`draft_for` for the settings the hybrid was tuned with.
+    seeded request of the rejection rule, which is so reproducible with the same costs).
+    The members are used as given: build the draft member with :meth:`draft_for` for the settings the hybrid was tuned with.
     Raises ValueError for members that are not one non-free proposer plus at least one free
     one, a verify_cost that is not positive, a negative draft_cost or draft_prefill_cost,
     or draft_k < 1.
