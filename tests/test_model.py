@@ -190,3 +190,24 @@ def test_model_args_errors(tmp_path):
         load(tmp_path, dtype="float64")
     with pytest.raises(ValueError, match="backend 'onnx'"):
         load(tmp_path, backend="onnx")
+
+
+def test_bf16_without_onednn_bf16_kernels_stays_unpacked(tmp_path, monkeypatch):
+    """On AVX2-only CPUs oneDNN has no bf16 linear: the default leaves bf16 linears unpacked
+    (and the model runs: close to its fp32 logits) and pack=True says what to do."""
+    from specdecode.models import native
+    hf_model_dir(tmp_path, "qwen2-bias-tied")
+    monkeypatch.setattr(native, "_onednn_bf16", lambda: False)
+    model = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert not any(isinstance(m, native.PackedLinear) for m in model.modules())
+    assert any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    ids = torch.arange(1, 9)[None]
+    model.allocate(1, 16)
+    ref = Transformer.from_pretrained(tmp_path, pack=False)
+    ref.allocate(1, 16)
+    want = ref(ids)
+    assert (model(ids).float() - want).abs().max() <= 0.05 * want.abs().max()
+    with pytest.raises(ValueError, match="pack=False or use dtype float32"):
+        Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16, pack=True)
+    packed = Transformer.from_pretrained(tmp_path, dtype=torch.float32)
+    assert any(isinstance(m, native.PackedLinear) for m in packed.modules())

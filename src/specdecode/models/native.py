@@ -168,6 +168,13 @@ class PackedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN's bf16 linear runs on this CPU (it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on AVX2-only CPUs ``mkldnn_linear`` raises for bf16)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 def pack_linears(module: nn.Module) -> None:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` (frees the dense
     weight unless something else, e.g. a tied embedding, still holds it)."""
@@ -739,8 +746,10 @@ class Transformer(CacheRows, nn.Module):
         table int8: a cheaper draft, or a target whose output is its own plain decoding
         (not the GGUF file's model). pack: reorder float
         linear weights for oneDNN (:class:`PackedLinear`); default: when the dtype is
-        float32 or bfloat16.
-        Raises ValueError for an unsupported architecture or layout, or weights that do not
+        float32, or bfloat16 on a CPU where oneDNN has bf16 kernels (AVX-512 or
+        AVX-NE-CONVERT; elsewhere bf16 stays ``nn.Linear``).
+        Raises ValueError for an unsupported architecture or layout, pack=True with
+        bfloat16 on a CPU without oneDNN bf16 kernels, or weights that do not
         match it, FileNotFoundError when files lack.
         """
         path = Path(path)
@@ -784,7 +793,12 @@ class Transformer(CacheRows, nn.Module):
         model.tie_weights()
         model.weight_format = str(dtype).removeprefix("torch.")
         if pack is None:
-            pack = dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            pack = dtype == torch.float32 or dtype == torch.bfloat16 and _onednn_bf16()
+            pack = pack and torch.backends.mkldnn.is_available()
+        elif pack and dtype == torch.bfloat16 and not _onednn_bf16():
+            raise ValueError("pack=True with bfloat16 weights needs a CPU with AVX-512 (BW, VL, "
+                             "DQ) or AVX-NE-CONVERT for oneDNN's bf16 kernels; this one has "
+                             "neither: pass pack=False or use dtype float32")
         if pack:
             pack_linears(model)
         return model.eval()
