@@ -759,6 +759,7 @@ def test_draft_and_target_see_the_same_prompt_ids(target, draft, tok):
     (dict(top_p=0), ["top_p", "0"]),
     (dict(top_p=1.5), ["top_p", "1.5"]),
     (dict(top_k=-2), ["top_k", "-2"]),
+    (dict(seed=2**63, temperature=1.0), ["seed", "-2**63"]),
     (dict(max_new_tokens=0), ["max_new_tokens", "0"]),
     (dict(min_new_tokens=-1), ["min_new_tokens", "-1"]),
     (dict(repetition_penalty=0), ["repetition_penalty", "0"]),

@@ -282,6 +282,22 @@ def test_bad_requests_get_openai_errors_with_the_right_status(server):
         server.client().completions.create(model="nope", prompt="x")
 
 
+def test_openai_and_vllm_value_ranges_are_accepted(server, alone):
+    """A negative seed (OpenAI takes any 64-bit integer) samples reproducibly, as the library
+    does with it; top_k -1 (vLLM's "off") is top_k 0; a library error names its field."""
+    from specdecode.server.app import _param_of
+
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 1.0, "seed": -5}
+    got, _, first = server.post("/v1/completions", body)
+    assert got == 200 and server.post("/v1/completions", body)[2]["choices"] == first["choices"]
+    assert first["choices"][0]["text"] == solo(alone, "Hello", max_new_tokens=8, temperature=1.0, seed=-5).text
+    off = [server.post("/v1/completions", dict(body, seed=3, top_k=k))[2]["choices"][0]["text"] for k in (0, -1)]
+    assert off[0] == off[1]
+    assert server.post("/v1/completions", dict(body, top_k=-2))[2]["error"]["param"] == "top_k"
+    assert _param_of("max_new_tokens=0 is invalid; allowed: an integer >= 1") == "max_tokens"
+    assert _param_of("seed=-1 is invalid") == "seed" and _param_of("no field here") is None
+
+
 def test_api_key(spare):
     s = Server(lambda: spare, api_key="sesame").start()
     try:

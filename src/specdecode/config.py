@@ -76,15 +76,17 @@ class SamplingParams:
                 and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)):
             bad("temperature", f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to "
                 f"{MAX_TEMPERATURE:g} (beyond them the scaled logits leave fp32's range)")
-        if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (0 = off)")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "an integer >= 0, or -1 (0 and -1 = off, as vLLM's -1)")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             bad("top_p", "a number in (0, 1] (1 = off)")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0
                 and math.isfinite(self.repetition_penalty)):
             bad("repetition_penalty", "a finite number > 0 (1 = off)")
-        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**63):
-            bad("seed", "an integer from 0 to 2**63-1, or None")
+        if self.seed is not None and not (is_int(self.seed) and -2**63 <= self.seed < 2**63):
+            bad("seed", "an integer from -2**63 to 2**63-1 (OpenAI's range), or None")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (tuple, list)):

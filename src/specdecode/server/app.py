@@ -85,6 +85,16 @@ class _Context:
         return self._ids(messages, True)
 
 
+# the library's names of request fields (its ValueErrors begin "name=value is invalid") -> OpenAI's
+_LIBRARY_FIELDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a library ValueError names (OpenAI's ``param``), or None."""
+    name = message.split("=", 1)[0]
+    return _LIBRARY_FIELDS.get(name, name) if name.isidentifier() else None
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -174,7 +184,7 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
             params = api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
             speculative_config(job.method, job.method.method.needs_draft_model, job.num_speculative_tokens)
         except ValueError as e:
-            raise bad(str(e)) from None
+            raise bad(str(e), _param_of(str(e))) from None
         if job.method.lossy_typical is not None and params.greedy:
             # typical acceptance is for sampled requests; at temperature 0 it is greedy
             # verification, which the server's greedy requests get (the library refuses it)

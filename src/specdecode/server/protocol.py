@@ -219,7 +219,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         min_new_tokens=_number(body, "min_tokens", 0, 0, cap, integer=True),
         temperature=temperature,
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_number(body, "top_k", 0, 0, 1 << 31, integer=True),
+        top_k=_number(body, "top_k", 0, -1, 1 << 31, integer=True),  # -1: off, as vLLM
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 1e9),
         stop=stop, acceptance_rule=rule)
     # choice i samples with seed + i: every one of them must be a valid seed
