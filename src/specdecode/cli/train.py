@@ -1,5 +1,5 @@
-"""``specdecode train medusa|eagle3|draft``: train draft heads for a target on this machine, or
-distil the draft model toward it."""
+"""``specdecode train medusa|eagle3|draft|pard``: train draft heads for a target on this machine,
+distil the draft model toward it, or adapt it into a parallel draft."""
 
 from __future__ import annotations
 
@@ -28,7 +28,12 @@ distil the draft model toward the target:
           unrolled steps (the LlamaForCausalLMEagle3 format vLLM and SGLang load);
   draft:  the draft model (--draft) with its top --layers decoder layers trained toward the
           target's distribution (DistillSpec, arXiv:2310.08461: forward KL over the target's
-          top-16 tokens), written as a model directory that --draft loads.
+          top-16 tokens), written as a model directory that --draft loads;
+  pard:   the draft model adapted into a parallel draft (PARD, arXiv:2504.18583): after
+          the context, 7 copies of a mask token (a spare embedding row, config.json's
+          pard_token) make one pass propose 8 tokens; trained with conditional drop-token on
+          the same answers (its mask embedding and top --layers layers); the held-out share
+          of chains right in their first j tokens, j = 1..8, beside the draft's own chains.
 
 The steps:
 
@@ -71,7 +76,8 @@ def add_parser(sub) -> None:
                                      "or distil the draft model toward it",
                        description=TRAIN_HELP, epilog=EXIT_CODES_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=KINDS + ("draft",), help="what to train: medusa, eagle3, or draft")
+    p.add_argument("kind", choices=KINDS + ("draft", "pard"),
+                   help="what to train: medusa, eagle3, draft or pard")
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help=f"target: a known name or model directory (default {registry.DEFAULT_TARGET})")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT,
@@ -139,7 +145,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                         dataset=args.dataset)
     recipe.check()
     apply_threads(args)
-    if args.kind == "draft":
+    if args.kind in ("draft", "pard"):
         return _train_draft(args, recipe)
     out = args.out or default_head_dir(args.target, args.kind)
     check_out(out, args.kind)
@@ -165,13 +171,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
     source = resolve_model_path(args.draft)
-    out = Path(args.out) if args.out else default_draft_dir(args.target, args.draft)
+    parallel = args.kind == "pard"
+    out = Path(args.out) if args.out else default_draft_dir(args.target, args.draft, parallel)
     check_out(out, "draft", draft_out_files(source))
     if args.out is None:
-        print(f"the distilled draft goes to {out}", file=sys.stderr)
+        print(f"the {'parallel' if parallel else 'distilled'} draft goes to {out}", file=sys.stderr)
     target = load(args.target, dtype=args.dtype, backend="native")
     try:
-        result = train_draft(target, args.draft, out, recipe, features=args.features)
+        result = train_draft(target, args.draft, out, recipe, features=args.features, parallel=parallel)
     except KeyboardInterrupt as e:
         return _interrupted(e)
     if not _main_process():
@@ -180,7 +187,11 @@ def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
     before = result["before"].get("acceptance_length")
     _print_result(f"{args.draft}'s top {args.layers} layers on {result['examples']} sequences", result, tau,
                   f" ({before:.2f} before)" if before is not None else "")
-    print(f"wrote {out}; use it: specdecode generate --target {args.target} --draft {out}")
+    if parallel:
+        print(f"wrote {out}: the held-out share of chains right in their first j tokens is in "
+              f"{out}/pard.json (training.history); no method drafts with it yet")
+    else:
+        print(f"wrote {out}; use it: specdecode generate --target {args.target} --draft {out}")
     return 0
 
 

@@ -31,11 +31,12 @@ from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..models.native import auto_draft_vocab
 from ..tokenmap import pair_mode
 from .data import DEFAULT_SOURCES, evaluation_runs, parse_sources, training_prompts
-from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, greedy_acceptance, source_files, trainable_layers
+from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record, recording_seconds
 from .loop import PRECISIONS, STATE_FILE, Task, resolve_precision, train
 from .medusa import medusa_task
+from .pard import PARD_FILE, PARD_K, PARD_KEEP, PARD_KEEP_MIN, mask_token_id, pard_task
 
 KINDS = tuple(HEAD_ARCHS)  # medusa, eagle3
 # what a training run writes into its output directory (a directory holding only these is resumed)
@@ -76,13 +77,13 @@ class HeadRecipe:
     dataset: str | None = None
 
     def prompts_for(self, kind: str) -> int:
-        return self.max_prompts if self.max_prompts is not None else (400 if kind == "draft" else 1000)
+        return self.max_prompts if self.max_prompts is not None else (400 if kind in ("draft", "pard") else 1000)
 
     def batch_for(self, kind: str) -> int:
-        return self.batch_size if self.batch_size is not None else {"medusa": 64, "eagle3": 1, "draft": 4}[kind]
+        return self.batch_size if self.batch_size is not None else {"medusa": 64, "eagle3": 1, "draft": 4, "pard": 4}[kind]
 
     def lr_for(self, kind: str) -> float:
-        return self.lr if self.lr is not None else {"medusa": 1e-3, "eagle3": 3e-4, "draft": 3e-5}[kind]
+        return self.lr if self.lr is not None else {"medusa": 1e-3, "eagle3": 3e-4, "draft": 3e-5, "pard": 1e-4}[kind]
 
     def check(self) -> None:
         """Raises ValueError naming the first setting out of range (as its command-line option)."""
@@ -290,58 +291,71 @@ def _train(task: Task, out: Path, recipe: HeadRecipe, kind: str, info: dict, hel
             "training_seconds": round(time.perf_counter() - t1, 1)}
 
 
-def default_draft_dir(target: str, draft: str) -> Path:
-    """Where ``specdecode train draft`` writes without ``--out``: <specdecode cache>/drafts/
-    DRAFT-for-TARGET (a directory's base name and a hash of its path for either)."""
-    return registry.cache_dir() / "drafts" / f"{cache_name(str(draft))}-for-{cache_name(str(target))}"
+def default_draft_dir(target: str, draft: str, parallel: bool = False) -> Path:
+    """Where ``specdecode train draft`` (``pard``: ``parallel``) writes without ``--out``:
+    <specdecode cache>/drafts/DRAFT-for-TARGET (-pard-for- for a parallel draft; a directory's
+    base name and a hash of its path for either)."""
+    join = "-pard-for-" if parallel else "-for-"
+    return registry.cache_dir() / "drafts" / f"{cache_name(str(draft))}{join}{cache_name(str(target))}"
 
 
 def draft_out_files(source: Path) -> tuple[str, ...]:
-    """The names a distillation run writes into its output directory (for :func:`check_out`),
-    for a draft in the model directory ``source``."""
-    return OWN_FILES + WEIGHT_FILES + tuple(source_files(source))
+    """The names a distillation or parallel-draft run writes into its output directory (for
+    :func:`check_out`), for a draft in the model directory ``source``."""
+    return OWN_FILES + WEIGHT_FILES + tuple(source_files(source)) + (PARD_FILE,)
 
 
 def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe: HeadRecipe | None = None,
-                features: str | Path | None = None, log=None) -> dict:
+                features: str | Path | None = None, log=None, parallel: bool = False) -> dict:
     """Distil the draft model ``draft`` (a known name or model directory, loaded in fp32 by
     transformers) toward ``target`` (native runtime) on the target's answers
-    (:mod:`specdecode.train.draft`), into ``out``: a model directory that ``--draft`` loads,
-    resuming a run there. ``recipe.layers`` top decoder layers are trained. Returns the
-    summary of :func:`train_head`, with ``before``: the held-out measures of the draft as
-    it was.
+    (:mod:`specdecode.train.draft`), or with ``parallel`` adapt it into a parallel draft
+    (:mod:`specdecode.train.pard`: a mask token, chains of 8 from one pass), into ``out``: a
+    model directory, resuming a run there. ``recipe.layers`` top decoder layers are trained.
+    Returns the summary of :func:`train_head`, with ``before``: the held-out measures of the
+    draft as it was.
 
-    Raises ValueError for a bad recipe, an ``out`` holding other files, or a draft whose
-    tokenizer is not the target's (distillation compares the two distributions token by
-    token); KeyboardInterrupt on Ctrl-C after saving what was done (the same call resumes).
+    Raises ValueError for a bad recipe, an ``out`` holding other files, a draft whose
+    tokenizer is not the target's (both compare the two distributions token by token), or
+    (parallel) one without a spare embedding row for the mask token; KeyboardInterrupt on
+    Ctrl-C after saving what was done (the same call resumes).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log = log or sys.stderr
+    kind = "pard" if parallel else "draft"
     recipe = recipe or DEFAULT_RECIPE
     recipe.check()
-    recipe = replace(recipe, max_prompts=recipe.prompts_for("draft"))
+    recipe = replace(recipe, max_prompts=recipe.prompts_for(kind))
     out = Path(out)
     source = resolve_model_path(draft)
     check_out(out, "draft", draft_out_files(source))
     tokenizer = AutoTokenizer.from_pretrained(source)
     if target.tokenizer is not None and pair_mode(target.tokenizer, tokenizer) != "same":
-        raise ValueError(f"draft {draft!r} has another tokenizer than target {target.name!r}: distillation "
+        raise ValueError(f"draft {draft!r} has another tokenizer than target {target.name!r}: training "
                          "matches the two distributions token by token, so it needs a draft of the "
                          f"target's own vocabulary (`specdecode check-pair {target.name} {draft}` shows the pair)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    mask_id = mask_token_id(tokenizer, model.config.vocab_size) if parallel else None
     trained = trainable_layers(model, recipe.layers)
     train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
-    saved = out / DISTILL_FILE  # a resumed run keeps the measures of the draft as it was
+    saved = out / (PARD_FILE if parallel else DISTILL_FILE)  # a resumed run keeps the measures before
     before = json.loads(saved.read_text()).get("before", {}) if saved.exists() else {}
+    info.update(draft=str(draft), layers_trained=recipe.layers,
+                parameters_trained=trained + (model.config.hidden_size if parallel else 0))
+    if parallel:
+        info.update(mask_token=mask_id, k=PARD_K, method="PARD (arXiv:2504.18583): conditional drop-token "
+                    f"(keep max({PARD_KEEP}^s, {PARD_KEEP_MIN})), forward KL over the target's top-16")
+        task = pard_task(model, source, mask_id, train_seqs, held, info, seed=recipe.seed)
+    else:
+        info["method"] = "DistillSpec (arXiv:2310.08461), forward KL over the target's top-16"
+        task = draft_task(model, source, train_seqs, held, info)
     if held and not before:  # (the model is the source's here: a checkpoint loads in train())
         model.eval()
-        before = greedy_acceptance(model, [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in held])
+        before = task.evaluate(task.module)
         print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()), file=log)
-    info = {**info, "draft": str(draft), "layers_trained": recipe.layers, "parameters_trained": trained,
-            "before": before, "method": "DistillSpec (arXiv:2310.08461), forward KL over the target's top-16"}
-    return {**_train(draft_task(model, source, train_seqs, held, info), out, recipe, "draft", info, len(held)),
-            "before": before}
+    info["before"] = before
+    return {**_train(task, out, recipe, kind, info, len(held)), "before": before}
 
 
 def _medusa(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
