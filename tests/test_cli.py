@@ -741,3 +741,33 @@ def test_warnings_are_one_line_without_our_source(capsys, monkeypatch):
             warnings.formatwarning(m, c, f, n, line))
         assert cli.main(["models", "list"]) == 0
     assert capsys.readouterr().err == "warning: this profile was tuned for another target\n"
+
+
+def test_ctrl_c_while_the_command_line_imports_ends_with_one_line(tmp_path):
+    """A SIGINT while the console script is still importing (held there: a hook makes the
+    import of torch wait) exits 130 with one line, as one later does, and no traceback."""
+    import signal
+    import textwrap
+    marker = tmp_path / "importing"
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import sys, time
+        class Slow:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    open({str(marker)!r}, "w").close()
+                    time.sleep(30)
+                return None
+        sys.meta_path.insert(0, Slow())
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    script = os.path.join(os.path.dirname(sys.executable), "specdecode")  # the console script
+    proc = subprocess.Popen([script, "models"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == common.EXIT_INTERRUPTED, err[-2000:]
+    assert "Traceback" not in err and err.strip() == "interrupted while starting"
