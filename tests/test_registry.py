@@ -82,6 +82,36 @@ def test_fetch_assembles_in_order_verifies_and_converts(fake, tmp_path):
     assert leftovers(cache) == []
 
 
+def test_four_processes_fetching_at_once_all_succeed_and_convert_once(fake, tmp_path, monkeypatch):
+    """Processes started together on an empty cache (a `serve` beside a `generate`): one
+    downloads and converts under the cache's lock, the others wait and use its result."""
+    import multiprocessing
+    import time
+    import uuid
+    done = tmp_path / "conversions"
+    done.mkdir()
+
+    def slow_convert(gguf, out):
+        (done / uuid.uuid4().hex).write_bytes(Path(gguf).read_bytes())
+        time.sleep(0.5)  # the others arrive while it converts
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(registry, "convert_gguf", slow_convert)
+
+    def one():
+        os._exit(0 if registry.fetch(NAME, progress=False) == registry.model_dir(NAME) else 1)
+
+    ctx = multiprocessing.get_context("fork")  # (the children keep this test's fakes)
+    procs = [ctx.Process(target=one) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert [f.read_bytes() for f in done.iterdir()] == [PAYLOAD]
+    assert leftovers(tmp_path / "cache") == []
+
+
 def test_second_fetch_does_no_work(fake, tmp_path, monkeypatch):
     first = registry.fetch(NAME, progress=False)
     monkeypatch.setattr(registry.subprocess, "run", lambda *a, **k: pytest.fail("pip called again"))

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -104,7 +105,7 @@ def _measured_once(model: LoadedModel, what: tuple, size: int, describe: str, me
         lock.release()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # its own: processes measure at once
         tmp.write_text(json.dumps({"key": key, "forward_seconds": times}))
         tmp.replace(path)
     except OSError:

