@@ -33,9 +33,9 @@ PROMPT = "def add(a, b):\n    return"
 class Server:
     """A real server in a thread of this process (uvicorn on an ephemeral port)."""
 
-    def __init__(self, load, api_key=None, max_queue=32, method="hybrid", max_batch=8):
+    def __init__(self, load, api_key=None, max_queue=32, method="hybrid", max_batch=8, max_body_bytes=None):
         self.worker = Worker(load, Metrics(MODEL), max_queue, max_batch, 512)
-        self.app = create_app(self.worker, MODEL, method, api_key)
+        self.app = create_app(self.worker, MODEL, method, api_key, max_body_bytes)
 
     def start(self, wait_ready=True):
         self.uv, self.port = serve_in_thread(self.app)
@@ -296,6 +296,58 @@ def test_openai_and_vllm_value_ranges_are_accepted(server, alone):
     assert server.post("/v1/completions", dict(body, top_k=-2))[2]["error"]["param"] == "top_k"
     assert _param_of("max_new_tokens=0 is invalid; allowed: an integer >= 1") == "max_tokens"
     assert _param_of("seed=-1 is invalid") == "seed" and _param_of("no field here") is None
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    """Declared by Content-Length or streamed chunked without one: 413 in OpenAI's shape."""
+    import http.client
+    from specdecode.server.app import default_max_body_bytes
+
+    limit = default_max_body_bytes(512, 8)
+    huge = json.dumps({"model": MODEL, "prompt": "x" * (limit + 10)}).encode()
+    got, _, err = server.post("/v1/completions", huge)
+    assert got == 413 and err["error"]["code"] == "request_too_large" and str(limit) in err["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    try:
+        for i in range(0, len(huge), 1 << 20):
+            piece = huge[i:i + (1 << 20)]
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        conn.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the rest was sent
+    r = conn.getresponse()
+    assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_health_and_short_requests_are_answered_while_a_huge_body_is_tokenized(spare):
+    """A body within a raised limit whose parsing and tokenizing take a while: /health,
+    /metrics and a short completion answer before it does (the order, not a time)."""
+    s = Server(lambda: spare, max_body_bytes=1 << 30).start()
+    try:
+        order, lock = [], threading.Lock()
+
+        def call(name, fn):
+            fn()
+            with lock:
+                order.append(name)
+
+        big = json.dumps({"model": MODEL, "prompt": "word " * 1_000_000}).encode()  # 5 MB
+        first = threading.Thread(target=call, args=("huge", lambda: s.post("/v1/completions", big)))
+        first.start()
+        time.sleep(0.5)  # (it is being sent or parsed: the others must not wait for it)
+        call("health", lambda: s.get("/health"))
+        call("metrics", lambda: s.get("/metrics"))
+        call("short", lambda: s.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}))
+        first.join(120)
+        assert order == ["health", "metrics", "short", "huge"], order
+    finally:
+        s.stop()
 
 
 def test_api_key(spare):

@@ -12,6 +12,7 @@ from ..methods import (Method, SpeculativeConfig, build_proposer, cannot_run, he
                        read_files, speculative_config)
 from ..models import registry
 from ..server import Metrics, Worker, create_app
+from ..server.app import BODY_BYTES_PER_POSITION
 from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
                      load_models, model_name, run_command)
 
@@ -72,6 +73,9 @@ def add_parser(sub) -> None:
                         "model's context if smaller); the KV cache holds max-batch x max-len")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests that may wait; beyond them 429 with Retry-After (default 32)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="the largest request body; 413 beyond it, before it is parsed (default: "
+                        f"max-batch x max-len x {BODY_BYTES_PER_POSITION} bytes + 1 MiB, about 3 MiB)")
     add_threads_argument(p)
     p.set_defaults(func=lambda args: run_command(cmd_serve, args))
 
@@ -116,6 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     spec = served_config(args.method)  # (raises naming a bad option or file)
     method = spec.method
     head = head_dir_for(spec, args.target)  # a missing head is said before anything loads
@@ -126,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     worker = Worker(lambda: load_served(args, {args.method: spec}), Metrics(name), args.max_queue,
                     args.max_batch, args.max_len)
     worker.start()
-    app = create_app(worker, name, spec, args.api_key)
+    app = create_app(worker, name, spec, args.api_key, args.max_body_bytes)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: serving on {args.host}, beyond this machine"
               + ("" if args.api_key else ", without an API key (--api-key)"), file=sys.stderr)

@@ -99,14 +99,49 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+BODY_BYTES_PER_POSITION = 64  # a token's text as JSON, with room for \uXXXX escapes and fields
+
+
+def default_max_body_bytes(max_len: int, max_batch: int) -> int:
+    """The default limit on a request body (bytes): room for ``max_batch`` prompts of
+    ``max_len`` positions at BODY_BYTES_PER_POSITION each, plus 1 MiB."""
+    return max_len * max_batch * BODY_BYTES_PER_POSITION + (1 << 20)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or OpenAIError 413 as soon as it is known to exceed ``limit`` bytes:
+    from Content-Length before anything is read, else while it streams in."""
+    def too_large(size: str) -> OpenAIError:
+        return OpenAIError(413, f"the request body is {size} bytes; this server takes at most {limit} "
+                                "(serve --max-body-bytes)", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def create_app(worker: Worker, model_name: str, default_method: str | SpeculativeConfig,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
     """The app over a worker (started by the caller). ``model_name``: the id clients send
     as ``model``; ``default_method``: the method of requests that name none, with the options
     that requests naming it run with (``"medusa:head=DIR"`` or its parsed config:
     :func:`served_method`; its files are read here, once: a choices= tree or profile= edited
     later does not change what is served); ``api_key``: required as ``Authorization: Bearer
-    KEY`` on /v1/* when set. Raises ValueError for a bad method or an unreadable file."""
+    KEY`` on /v1/* when set; ``max_body_bytes``: the largest request body, 413 beyond it
+    (default :func:`default_max_body_bytes` of the worker's sizes). Request bodies are parsed,
+    tokenized and checked off the event loop, so /health, /metrics and other requests are
+    answered meanwhile. Raises ValueError for a bad method or an unreadable file."""
+    limit = max_body_bytes if max_body_bytes is not None else default_max_body_bytes(worker.max_len,
+                                                                                     worker.max_batch)
+    if limit < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {limit}")
     served = read_files(speculative_config(default_method, False))
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
     contexts: list[_Context] = []
@@ -177,8 +212,9 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
     async def generate(request: Request, kind: str):
         check_key(request)
         ctx = context()
-        body = protocol.parse_body(await request.body(), kind)
-        job = protocol.check_request(body, kind, ctx)
+        raw = await _read_body(request, limit)
+        # parsing and tokenizing a large body takes seconds: in a thread, not on the event loop
+        job = await asyncio.to_thread(lambda: protocol.check_request(protocol.parse_body(raw, kind), kind, ctx))
         job.method = served_method(ctx.served, job.method)  # with the options the server was started with
         try:  # the library's own checks, before anything is queued
             params = api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
