@@ -985,3 +985,89 @@ def test_the_serve_command_as_the_readme_starts_it(tmp_path_factory):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def _serve_in_a_child(tmp_path_factory, tmp_path, grace: str):
+    """`specdecode serve` of the tiny pair in a forked child whose generation is slowed to
+    ~20 tokens a second (so that a stream is in flight when the signal comes); returns
+    (process, port, its stderr file)."""
+    import multiprocessing
+    import socket
+
+    from specdecode.cli import main
+    import specdecode.server.worker as worker_module
+
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    err = tmp_path / "stderr"
+
+    def child():
+        import os
+        import sys
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT)
+        os.dup2(fd, 2)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)  # (not pytest's capture)
+        real = worker_module.api.stream
+
+        def slow(*args, **kwargs):
+            for chunk in real(*args, **kwargs):
+                time.sleep(0.05)
+                yield chunk
+
+        worker_module.api.stream = slow
+        code = main(["serve", "--target", str(target), "--method", "ar", "--port", str(port),
+                     "--shutdown-grace", grace])
+        sys.stderr.flush()
+        os._exit(code)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    deadline = time.time() + 120
+    while True:
+        try:
+            if _fetch(urllib.request.Request(f"http://127.0.0.1:{port}/health"))[0] == 200:
+                break
+        except OSError:
+            pass
+        assert time.time() < deadline and proc.is_alive(), err.read_text()[-2000:]
+        time.sleep(0.1)
+    return proc, port, err
+
+
+def test_ctrl_c_lets_a_stream_finish_its_grace_then_ends_it_cleanly(tmp_path_factory, tmp_path):
+    """SIGINT with a stream in flight: the stream goes on for the grace period, then gets a
+    last chunk with finish_reason 'abort' and [DONE]; the server exits 130 saying what it cut,
+    without a traceback."""
+    import signal
+    proc, port, err = _serve_in_a_child(tmp_path_factory, tmp_path, "1")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model="target", prompt=PROMPT, max_tokens=200, stream=True,
+                                       temperature=0)
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices and first.choices[0].finish_reason is None
+    os.kill(proc.pid, signal.SIGINT)
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "abort"
+    assert sum(1 for c in rest if c.choices and c.choices[0].text) >= 5  # it ran on during the grace
+    proc.join(30)
+    text = err.read_text()
+    assert proc.exitcode == 130, text[-2000:]
+    assert "stopped by SIGINT: 1 request(s) still running after the 1 s grace were ended" in text
+    assert "Traceback" not in text
+
+
+def test_a_second_signal_exits_at_once(tmp_path_factory, tmp_path):
+    import signal
+    proc, port, err = _serve_in_a_child(tmp_path_factory, tmp_path, "60")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model="target", prompt=PROMPT, max_tokens=200, stream=True)
+    next(iter(stream))
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.is_alive()  # in its 60 s grace
+    os.kill(proc.pid, signal.SIGINT)
+    proc.join(10)
+    assert proc.exitcode == 130 and "Traceback" not in err.read_text()

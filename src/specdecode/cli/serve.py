@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 
@@ -12,8 +13,8 @@ from ..methods import (Method, SpeculativeConfig, build_proposer, cannot_run, he
                        read_files, speculative_config)
 from ..models import registry
 from ..server import Metrics, Worker, create_app
-from ..server.app import BODY_BYTES_PER_POSITION
-from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
+from ..server.app import BODY_BYTES_PER_POSITION, GracefulServer
+from .common import (EXIT_CODES_HELP, EXIT_INTERRUPTED, add_model_arguments, add_threads_argument, apply_threads,
                      load_models, model_name, run_command)
 
 SERVE_HELP = """\
@@ -73,6 +74,10 @@ def add_parser(sub) -> None:
                         "model's context if smaller); the KV cache holds max-batch x max-len")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests that may wait; beyond them 429 with Retry-After (default 32)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="on Ctrl-C or SIGTERM: stop accepting, let requests in flight run this "
+                        "long, then end them with finish_reason 'abort' and exit 130 saying how "
+                        "many were cut; a second signal exits at once (default 5)")
     p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                    help="the largest request body; 413 beyond it, before it is parsed (default: "
                         f"max-batch x max-len x {BODY_BYTES_PER_POSITION} bytes + 1 MiB, about 3 MiB)")
@@ -120,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
+    if not 0 <= args.shutdown_grace <= 3600:
+        raise ValueError(f"--shutdown-grace must be 0..3600 seconds, got {args.shutdown_grace}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     spec = served_config(args.method)  # (raises naming a bad option or file)
@@ -142,7 +149,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           + "GET /v1/models lists the methods a request may name"
           + f") on http://{args.host}:{args.port}; {threads} thread(s); /health turns 200 once "
           "the models are loaded", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_grace + 5),
+                            worker, args.shutdown_grace, EXIT_INTERRUPTED)
 
     def stop_if_the_models_fail():  # a server that can never serve ends, saying why
         error = worker.wait_loaded()
@@ -153,4 +162,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threading.Thread(target=stop_if_the_models_fail, daemon=True).start()
     server.run()
     worker.stop()
+    if server.stopped_by is not None:
+        cut = worker.cut_requests
+        print(f"stopped by {signal.Signals(server.stopped_by).name}: " + (
+            f"{cut} request(s) still running after the {args.shutdown_grace:g} s grace were ended "
+            "(finish_reason 'abort')" if cut else "no request was cut"), file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 1 if worker.error else 0
+

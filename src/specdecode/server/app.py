@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import queue
 import threading
 import time
@@ -324,3 +325,24 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeou
         time.sleep(0.01)
     server.thread = thread
     return server, server.servers[0].sockets[0].getsockname()[1]
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with the shutdown ``specdecode serve`` promises: the first SIGINT or
+    SIGTERM stops accepting and starts ``grace`` seconds after which ``worker`` ends what still
+    runs (:meth:`~specdecode.server.Worker.cut`: each stream gets its last chunk); a second
+    exits the process at once, quietly, with ``exit_code``. ``stopped_by`` is the signal, for
+    the caller to report (it is not raised again after the shutdown, as uvicorn's own is)."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker, grace: float, exit_code: int):
+        super().__init__(config)
+        self.worker, self.grace, self.exit_code, self.stopped_by = worker, grace, exit_code, None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.stopped_by is not None:
+            os._exit(self.exit_code)
+        self.stopped_by = sig
+        self.should_exit = True
+        timer = threading.Timer(self.grace, self.worker.cut)
+        timer.daemon = True
+        timer.start()

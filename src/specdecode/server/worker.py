@@ -20,6 +20,7 @@ from .. import api
 from ..batch import BatchEngine
 from ..models.base import BatchLM
 from ..profile import prefill_profile, verify_profile
+from ..stats import SpecDecodingStats
 from .protocol import Job, Token
 
 SPECULATION = ("num_draft_tokens", "num_accepted_tokens", "num_verify_passes",
@@ -71,6 +72,8 @@ class _Choice:
     chunks: object
     first: float | None = None
     offset: int = 0  # characters of the choice's tokens' texts so far
+    emitted: int = 0  # completion tokens handed out so far
+    stats: object = None  # its latest speculation counters
 
 
 class Worker:
@@ -94,6 +97,8 @@ class Worker:
         self._pending: list[_Choice] = []  # choices of taken tickets that wait for a row
         self._live: list[_Choice] = []
         self._thread = threading.Thread(target=self._main, name="specdecode-worker", daemon=True)
+        self._cut = threading.Event()
+        self.cut_requests = 0  # requests ended by cut()
 
     def start(self) -> None:
         self._thread.start()
@@ -106,6 +111,38 @@ class Worker:
             except queue.Empty:
                 break
         self._queue.put(None)
+
+    def cut(self) -> None:
+        """End every request in flight or queued, at the worker's next step (thread-safe: a
+        shutdown's grace period calls it): each unfinished choice gets its last piece with
+        finish reason "abort" (vLLM's name for a request the server ended), so that streams
+        close cleanly; ``cut_requests`` counts them."""
+        self._cut.set()
+        try:
+            self._queue.put_nowait(False)  # wakes a worker that waits for work
+        except queue.Full:
+            pass  # (then it is not waiting)
+
+    def _cut_all(self) -> None:
+        tickets = {}
+        for c in self._live + self._pending:
+            tickets.setdefault(id(c.ticket), c.ticket)
+        while True:
+            try:
+                t = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if t:
+                self._take(t)
+                tickets.setdefault(id(t), t)
+        for c in self._live + self._pending:
+            if c.chunks is not None:
+                c.chunks.close()
+            c.ticket.put(Piece("done", c.index, finish="abort", completion_tokens=c.emitted,
+                               stats=c.stats or SpecDecodingStats()))
+        self._live, self._pending = [], []
+        self.cut_requests += len(tickets)
+        self._cut.clear()
 
     def wait_loaded(self) -> str | None:
         """Block until the models are loaded (returns None) or have failed to load (returns
@@ -161,6 +198,8 @@ class Worker:
                 break
             if ticket:
                 self._take(ticket)
+            if self._cut.is_set():
+                self._cut_all()
             while self._pending and len(self._live) < rows:
                 self._live.append(self._begin(self._pending.pop(0)))
             self.metrics.waiting.set(self.waiting)
@@ -236,7 +275,10 @@ class Worker:
                     choice.first = choice.first or time.perf_counter()
                 spec = ({name: getattr(chunk.stats, name) for name in SPECULATION}
                         if ticket.job.token_sources and chunk.stats is not None else None)
-                ticket.put(Piece("text", choice.index, chunk.text, tokens=self._tokens(choice, chunk, eos),
+                tokens = self._tokens(choice, chunk, eos)
+                choice.emitted += len(tokens)
+                choice.stats = chunk.stats or choice.stats
+                ticket.put(Piece("text", choice.index, chunk.text, tokens=tokens,
                                  spans=[(t, i.kind, i.proposer) for t, i in chunk.spans],
                                  speculation=spec))
             if chunk.result is not None:
