@@ -87,13 +87,19 @@ def distill_loss(model, batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     total, count = 0.0, 0
     for ex in batch:
         rows, logits = _answer_logits(model, ex)
-        logq = torch.log_softmax(logits, -1)
-        ids = ex["topk_ids"][rows]
-        inside = ids < logq.shape[-1]
-        p = ex["topk_logp"][rows].float().exp() * inside
-        total = total - (p * logq.gather(-1, ids.clamp(max=logq.shape[-1] - 1))).sum()
+        total = total + topk_cross_entropy(logits, ex["topk_ids"][rows], ex["topk_logp"][rows])
         count += len(rows)
     return total / max(count, 1)
+
+
+def topk_cross_entropy(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor) -> torch.Tensor:
+    """``-sum_i p_i log q_i`` summed over rows: the draft's logits [R, V_draft] against the
+    target's recorded top-k ids and log-probabilities [R, k] (p not renormalised; ids beyond
+    the draft's vocabulary left out). The forward KL up to the target's entropy."""
+    logq = torch.log_softmax(logits, -1)
+    inside = topk_ids < logq.shape[-1]
+    p = topk_logp.float().exp() * inside
+    return -(p * logq.gather(-1, topk_ids.clamp(max=logq.shape[-1] - 1))).sum()
 
 
 @torch.no_grad()

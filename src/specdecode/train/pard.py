@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .draft import DISTILL_FILE, _copied_files
+from .draft import DISTILL_FILE, _copied_files, topk_cross_entropy
 from .features import Sequence
 from .loop import Task
 from ..models.loading import usual_mode
@@ -147,12 +147,9 @@ class ParallelDraft(torch.nn.Module):
             layout = {k: v.to(tokens.device) for k, v in layout.items()}
             rows = (layout["target"] >= 0).nonzero()[:, 0]
             self.rows_read += len(layout["token"])
-            logq = torch.log_softmax(self.logits(tokens, layout)[rows], -1)
             before = layout["target"][rows] - 1  # the recorded distribution of token t sits at t-1
-            ids = ex["topk_ids"][before]
-            inside = ids < logq.shape[-1]
-            p = ex["topk_logp"][before].float().exp() * inside
-            total = total - (p * logq.gather(-1, ids.clamp(max=logq.shape[-1] - 1))).sum()
+            total = total + topk_cross_entropy(self.logits(tokens, layout)[rows], ex["topk_ids"][before],
+                                               ex["topk_logp"][before])
             count += len(rows)
         return total / max(count, 1)
 
