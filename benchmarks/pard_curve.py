@@ -11,6 +11,17 @@ parallel draft (PARD, arXiv:2504.18583) and how its held-out acceptance per posi
    --batch sequences a step) for --minutes of training time, and every --every minutes (and at
    0) the held-out acceptance per position is measured (not counted as training time).
 
+    python benchmarks/pard_curve.py OUT --project TARGET_TIMES DRAFT_TIMES
+
+projects the decode speedup over plain decoding from the last measurement's HumanEval
+acceptance per position and the forward times this machine measured (the JSON lines
+benchmarks/forward_times.py prints: `q4` for the target, `int4 qwen2.5-coder-0.5b-instruct
+draft` for the draft; T(n) between the sizes measured is interpolated): for K = 2..8, a round
+of the parallel draft costs T_target(K+1) + T_draft(tau + K - 1) (the tokens it accepted and
+its bonus token, then K-1 masks, in one pass) and keeps tau = 1 + alpha_1 + ... + alpha_K
+tokens; the one-token draft's round, T_target(K+1) + K T_draft(1), keeps 1 + the sum of its
+own ar_alpha_j. Prefill is left out (at 512 new tokens a few per cent of the time).
+
 Writes OUT/curve.jsonl, one line a measurement: training minutes, steps, sequences, tokens and
 rows seen, tokens/s and rows/s of training, the mean loss since the last line, and the measures of
 :func:`specdecode.train.pard.parallel_acceptance` on both held-out sets ("held_out", "humaneval").
@@ -48,7 +59,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--humaneval", type=int, default=12)
+    ap.add_argument("--project", nargs=2, metavar=("TARGET_TIMES", "DRAFT_TIMES"))
     args = ap.parse_args()
+    if args.project:
+        return project(Path(args.out), *map(Path, args.project))
     torch.set_num_threads(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,6 +141,41 @@ def main() -> None:
     module.write_mask_row()
     model.config.pard_token = module.mask_id
     model.save_pretrained(out / "draft")
+
+
+def _times(path: Path):
+    """T(n) in ms, interpolated between the sizes of a forward_times.py line."""
+    measured = {int(n): t for n, t in json.loads(path.read_text().strip().splitlines()[-1])["T_ms"].items()}
+    sizes = sorted(measured)
+
+    def t(n: float) -> float:
+        lo = max([s for s in sizes if s <= n], default=sizes[0])
+        hi = min([s for s in sizes if s >= n], default=sizes[-1])
+        return measured[lo] if hi == lo else measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
+
+    return t
+
+
+def project(out: Path, target_times: Path, draft_times: Path) -> None:
+    last = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()][-1]
+    alpha = [last["humaneval"][f"alpha_{j}"] for j in range(1, 9)]
+    ar = [last["humaneval"][f"ar_alpha_{j}"] for j in range(1, 9)]
+    tt, td = _times(target_times), _times(draft_times)
+    rows = []
+    for k in range(2, 9):
+        tau, tau_ar = 1 + sum(alpha[:k]), 1 + sum(ar[:k])
+        parallel = tau * tt(1) / (tt(k + 1) + td(tau + k - 1))
+        one_token = tau_ar * tt(1) / (tt(k + 1) + k * td(1))
+        rows.append({"k": k, "tau": round(tau, 3), "speedup": round(parallel, 3),
+                     "ar_tau": round(tau_ar, 3), "ar_speedup": round(one_token, 3)})
+        print(f"K={k}: parallel draft tau {tau:.2f} -> {parallel:.2f}x; one-token draft tau {tau_ar:.2f} -> {one_token:.2f}x")
+    best = max(rows, key=lambda r: r["speedup"])
+    # the same rounds if the masks were as right as the draft's own chains: the ceiling of training
+    ceiling = max((1 + sum(ar[:k])) * tt(1) / (tt(k + 1) + td(sum(ar[:k]) + k)) for k in range(2, 9))
+    summary = {"minutes": last["minutes"], "rows": rows, "best": best, "ceiling": round(ceiling, 3)}
+    (out / "projection.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"best: K={best['k']} {best['speedup']:.2f}x at {last['minutes']} training minutes; with masks as "
+          f"right as the one-token chains: {ceiling:.2f}x")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,17 @@ def test_the_mask_token_is_a_row_no_token_uses():
     with pytest.raises(ValueError, match="spare row"):
         mask_token_id(t, len(t))
 
+    class FromGGUF:  # a tokenizer that lists every row, the unused ones as llama.cpp's "[PAD<id>]"
+        all_special_ids = [5, 7]
+
+        def __len__(self):
+            return 16
+
+        def convert_ids_to_tokens(self, ids):
+            return [f"[PAD{i}]" if i >= 12 else f"tok{i}" for i in ids]
+
+    assert mask_token_id(FromGGUF(), 16) == 12
+
 
 def test_train_pard_end_to_end_writes_a_draft_that_names_its_mask_token(tmp_path_factory, tmp_path, capsys):
     """`specdecode train pard` on the tiny pair: measured before and after each epoch per

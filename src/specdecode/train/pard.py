@@ -51,14 +51,20 @@ PARD_KEEP_MIN = 0.2
 
 
 def mask_token_id(tokenizer, vocab_size: int) -> int:
-    """The first embedding row no token of ``tokenizer`` uses (PARD's ``pard_token``; 151665
-    for Qwen2.5, whose table has 151,936 rows for 151,665 tokens). Raises ValueError when the
-    table has no spare row (vocab_size is the embedding table's rows)."""
+    """The first embedding row no text ever encodes to (PARD's ``pard_token``): the first row
+    past the tokenizer's tokens, or, where the tokenizer lists every row (a GGUF's does), the
+    first of the ``[PAD<id>]`` placeholders llama.cpp's converter writes for unused rows:
+    151665 for Qwen2.5 either way (151,936 rows, 151,665 real tokens). Raises ValueError
+    when there is none (vocab_size: the embedding table's rows)."""
     used = len(tokenizer)
-    if used >= vocab_size:
-        raise ValueError(f"the draft's embedding table has {vocab_size} rows and its tokenizer "
-                         f"{used} tokens: a parallel draft needs a spare row for its mask token")
-    return used
+    if used < vocab_size:
+        return used
+    first = max(tokenizer.all_special_ids or [0]) + 1
+    for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(first, vocab_size))), first):
+        if piece == f"[PAD{i}]":
+            return i
+    raise ValueError(f"the draft's embedding table has {vocab_size} rows and its tokenizer uses every "
+                     "one: a parallel draft needs a spare row for its mask token")
 
 
 def parallel_layout(length: int, start: int, k: int, keep: float = 1.0, keep_min: float = 0.0,
