@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--humaneval", type=int, default=12)
+    ap.add_argument("--target", default=registry.DEFAULT_TARGET)
+    ap.add_argument("--draft", default=registry.DEFAULT_DRAFT)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--project", nargs=2, metavar=("TARGET_TIMES", "DRAFT_TIMES"))
     args = ap.parse_args()
     if args.project:
@@ -67,18 +70,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    target = load(registry.DEFAULT_TARGET, backend="native")
-    train_seqs, held, _ = _recorded(target, HeadRecipe(max_prompts=args.prompts, max_new_tokens=192),
+    target = load(args.target, backend="native")
+    train_seqs, held, _ = _recorded(target, HeadRecipe(max_prompts=args.prompts, max_new_tokens=args.max_new_tokens),
                                     out / "features", sys.stderr)
     problems = _humaneval_problems()[:args.humaneval]
     record(target, [Prompt(p["prompt"], False, "humaneval") for p in problems], out / "humaneval",
-           max_new_tokens=256)
+           max_new_tokens=args.max_new_tokens + 64)
     human = load_sequences(out / "humaneval", False) + load_sequences(out / "humaneval", True)
     del target
     gc.collect()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    source = resolve_model_path(registry.DEFAULT_DRAFT)
+    source = resolve_model_path(args.draft)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     trained = trainable_layers(model, args.layers)
     module = ParallelDraft(model, mask_token_id(AutoTokenizer.from_pretrained(source), model.config.vocab_size))

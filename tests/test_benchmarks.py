@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import specdecode
-from tiny_dirs import tiny_dirs_in
+from tiny_dirs import VOCAB, tiny_dirs_in
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -88,3 +88,25 @@ def test_assisted_example_of_tiny_models(tmp_path_factory, tmp_path):
     for r in result["drafts"].values():
         assert r["identical"] is True and len(r["seconds"]["plain"]) == len(r["seconds"]["default"]) == 2
         assert r["speedup"] > 0 and r["default_stats"]["num_generated_tokens"] == 6
+
+
+def test_pard_curve_trains_measures_and_projects(tmp_path_factory, tmp_path):
+    """``python benchmarks/pard_curve.py OUT`` on the tiny pair: answers recorded, a line a
+    measurement (before and after a few steps) with both held-out sets; ``--project`` turns
+    the last line and two forward-time lines into a speedup per K."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "pard"
+    proc = _run([SCRIPTS / "pard_curve.py", out, "--target", dirs["target"], "--draft", dirs["wide"],
+                 "--prompts", "12", "--humaneval", "2", "--max-new-tokens", "12", "--minutes", "0.02",
+                 "--every", "0.01", "--batch", "2", "--layers", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()]
+    assert len(lines) >= 2 and lines[0]["steps"] == 0 and lines[-1]["steps"] >= 1
+    assert lines[-1]["tokens_per_s"] > 0 and 0 <= lines[-1]["humaneval"]["alpha_2"] <= 1
+    assert json.loads((out / "draft" / "config.json").read_text())["pard_token"] == VOCAB
+    for name, t1 in (("t.json", 40.0), ("d.json", 10.0)):
+        (tmp_path / name).write_text(json.dumps({"T_ms": {"1": t1, "4": 2 * t1, "8": 3 * t1, "16": 5 * t1}}) + "\n")
+    proc = _run([SCRIPTS / "pard_curve.py", out, "--project", tmp_path / "t.json", tmp_path / "d.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    projected = json.loads((out / "projection.json").read_text())
+    assert [r["k"] for r in projected["rows"]] == list(range(2, 9)) and projected["ceiling"] > 0

@@ -4,15 +4,18 @@ line and exit code 130, no traceback."""
 
 import sys
 
+try:
+    from .cli import main
+except KeyboardInterrupt:  # (the package itself imports nothing heavy: see its __init__)
+    main = None
+
 
 def run() -> int:
     """The console script's entry: :func:`specdecode.cli.main`'s exit code, or 130 when
     interrupted while importing it."""
-    try:
-        from .cli import main
-    except KeyboardInterrupt:
+    if main is None:
         print("\ninterrupted while starting", file=sys.stderr)
-        return 130  # cli.common.EXIT_INTERRUPTED (not imported: it imports the rest)
+        return 130  # cli.common.EXIT_INTERRUPTED (whose import was what got interrupted)
     return main()
 
 
