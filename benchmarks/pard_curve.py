@@ -45,7 +45,7 @@ from specdecode.train.data import Prompt
 from specdecode.train.draft import trainable_layers
 from specdecode.train.features import load_sequences, record
 from specdecode.train.loop import resolve_precision
-from specdecode.train.pard import ParallelDraft, mask_token_id, parallel_acceptance
+from specdecode.train.pard import held_out_examples, mask_token_id, parallel_acceptance, pard_task
 from specdecode.train.run import HeadRecipe, _recorded
 
 
@@ -84,11 +84,10 @@ def main() -> None:
     source = resolve_model_path(args.draft)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     trained = trainable_layers(model, args.layers)
-    module = ParallelDraft(model, mask_token_id(AutoTokenizer.from_pretrained(source), model.config.vocab_size))
-    examples = [{"tokens": s.tokens, "start": torch.tensor(s.start), "topk_ids": s.topk_ids,
-                 "topk_logp": s.topk_logp} for s in train_seqs if len(s.tokens) - s.start >= 2]
-    measure_sets = {name: [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in seqs if len(s.tokens) > 9]
-                    for name, seqs in (("held_out", held), ("humaneval", human))}
+    task = pard_task(model, source, mask_token_id(AutoTokenizer.from_pretrained(source), model.config.vocab_size),
+                     train_seqs, held, {})
+    module, examples = task.module, task.examples
+    measure_sets = {name: held_out_examples(seqs) for name, seqs in (("held_out", held), ("humaneval", human))}
     mixed = resolve_precision("auto") == "bf16"
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     print(f"{len(examples)} training sequences, held out {len(measure_sets['held_out'])} + "
@@ -141,9 +140,7 @@ def main() -> None:
             measure()
             next_measure += args.every * 60
     measure()
-    module.write_mask_row()
-    model.config.pard_token = module.mask_id
-    model.save_pretrained(out / "draft")
+    task.save(module, out / "draft", {"curve": str(out / "curve.jsonl")})
 
 
 def _times(path: Path):

@@ -132,6 +132,9 @@ class Worker:
                 t = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if t is None:  # stop(): kept for the loop to see
+                self._queue.put_nowait(None)
+                break
             if t:
                 self._take(t)
                 tickets.setdefault(id(t), t)

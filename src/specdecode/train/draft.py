@@ -38,6 +38,8 @@ from ..models.loading import usual_mode
 from .loop import Task
 
 DISTILL_FILE = "distillation.json"
+PARD_FILE = "pard.json"  # a parallel draft's (specdecode.train.pard)
+SUMMARY_FILES = (DISTILL_FILE, PARD_FILE)
 # what save_pretrained writes: the rest of the draft's directory (tokenizer, chat template) is copied
 WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -139,15 +141,24 @@ def draft_task(model, source: str | Path, train_seqs: list[Sequence], held_seqs:
     held = [_as_example(s) for s in held_seqs if len(s.tokens) >= 2]
 
     def save(module: Distillation, out: Path, summary: dict) -> None:
-        module.model.save_pretrained(out)
-        for weights in out.glob("*.safetensors"):
-            usual_mode(weights)
-        for name in _copied_files(source):
-            shutil.copy2(source / name, out / name)
-        (out / DISTILL_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        save_draft_dir(module.model, source, out, DISTILL_FILE, summary)
 
     return Task(Distillation(model), train, lambda batch: batch, lambda m, b: m(b),
                 lambda m: greedy_acceptance(m.model, held, k), save, info)
+
+
+def save_draft_dir(model, source: str | Path, out: Path, summary_file: str, summary: dict) -> None:
+    """Write a trained draft as a model directory ``--draft`` loads: the transformers
+    ``model``'s weights and config, the other files of its ``source`` directory (tokenizer,
+    chat template; not an earlier run's summary), and ``summary`` as ``summary_file``."""
+    source = Path(source)
+    model.save_pretrained(out)
+    for weights in out.glob("*.safetensors"):
+        usual_mode(weights)
+    for name in _copied_files(source):
+        if name not in SUMMARY_FILES:
+            shutil.copy2(source / name, out / name)
+    (out / summary_file).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 class Distillation(torch.nn.Module):
@@ -169,6 +180,6 @@ def _copied_files(source: str | Path) -> list[str]:
 
 
 def source_files(source: str | Path) -> list[str]:
-    """The names a distilled draft's directory holds besides the weights: the source
-    directory's other files and ``distillation.json``."""
-    return _copied_files(source) + [DISTILL_FILE]
+    """The names a trained draft's directory holds besides the weights: the source
+    directory's other files and the run's summary (``distillation.json`` or ``pard.json``)."""
+    return _copied_files(source) + list(SUMMARY_FILES)

@@ -32,19 +32,15 @@ for j = 1..K, beside the same for the draft's ordinary one-token chain (``ar_alp
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
 
-from .draft import DISTILL_FILE, _copied_files, topk_cross_entropy
+from .draft import PARD_FILE, _as_example, save_draft_dir, topk_cross_entropy
 from .features import Sequence
 from .loop import Task
-from ..models.loading import usual_mode
 
-PARD_FILE = "pard.json"
 PARD_K = 8  # chains of up to 8 tokens (PARD's para_num)
 PARD_KEEP = 0.7  # conditional drop-token: segment s keeps max(keep^s, keep_min) of the anchors
 PARD_KEEP_MIN = 0.2
@@ -207,27 +203,24 @@ def pard_task(model, source: str | Path, mask_id: int, train_seqs: list[Sequence
     directory: the weights with the mask row written, ``config.json`` naming ``pard_token``
     (vLLM's name for it), ``source``'s tokenizer files, and ``pard.json`` (``info`` and the
     run's history)."""
-    source = Path(source)
     module = ParallelDraft(model, mask_id, k, seed=seed)
     module.model.config.pard_token = mask_id
-    keep = ("tokens", "start", "topk_ids", "topk_logp")
-    train = [{n: getattr(s, n) if n != "start" else torch.tensor(s.start) for n in keep}
-             for s in train_seqs if len(s.tokens) - s.start >= 2]
-    held = [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in held_seqs if len(s.tokens) > k + 1]
+    train = [_as_example(s) for s in train_seqs if len(s.tokens) - s.start >= 2]
+    held = held_out_examples(held_seqs, k)
 
     def save(m: ParallelDraft, out: Path, summary: dict) -> None:
         table = m.model.get_input_embeddings().weight
         row = table[mask_id].detach().clone()
         m.write_mask_row()
-        m.model.save_pretrained(out)
+        save_draft_dir(m.model, source, out, PARD_FILE, summary)
         with torch.no_grad():
             table[mask_id] = row  # training goes on with the table as it was
-        for weights in out.glob("*.safetensors"):
-            usual_mode(weights)
-        for name in _copied_files(source):
-            if name != DISTILL_FILE:
-                shutil.copy2(source / name, out / name)
-        (out / PARD_FILE).write_text(json.dumps(summary, indent=1) + "\n")
 
     return Task(module, train, lambda batch: batch, lambda m, b: m(b),
                 lambda m: parallel_acceptance(m, held, k), save, info)
+
+
+def held_out_examples(seqs: list[Sequence], k: int = PARD_K) -> list[dict[str, torch.Tensor]]:
+    """What :func:`parallel_acceptance` measures on: the recorded sequences with an anchor
+    that has ``k`` tokens after it."""
+    return [{"tokens": s.tokens, "start": torch.tensor(s.start)} for s in seqs if len(s.tokens) > k + 1]

@@ -31,12 +31,12 @@ from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
 from ..models.native import auto_draft_vocab
 from ..tokenmap import pair_mode
 from .data import DEFAULT_SOURCES, evaluation_runs, parse_sources, training_prompts
-from .draft import DISTILL_FILE, WEIGHT_FILES, draft_task, source_files, trainable_layers
+from .draft import DISTILL_FILE, PARD_FILE, WEIGHT_FILES, draft_task, source_files, trainable_layers
 from .eagle3 import eagle3_task
 from .features import load_sequences, read_manifest, record, recording_seconds
 from .loop import PRECISIONS, STATE_FILE, Task, resolve_precision, train
 from .medusa import medusa_task
-from .pard import PARD_FILE, PARD_K, PARD_KEEP, PARD_KEEP_MIN, mask_token_id, pard_task
+from .pard import PARD_K, PARD_KEEP, PARD_KEEP_MIN, mask_token_id, pard_task
 
 KINDS = tuple(HEAD_ARCHS)  # medusa, eagle3
 # what a training run writes into its output directory (a directory holding only these is resumed)
@@ -302,7 +302,7 @@ def default_draft_dir(target: str, draft: str, parallel: bool = False) -> Path:
 def draft_out_files(source: Path) -> tuple[str, ...]:
     """The names a distillation or parallel-draft run writes into its output directory (for
     :func:`check_out`), for a draft in the model directory ``source``."""
-    return OWN_FILES + WEIGHT_FILES + tuple(source_files(source)) + (PARD_FILE,)
+    return OWN_FILES + WEIGHT_FILES + tuple(source_files(source))
 
 
 def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe: HeadRecipe | None = None,
