@@ -40,7 +40,7 @@ import torch
 
 from specdecode.bench.workloads import _humaneval_problems
 from specdecode.models import registry
-from specdecode.models.loading import load, resolve_model_path
+from specdecode.models.loading import float_model_path, load
 from specdecode.train.data import Prompt
 from specdecode.train.draft import trainable_layers
 from specdecode.train.features import load_sequences, record
@@ -81,7 +81,7 @@ def main() -> None:
     gc.collect()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    source = resolve_model_path(args.draft)
+    source = float_model_path(args.draft)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     trained = trainable_layers(model, args.layers)
     task = pard_task(model, source, mask_token_id(AutoTokenizer.from_pretrained(source), model.config.vocab_size),

@@ -17,7 +17,6 @@ import ctypes
 import json
 import shutil
 import sys
-import time
 
 import pytest
 import torch
@@ -967,21 +966,23 @@ def test_other_architecture_goes_through_transformers(dirs, target, tok):
     assert specdecode.generate(g, PROMPT, draft=target, max_new_tokens=12).token_ids == own.token_ids
 
 
-def test_gguf_file_is_converted_once_and_matches(dirs, target, tmp_path, monkeypatch):
+def test_gguf_file_is_read_natively_and_matches(dirs, target, tmp_path, monkeypatch):
+    """A .gguf file loads without any float conversion: its metadata directory (config,
+    tokenizer, chat template; no weights) is written once, the weights come from the file,
+    and it decodes as the directory it was written from."""
+    from specdecode.models import registry
+
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry, "_convert_into", lambda *a: pytest.fail("converted to fp32"))
     gguf_file = tmp_path / "tiny model.gguf"
     write_tiny_gguf(dirs["target"], gguf_file)
-    t0 = time.perf_counter()
-    converted = resolve_model_path(gguf_file)
-    first_s = time.perf_counter() - t0
-    assert converted.parent == tmp_path / "cache" / "converted" and converted.name.startswith("tiny model-")
-    assert (converted / "config.json").is_file() and list(converted.glob("*.safetensors"))
-    assert first_s < 60
-    t0 = time.perf_counter()
-    assert resolve_model_path(str(gguf_file)) == converted
-    assert time.perf_counter() - t0 < 1.0  # cached: no second conversion
+    meta = resolve_model_path(gguf_file)
+    assert meta.parent == tmp_path / "cache" / "meta" and meta.name.startswith("tiny model-")
+    assert (meta / "config.json").is_file() and not list(meta.glob("*.safetensors"))
+    monkeypatch.setattr(registry, "_write_metadata", lambda *a: pytest.fail("written twice"))
+    assert resolve_model_path(str(gguf_file)) == meta
     m = specdecode.load(gguf_file)
-    assert m.path == converted and m.lm.vocab_size == VOCAB and EOS in m.eos_token_ids
+    assert m.path == meta and m.lm.vocab_size == VOCAB and EOS in m.eos_token_ids
     assert m.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     ar = specdecode.generate(target, PROMPT, max_new_tokens=20)
     r = specdecode.generate(m, PROMPT, max_new_tokens=20)

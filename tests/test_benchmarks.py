@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import specdecode
 from tiny_dirs import VOCAB, tiny_dirs_in
 
@@ -55,6 +57,39 @@ def test_forward_times_of_a_tiny_target(tmp_path_factory, tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["kind"] == "int8" and set(out["T_ms"]) == {"1", "2", "4", "8", "16", "17"}
     assert out["T8/T1"] > 0 and out["peak_rss_gib"] > 0
+
+
+def test_synthetic_gguf_of_small_shapes_loads_and_pairs(tmp_path, monkeypatch):
+    """``python benchmarks/synthetic_gguf.py OUT --tokenizer-from GGUF ...``: llama.cpp's
+    Q4_K_M mix (output Q6_K, attn_v / ffn_down Q6_K on llama.cpp's layers), the tokenizer
+    listed padded to the embedding rows with [PAD<id>] tokens; the file loads natively and
+    decodes (its Q4_K weights kept as they are), its verify rows equal one-token passes."""
+    from gguf import GGUFReader
+    from specdecode.models.gguf_file import GGUFFile
+    from tiny_dirs import gguf_source_dir, write_tiny_gguf
+
+    tok = tmp_path / "tok.gguf"
+    write_tiny_gguf(gguf_source_dir(tmp_path / "src"), tok)
+    out = tmp_path / "syn.gguf"
+    proc = _run([SCRIPTS / "synthetic_gguf.py", out, "--tokenizer-from", tok, "--layers", 8,
+                 "--hidden", 256, "--ffn", 512, "--heads", 4, "--kv-heads", 2, "--vocab", VOCAB + 64], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    # 8 layers: more bits on layers 0, 3, 6 and 7 (llama.cpp's use_more_bits)
+    assert report["types"] == {"Q6_K": 1 + 2 * 4, "Q4_K": 1 + 8 * 7 - 2 * 4, "F32": 8 * 5 + 1}
+    f = GGUFFile(out)
+    assert f.field("tokenizer.ggml.tokens")[-1] == f"[PAD{VOCAB + 63}]" and report["tokens_listed"] == VOCAB
+    assert {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}["blk.3.ffn_down.weight"] == "Q6_K"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    lm = specdecode.load(out, tokenizer=False).lm
+    assert lm.vocab_size == VOCAB + 64
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    lm.allocate(1, 32)
+    lm.forward(ids[:, :12], num_logits=0)
+    singles = torch.cat([lm.forward(ids[:, i:i + 1])[0] for i in range(12, 20)])
+    assert torch.isfinite(singles).all()
+    lm.rollback(12)
+    assert torch.equal(lm.forward(ids[:, 12:20])[0], singles)
 
 
 def test_paired_ratios_of_a_runs_records(tmp_path):

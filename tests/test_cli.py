@@ -403,7 +403,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(capsys
 def test_export_to_a_file_is_a_one_line_error(capsys, tmp_path, monkeypatch, what, paths):
     import specdecode.cli.export as export_cli
 
-    monkeypatch.setattr(export_cli, "resolve_model_path", lambda *a: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(export_cli, "float_model_path", lambda *a: (_ for _ in ()).throw(AssertionError))
     (tmp_path / "a-file").write_text("x")
     code, out, err = run(capsys, "export", what, *[p.format(file=tmp_path / "a-file", dir=tmp_path) for p in paths])
     assert code == 2 and err.startswith("error:") and "a-file" in err and "is a file" in err, err
@@ -476,7 +476,7 @@ def test_check_pair_reports_the_mode_and_why(capsys, dirs, tmp_path):
 
 def test_check_pair_reads_a_gguf_file_without_converting_it(capsys, dirs, tmp_path, monkeypatch):
     """The tokenizer and config come from the file's metadata: nothing is dequantized or
-    written to the cache (was: the whole file converted first)."""
+    converted (was: the whole file converted first)."""
     from specdecode.models import registry as reg
     from tiny_dirs import write_tiny_gguf
 
@@ -485,7 +485,7 @@ def test_check_pair_reads_a_gguf_file_without_converting_it(capsys, dirs, tmp_pa
     code, out, err = run(capsys, "check-pair", tmp_path / "t.gguf", dirs["target"], "--json")
     report = json.loads(out)
     assert code == 0 and report["mode"] == "same" and report["target"]["vocab_rows"] == VOCAB
-    assert "reading the tokenizer and config in t.gguf's metadata" in err  # ~1 min for Gemma 3: said first
+    assert "reading the config and tokenizer in t.gguf's metadata" in err  # ~1 min for Gemma 3: said first
     assert report["target"]["model_type"] == "llama"
 
 

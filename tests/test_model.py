@@ -9,6 +9,7 @@ import transformers
 
 from specdecode.models import registry
 from specdecode.models import HFCausalLM, load
+from specdecode.models.loading import float_model_path
 from specdecode.models.native import ModelArgs, Transformer
 
 from tiny_dirs import CONFIGS, TINY, hf_model_dir
@@ -66,8 +67,9 @@ def test_chunked_prefill_equals_transformers(tmp_path, num_logits):
 
 @pytest.mark.real
 def test_smollm2_logits_equal_transformers():
-    path = registry.fetch("smollm2-135m-instruct")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    path = registry.fetch("smollm2-135m-instruct")  # the GGUF file's metadata: read natively
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        float_model_path("smollm2-135m-instruct"), dtype=torch.float32).eval()  # transformers' reading
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits

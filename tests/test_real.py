@@ -7,8 +7,11 @@ import pytest
 import torch
 import transformers
 
+from gguf import GGUFReader, dequantize
+
 import specdecode
 from specdecode.models import quant, registry
+from specdecode.models.loading import float_model_path
 from specdecode.text import IncrementalDetokenizer
 
 pytestmark = pytest.mark.real
@@ -25,7 +28,8 @@ def test_smollm2_plain_decoding_equals_transformers_generate():
     prompt_ids = fp32.tokenizer.encode("The three primary colours are")
     ours = specdecode.generate(fp32, input_ids=prompt_ids, method="ar", max_new_tokens=40,
                                eos_token_id=[])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(fp32.path, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        float_model_path("smollm2-135m-instruct"), dtype=torch.float32)  # transformers' GGUF reading
     out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     assert ours.token_ids == out[0, len(prompt_ids):].tolist()
@@ -128,10 +132,9 @@ def test_default_models_verify_rows_equal_one_token_passes_bit_for_bit(qwen_pair
 
 
 def test_default_target_keeps_the_gguf_q4k_blocks(qwen_pair):
-    """q4: the Q4_K linears of the default target dequantize exactly to the fp32 conversion
-    of the same GGUF file (layer 0 and the last layer), and the rest is int8."""
-    from safetensors import safe_open
-
+    """q4: the Q4_K linears of the default target dequantize exactly to the GGUF file's
+    tensors as the gguf package dequantizes them (what transformers converts; layer 0 and
+    the last layer), the rest is int8, and nothing was converted to float on the way."""
     if not Q4K:  # q4 runs on the AVX512-VNNI or the AVX2 kernel only: refused, saying so
         with pytest.raises(ValueError, match="VNNI"):
             specdecode.load(registry.DEFAULT_TARGET, dtype="q4")
@@ -139,9 +142,17 @@ def test_default_target_keeps_the_gguf_q4k_blocks(qwen_pair):
     lm = qwen_pair[0].lm
     q4 = {n: m for n, m in lm.named_modules() if isinstance(m, quant.Q4KLinear)}
     assert len(q4) > 100 and isinstance(lm.lm_head, quant.Int8Linear)  # output.weight is Q6_K
-    with safe_open(str(qwen_pair[0].path / "model.safetensors"), "pt") as f:
-        for name in [n for n in q4 if n.startswith(("model.layers.0.", "model.layers.27."))]:
-            assert torch.equal(q4[name].weight(), f.get_tensor(name + ".weight")), name
+    assert not list(qwen_pair[0].path.glob("*.safetensors"))
+    assert not registry.converted_path_for_gguf(registry.gguf_path(registry.DEFAULT_TARGET)).exists()
+    names = {"attn_q": "self_attn.q_proj", "attn_v": "self_attn.v_proj", "ffn_up": "mlp.up_proj"}
+    checked = 0
+    for t in GGUFReader(registry.gguf_path(registry.DEFAULT_TARGET)).tensors:
+        _, layer, kind, _ = (t.name.split(".") + ["", "", "", ""])[:4]
+        if layer in ("0", "27") and kind in names and t.tensor_type.name == "Q4_K":
+            expected = torch.from_numpy(dequantize(t.data, t.tensor_type))
+            assert torch.equal(q4[f"model.layers.{layer}.{names[kind]}"].weight(), expected), t.name
+            checked += 1
+    assert checked >= 4
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])

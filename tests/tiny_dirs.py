@@ -170,23 +170,27 @@ def hf_model_dir(tmp_path, name):
     return hf
 
 
-def write_tiny_gguf(src: Path, out: Path, q4k: bool = False) -> None:
-    """Write the tiny HF model in ``src`` as an F32 GGUF file, as llama.cpp's converter would
-    (q/k rows permuted for its rope layout; tokenizer, merges and chat template included).
-    ``q4k``: every linear weight of a shape Q4_K takes (inputs a multiple of 256) becomes
-    random Q4_K blocks instead (its converted weights are what those blocks dequantize to)."""
+def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None = None,
+                    chat_template: str | None = None) -> None:
+    """Write the tiny HF model in ``src`` (llama or qwen2) as a GGUF file, laid out as
+    llama.cpp's converter writes it (its tensor names from gguf's name map, llama's q/k rows
+    permuted for its rope layout, metadata keys, tokenizer, merges and chat template).
+    Tensors are F32, except: ``q4k``: every linear weight of a shape Q4_K takes (inputs a
+    multiple of 256) becomes random Q4_K blocks; ``qtype`` (a GGML type name): every 2-D
+    weight whose row fits the type's blocks is stored in it (quantized by the gguf package,
+    or random blocks with bounded fp16 scales for the types it cannot quantize)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
 
     cfg = json.loads((src / "config.json").read_text())
     tj = json.loads((src / "tokenizer.json").read_text())
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    nh, nkv, arch = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["model_type"]
 
     def permute(w, n_head):
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    w = gguf.GGUFWriter(str(out), "llama")
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -212,28 +216,21 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False) -> None:
     w.add_unk_token_id(0)
     w.add_pad_token_id(EOS)
     w.add_add_bos_token(False)
-    w.add_chat_template((src / "chat_template.jinja").read_text())
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                 "post_attention_layernorm": "ffn_norm"}
+    w.add_chat_template(chat_template or (src / "chat_template.jinja").read_text())
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(arch_id, cfg["num_hidden_layers"])
     for key, t in load_file(src / "model.safetensors").items():
         a = t.float().numpy()
-        if key in names:
-            name = names[key]
-        else:
-            parts = key.split(".")
-            module = ".".join(parts[3:-1])
-            name = f"blk.{parts[2]}.{per_layer[module]}.weight"
-            if module == "self_attn.q_proj":
-                a = permute(a, nh)
-            elif module == "self_attn.k_proj":
-                a = permute(a, nkv)
+        base, _, suffix = key.rpartition(".")
+        name = f"{names.get_name(base)}.{suffix}"
+        if arch == "llama" and suffix == "weight" and base.endswith(("q_proj", "k_proj")):
+            a = permute(a, nh if base.endswith("q_proj") else nkv)
         if q4k and a.ndim == 2 and key != "model.embed_tokens.weight" and a.shape[1] % 256 == 0:
             w.add_tensor(name, random_q4k_blocks(*a.shape, seed=sum(name.encode()) + len(name)),
                          raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif qtype and a.ndim == 2 and a.shape[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0] == 0:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, quantized(a, kind, seed=sum(name.encode())), raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -242,6 +239,44 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False) -> None:
     w.close()
 
 
+# where each k-quant block keeps its fp16 scales (byte offsets), for random blocks
+_FP16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def quantized(a, kind, seed: int = 0):
+    """float [rows, cols] stored as the GGML type ``kind``: the gguf package's quantization,
+    or, for types it cannot quantize (the k-quants), random blocks whose fp16 scales are
+    ~1e-3 (finite weights of magnitude ~0.1)."""
+    import gguf
+    import numpy as np
+
+    try:
+        return gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), kind)
+    except NotImplementedError:
+        pass
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    rows, blocks = a.shape[0], a.shape[1] // block
+    b = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in _FP16_AT[kind.name]:
+        b[:, :, at:at + 2] = rng.uniform(0.5e-3, 2e-3, (rows, blocks, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def gguf_source_dir(root: Path, arch: str = "llama", tied: bool = True) -> Path:
+    """A random 2-layer model of hidden size 256 (rows every GGML block size takes) in
+    transformers layout with the test tokenizer: llama, or qwen2 (q/k/v biases)."""
+    config = _llama_config(VOCAB, hidden=256)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**{k: getattr(config, k) for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "eos_token_id", "bos_token_id")})
+    config.tie_word_embeddings = tied
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _randomize(model, seed=6, std=0.1)
+    model.save_pretrained(root)
+    local_tokenizer().save_pretrained(root)
+    return root
 
 
 def random_q4k_blocks(rows: int, cols: int, seed: int = 0):

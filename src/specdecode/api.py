@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+import jinja2
+
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
@@ -130,8 +132,12 @@ def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]
             _check_utf8(m["content"], f"the {m['role']!r} message")
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"target {target.name!r} has no chat template; drop --chat / pass plain text")
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False))
+        try:  # transformers renders templates in a sandboxed Jinja environment
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template of {target.name!r} failed ({type(e).__name__}: "
+                             f"{str(e)[:200]}); fix the model's template or pass plain text") from None
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     _check_utf8(prompt, "the prompt")

@@ -19,7 +19,8 @@ from ..methods import (METHOD_OPTIONS, METHODS, PLAIN, SpeculativeConfig, build_
                        method_options, name_and_options)
 from ..models import llamacpp
 from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, check_model_name,
-                              default_eos_token_ids, load, resolve_model_path)
+                              default_eos_token_ids, float_model_path, load,
+                              resolve_model_path)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class BenchModels:
     def hf(self, which: str):
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model_path(self.target_name if which == "target" else self.draft_name)
+        path = float_model_path(self.target_name if which == "target" else self.draft_name)
         dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
         return self._get(("hf", which), lambda: AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype).to(self.device or "cpu").eval())

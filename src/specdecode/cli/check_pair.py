@@ -4,10 +4,7 @@ read from their tokenizers and configs (no weights loaded)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-from ..models import registry
 from ..models.loading import resolve_model_path
 from ..models.native import read_json
 from ..tokenmap import compare_tokenizers
@@ -18,32 +15,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _side(name: str) -> tuple[object, dict]:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    gguf = Path(name).expanduser()
-    if gguf.is_file() and gguf.suffix.lower() == ".gguf" and not registry.converted_path_for_gguf(gguf).is_dir():
-        # the tokenizer and config from the file's metadata, as its conversion reads them,
-        # without converting (dequantizing) every weight (tens of seconds for a large
-        # vocabulary; a converted file's directory is read instead)
-        path = gguf
-        # transformers' reader shows no progress: ~54 s for Gemma 3's 262,144 tokens
-        print(f"reading the tokenizer and config in {gguf.name}'s metadata (up to a minute for a "
-              "large vocabulary)...", file=sys.stderr, flush=True)
-        try:
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
-        except Exception as e:  # noqa: BLE001 - re-raised with what it concerns
-            raise ValueError(f"cannot read the tokenizer of {gguf} ({type(e).__name__}: {e})") from None
-    else:
-        path = resolve_model_path(name)
-        if not any((path / f).exists() for f in TOKENIZER_FILES):
-            raise ValueError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): check-pair compares "
-                             "tokenizers; give the model directory with its tokenizer files")
-        config = read_json(path / "config.json")
-        try:
-            tok = AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # noqa: BLE001 - re-raised with what it concerns
-            raise ValueError(f"cannot load the tokenizer in {path} ({type(e).__name__}: {e})") from None
+    path = resolve_model_path(name)
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise ValueError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): check-pair compares "
+                         "tokenizers; give the model directory with its tokenizer files")
+    config = read_json(path / "config.json")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - re-raised with what it concerns
+        raise ValueError(f"cannot load the tokenizer in {path} ({type(e).__name__}: {e})") from None
     config = config.get("text_config", config)  # multimodal configs nest the decoder's
     return tok, {
         "path": str(path), "model_type": config.get("model_type"),

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..export import ENGINES, HEAD_KINDS, export, export_head
 from ..methods import METHODS, Method, speculative_config
 from ..models import registry
-from ..models.loading import resolve_model_path
+from ..models.loading import float_model_path
 from .common import EXIT_CODES_HELP, check_output, k_argument, run_command
 
 EXPORT_HELP = """\
@@ -83,8 +83,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     spec = speculative_config(method, needs_draft, max_ngram=args.max_ngram)  # generate's checks
     check_output(args.paths[0], directory=True)
     name = args.target or registry.DEFAULT_TARGET
-    target = resolve_model_path(name)
-    draft = resolve_model_path(args.draft or registry.DEFAULT_DRAFT) if needs_draft else None
+    target = float_model_path(name)
+    draft = float_model_path(args.draft or registry.DEFAULT_DRAFT) if needs_draft else None
     r = export(args.what, args.paths[0], target, draft, method, args.k, spec.max_ngram, spec.min_ngram,
                args.with_target, name)
     _print_export(r, r.out / "target" if args.with_target else target,
@@ -123,7 +123,7 @@ def _export_head(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError, AttributeError):
             name = None  # export_head says what is wrong with the head
         name = name if name in registry.KNOWN_MODELS else registry.DEFAULT_TARGET
-    target = resolve_model_path(name)
+    target = float_model_path(name)
     r = export_head(args.what, head, args.format or "vllm", out, target, args.k, name)
     _print_export(r, target)
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..heads import DEFAULT_HEAD_TIME, default_head_dir
 from ..models import registry
-from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, load, resolve_model_path
+from ..models.loading import DEFAULT_DTYPE, DTYPE_NAMES, float_model_path, load
 from ..train.data import DEFAULT_SOURCES, parse_sources
 from ..train.loop import PRECISIONS
 from ..train.run import (DEFAULT_RECIPE as DEFAULTS, KINDS, HeadRecipe, check_out, default_draft_dir,
@@ -170,7 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
-    source = resolve_model_path(args.draft)
+    source = float_model_path(args.draft)
     parallel = args.kind == "pard"
     out = Path(args.out) if args.out else default_draft_dir(args.target, args.draft, parallel)
     check_out(out, "draft", draft_out_files(source))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import llamacpp, registry
+from . import gguf_file, llamacpp, registry
 from .base import CausalLM, rows_exact
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer, read_json
@@ -65,22 +65,24 @@ class LoadedModel:
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
     """Turn a specdecode model name, a local directory, a GGUF file or a hub id into a local
-    directory in transformers layout (config.json + weights + tokenizer files).
+    directory holding config.json and the tokenizer files.
 
-    Known names are fetched on first use; GGUF files are converted once into the cache; a hub
-    id goes through ``huggingface_hub.snapshot_download`` (the standard ``from_pretrained``
-    resolution, honouring HF_HOME and HF_HUB_OFFLINE). Raises ValueError when nothing matches,
+    Known names are fetched on first use; a GGUF file gets its metadata directory (written
+    once into the cache, seconds; the weights stay in the file: :mod:`.gguf_file`); a hub id
+    goes through ``huggingface_hub.snapshot_download`` (the standard ``from_pretrained``
+    resolution, honouring HF_HOME and HF_HUB_OFFLINE). For float weights in transformers'
+    layout use :func:`float_model_path`. Raises ValueError when nothing matches,
     ModelFetchError when a hub id or a known model cannot be fetched.
     """
     s = str(name_or_path)
     kind = check_model_name(s)
     if kind == "known":
-        return registry.fetch(s) if not registry.is_present(s) else registry.model_dir(s)
+        return registry.fetch(s)
     p = Path(s).expanduser()
     if kind == "directory":
         return p
     if kind == "gguf":
-        return registry.converted_dir_for_gguf(p)
+        return registry.metadata_dir_for_gguf(p)
     from huggingface_hub import snapshot_download  # a hub id
 
     try:
@@ -90,6 +92,17 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         raise registry.ModelFetchError(f"could not fetch hub model {s!r} ({type(e).__name__}: {e}); use a "
                                        "local directory, a GGUF file, or one of "
                                        + ", ".join(registry.KNOWN_MODELS)) from e
+
+
+def float_model_path(name_or_path: str | Path) -> Path:
+    """:func:`resolve_model_path`, with float weights in transformers' layout: a GGUF file (a
+    known model's too) is converted once into an fp32 safetensors directory (about 8x the
+    file in RAM while converting, 4 bytes a parameter on disk, said on stderr first). For
+    what runs through transformers: the transformers backend, training, export. Raises as
+    :func:`resolve_model_path`."""
+    path = resolve_model_path(name_or_path)
+    source = gguf_file.source_of(path)
+    return path if source is None else registry.converted_dir_for_gguf(source)
 
 
 def check_model_name(name_or_path: str | Path) -> str:
@@ -200,17 +213,17 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
     layout = best_layout(role)
     path = resolve_model_path(name_or_path)
     config = read_json(path / "config.json")
-    native_ok = config.get("model_type") in SUPPORTED_MODEL_TYPES and any(path.glob("*.safetensors"))
+    source = gguf_file.source_of(path)
+    native_ok = config.get("model_type") in SUPPORTED_MODEL_TYPES and (
+        source is not None or any(path.glob("*.safetensors")))
     if backend == "native" and not native_ok:
         raise ValueError(f"{name_or_path}: model_type {config.get('model_type')!r} with these weights "
                          f"is not supported natively ({SUPPORTED_MODEL_TYPES}); use backend='transformers'")
     native = native_ok and backend != "transformers"
-    gguf = None
     if dtype == "auto":
-        source = _gguf_source(name_or_path, required=False)
         q4k = native and q4k_kernel()[0] is not None
         if role == "target" and q4k and source is not None and has_q4k(source):
-            dtype, gguf = "q4", source
+            dtype = "q4"
         elif role == "draft" and q4k:
             dtype = "int4"  # 0.78x the int8 draft's step, at 2 points less acceptance: BENCHMARKS.md
         else:
@@ -219,7 +232,7 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         if not native:
             raise ValueError(f"dtype q4 runs on the native backend only (model types "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}); use dtype int8, or backend native")
-        gguf = check_q4(name_or_path)
+        check_q4(name_or_path, source)
     elif dtype == "int4":
         if not native:
             raise ValueError(f"dtype int4 runs on the native backend only (model types "
@@ -229,18 +242,21 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
         if backend == "transformers" or not native_ok:
             from transformers import AutoModelForCausalLM
 
+            path = float_model_path(name_or_path)  # transformers reads float safetensors
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "int8" else dtype)
             lm = HFCausalLM(quantize_linears(hf, layout) if dtype == "int8" else hf.to(dev),
                             weight_format=f"int8-{layout}" if dtype == "int8" else None)
         else:
             # oneDNN's packed weights are CPU ones
-            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout, gguf=gguf,
+            lm = Transformer.from_pretrained(path, dtype=dtype, layout=layout,
                                              pack=None if dev.type == "cpu" else False).to(dev)
         tok = None
         if tokenizer:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path)
+    except gguf_file.GGUFError:
+        raise  # names the file and what to do
     except (ValueError, OSError, RuntimeError, KeyError, SafetensorError) as e:
         raise ValueError(
             f"could not load the model in {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
@@ -275,12 +291,16 @@ def _load_llamacpp(name_or_path, dtype, tokenizer: bool) -> LoadedModel:
                        eos_token_ids=_default_eos(path, tok), path=path)
 
 
-def check_q4(name_or_path) -> Path:
-    """The GGUF file whose Q4_K blocks dtype q4 would use for this model. Raises ValueError
+def check_q4(name_or_path, source: Path | None = None) -> Path | None:
+    """The GGUF file whose Q4_K blocks dtype q4 would use for this model (``source`` when
+    known; None for a known model not fetched yet, checked once it is). Raises ValueError
     when q4 cannot load it (no kernel for Q4_K, no GGUF file, no Q4_K weights in it), before
     anything is loaded."""
     require_q4k("dtype q4")
-    gguf = _gguf_source(name_or_path)
+    if source is None and str(name_or_path) in registry.KNOWN_MODELS and not registry.is_present(
+            str(name_or_path)):
+        return None
+    gguf = source or _gguf_source(name_or_path)
     if not has_q4k(gguf):
         raise ValueError(f"{gguf} has no Q4_K weights (dtype q4 keeps those as they are and "
                          "makes the rest int8); use dtype int8")
@@ -288,8 +308,8 @@ def check_q4(name_or_path) -> Path:
 
 
 def _gguf_source(name_or_path, required: bool = True) -> Path | None:
-    """The GGUF file a model was converted from: a known model's, or the path itself; None
-    (or, when ``required``, ValueError) for other models."""
+    """The GGUF file of a model: a known model's, or the path itself; None (or, when
+    ``required``, ValueError) for other models."""
     s = str(name_or_path)
     if s in registry.KNOWN_MODELS and registry.gguf_path(s).is_file():
         return registry.gguf_path(s)
@@ -413,14 +433,20 @@ def checkpoint_tensor(model: LoadedModel, name: str) -> torch.Tensor:
     """A float tensor of a model's own checkpoint (fp32), e.g. ``"lm_head.weight"`` (the
     tied embedding when the checkpoint has no separate lm_head) or
     ``"model.embed_tokens.weight"``: heads share these with the target, at full precision
-    whatever dtype the target runs in. Raises ValueError when the target has no checkpoint
-    directory or the tensor is missing."""
-    files = sorted(Path(model.path).glob("*.safetensors")) if model.path else []
+    whatever dtype the target runs in; from the GGUF file itself for a model loaded from one
+    (dequantized). Raises ValueError when the target has no checkpoint or the tensor is
+    missing."""
     wanted = [name] + (["model.embed_tokens.weight"] if name == "lm_head.weight" else [])
+    source = gguf_file.source_of(model.path) if model.path else None
+    if source is not None:
+        config = read_json(Path(model.path) / "config.json")
+        for _, t in gguf_file.GGUFFile(source).weights(wanted, config["num_hidden_layers"], 1, 1):
+            return t.float()
+    files = sorted(Path(model.path).glob("*.safetensors")) if model.path else []
     for want in wanted:
         for f in files:
             with safe_open(str(f), "pt") as s:
                 if want in s.keys():
                     return s.get_tensor(want).float()
-    raise ValueError(f"{name} not found in the model's safetensors files "
-                     f"({model.path or 'no directory'}); heads need the target's checkpoint directory")
+    raise ValueError(f"{name} not found in the model's weights ({source or model.path or 'no directory'}); "
+                     "heads need the target's checkpoint (a model directory or a GGUF file)")

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from . import fused, quant
+from . import fused, gguf_file, quant
 from .attention import (SDPA_MIN_TOKENS, Prefixes, _softmax, attend_prefixes, attend_rows, attention_kernel,
                         cpu_kernels, tree_kernel, tree_slots)
 from .base import ForwardOutput
@@ -729,67 +728,76 @@ class Transformer(CacheRows, nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
-                        pack: bool | None = None, layout: str | None = None,
-                        gguf: str | Path | None = None) -> "Transformer":
-        """Load from a directory holding ``config.json`` and ``*.safetensors`` (transformers layout).
+                        pack: bool | None = None, layout: str | None = None) -> "Transformer":
+        """Load from a directory holding ``config.json`` and ``*.safetensors`` (transformers
+        layout), or from the metadata directory of a GGUF file
+        (:func:`~specdecode.models.gguf_file.write_metadata_dir`), whose weights are read
+        from the file itself, one tensor at a time.
 
-        dtype: a torch dtype, or "int8": row-independent W8A8 linears and an int8 embedding
-        (models/quant.py), quantized from the float files once and cached, never holding a
-        float copy of the model. layout: the int8 weights' layout (``quant.LAYOUTS``;
-        default ``quant.best_layout("target")``: "vnni" on CPUs with AVX512-VNNI, else "kn");
-        it changes speed only, not a bit of the output. dtype "q4": the same, except that
-        every weight the GGUF file ``gguf`` (the file the directory was converted from)
-        holds as Q4_K stays those blocks (:class:`~specdecode.models.quant.Q4KLinear`; the
-        VNNI kernel only); its Q6_K and other weights become int8. dtype "int4": every
-        linear as Q4_K blocks quantized here from the float weights
-        (:func:`~specdecode.models.quant.q4k_quantize`; VNNI kernel only), the embedding
-        table int8: a cheaper draft, or a target whose output is its own plain decoding
-        (not the GGUF file's model). pack: reorder float
-        linear weights for oneDNN (:class:`PackedLinear`); default: when the dtype is
-        float32, or bfloat16 on a CPU where oneDNN has bf16 kernels (AVX-512 or
-        AVX-NE-CONVERT; elsewhere bf16 stays ``nn.Linear``).
-        Raises ValueError for an unsupported architecture or layout, pack=True with
-        bfloat16 on a CPU without oneDNN bf16 kernels, or weights that do not
-        match it, FileNotFoundError when files lack.
+        dtype: a torch dtype (a float copy of the weights: 4 bytes a parameter in float32),
+        or "int8": row-independent W8A8 linears and an int8 embedding (models/quant.py),
+        converted from the weights once and cached, never holding a float copy of the
+        model. layout: the int8 weights' layout (``quant.LAYOUTS``; default
+        ``quant.best_layout("target")``: "vnni" on CPUs with AVX512-VNNI, else "kn"); it
+        changes speed only, not a bit of the output. dtype "q4" (a GGUF file only): the
+        same, except that every weight the file holds as Q4_K stays those blocks
+        (:class:`~specdecode.models.quant.Q4KLinear`); its other weights become int8.
+        dtype "int4": every linear as Q4_K blocks quantized here
+        (:func:`~specdecode.models.quant.q4k_quantize`), the embedding table int8: a cheaper
+        draft, or a target whose output is its own plain decoding. Both need a Q4_K kernel
+        (:func:`~specdecode.models.quant.q4k_kernel`). pack: reorder float linear weights
+        for oneDNN (:class:`PackedLinear`); default: when the dtype is float32, or bfloat16
+        on a CPU where oneDNN has bf16 kernels (AVX-512 or AVX-NE-CONVERT; elsewhere bf16
+        stays ``nn.Linear``).
+        Raises ValueError for an unsupported architecture or layout, dtype q4 without a GGUF
+        file, pack=True with bfloat16 on a CPU without oneDNN bf16 kernels, weights that do
+        not match the architecture, or a GGUF file that is damaged or holds a tensor type not
+        read here; FileNotFoundError when the weights lack.
         """
         path = Path(path)
         config = read_json(path / "config.json")
         args = ModelArgs.from_hf_config(config)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        if dtype == "q4":
-            if gguf is None:
-                raise ValueError("dtype q4 reads the Q4_K blocks of the model's GGUF file: pass "
-                                 "gguf=PATH (or load a known model or a .gguf file)")
-        if dtype in ("q4", "int4"):
-            quant.require_q4k(f"dtype {dtype}")
-        int8 = dtype in ("int8", "q4", "int4")
-        layout = layout or quant.best_layout("target")
-        if int8 and layout not in quant.LAYOUTS:
-            raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
         with torch.device("meta"):
             model = cls(args)
-        if int8:
-            source = Path(gguf) if dtype == "q4" else None
-            int4 = dtype == "int4"
-            state = quant.int8_state(files, layout, args.tie_embeddings, source, int4=int4)
+        source = gguf_file.source_of(path)
+        if source is not None:
+            gf = gguf_file.GGUFFile(source)
+            names = list(model.state_dict())
+            sources, label = [source], source.stem
+
+            def weights():
+                return gf.weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
+        else:
+            sources, label = sorted(path.glob("*.safetensors")), path.name
+            if not sources:
+                raise FileNotFoundError(f"no *.safetensors weights in {path}")
+
+            def weights():
+                return quant.safetensors_weights(sources)
+        if dtype == "q4" and source is None:
+            raise ValueError("dtype q4 keeps the Q4_K blocks of a GGUF file: load the .gguf file "
+                             "(or a known model); this directory has safetensors weights")
+        if dtype in ("q4", "int4"):
+            quant.require_q4k(f"dtype {dtype}")
+        if dtype in ("int8", "q4", "int4"):
+            layout = layout or quant.best_layout("target")
+            if layout not in quant.LAYOUTS:
+                raise ValueError(f"layout {layout!r} is not one of {quant.LAYOUTS}")
+            what = f"weights of {source or path}"
+            state = quant.int8_state(sources, weights, layout, args.tie_embeddings, label, dtype)
             try:
-                return model._assign_int8(state, layout, f"weights in {path}", dtype).eval()
+                return model._assign_int8(state, layout, what, dtype).eval()
             except ValueError:  # a cached file of other tensors (edited, or another version)
                 with torch.device("meta"):
                     model = cls(args)
-                state = quant.int8_state(files, layout, args.tie_embeddings, source, rebuild=True,
-                                         int4=int4)
-                return model._assign_int8(state, layout, f"weights in {path}", dtype).eval()
-        state = {}
-        for f in files:
-            state.update(load_file(f))
+                state = quant.int8_state(sources, weights, layout, args.tie_embeddings, label, dtype,
+                                         rebuild=True)
+                return model._assign_int8(state, layout, what, dtype).eval()
+        state = {k: v.float().to(dtype) for k, v in weights()}
         if args.tie_embeddings:
             state.pop("lm_head.weight", None)
-        state = {k: v.to(dtype) for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        model._check_loaded(missing, unexpected, ("lm_head.weight",), f"weights in {path}")
+        model._check_loaded(missing, unexpected, ("lm_head.weight",), f"weights in {source or path}")
         model.tie_weights()
         model.weight_format = str(dtype).removeprefix("torch.")
         if pack is None:

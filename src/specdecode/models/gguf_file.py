@@ -1,0 +1,212 @@
+"""GGUF files read natively: the header and tensor table checked once, each tensor read from
+the file on its own (its rows dequantized a slice at a time), and the metadata a model needs
+besides its weights (config, generation config, tokenizer, chat template) written once into a
+small directory. No float copy of the model is ever held. Format: ggml's GGUF specification
+(the ``gguf`` package reads the header; llama.cpp's block layouts)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+T = gguf.GGMLQuantizationType
+# the tensor types read here; each either kept as its blocks by a kernel (Q4_K: quant.Q4KLinear)
+# or dequantized a slice of rows at a time by the gguf package into one of our formats
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K,
+                   T.Q6_K)
+ROWS_PER_SLICE = 4096  # rows dequantized at a time (fp32 [4096, width] transient)
+SOURCE_FILE = "gguf_source.json"  # names the GGUF file a metadata directory was written from
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read here: damaged, truncated, or holding a tensor type this
+    runtime does not read. The message names the file and what to do."""
+
+
+class GGUFTensor:
+    """One weight of a GGUF file, read only when asked.
+
+    ``shape``: torch order (rows, columns), e.g. [out_features, in_features]; ``type``: its
+    ``GGMLQuantizationType``. ``row_perm``: heads whose rotary halves llama.cpp's converter
+    interleaved (llama's q and k): the row order is undone on the raw blocks, as transformers
+    undoes it on the dequantized rows.
+    """
+
+    def __init__(self, file: "GGUFFile", name: str, row_heads: int | None = None):
+        t = file.tensors[name]
+        self.file, self.name, self.type = file, name, t.tensor_type
+        self.shape = torch.Size([int(x) for x in reversed(t.shape.tolist())])
+        self.row_heads = row_heads
+        self._offset, self._bytes = int(t.data_offset), int(t.n_bytes)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def raw(self) -> np.ndarray:
+        """The tensor's bytes, uint8 [rows, bytes per row] (1-D tensors: [1, bytes]), read from
+        the file (not mapped: its pages are not held once this array is dropped)."""
+        with open(self.file.path, "rb") as fh:
+            fh.seek(self._offset)
+            data = np.fromfile(fh, dtype=np.uint8, count=self._bytes)
+        if data.size != self._bytes:
+            raise GGUFError(f"{self.file.path}: tensor {self.name} is cut short ({data.size} of "
+                             f"{self._bytes} bytes): the file is truncated; download it again")
+        rows = self.shape[0] if self.dim() == 2 else 1
+        data = data.reshape(rows, -1)
+        if self.row_heads:
+            h = self.row_heads
+            data = data.reshape(h, rows // h // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1)
+        return data
+
+    def rows(self, raw: np.ndarray, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of ``raw`` (:meth:`raw`) dequantized: fp32 [stop - start, columns]."""
+        return torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.dequantize(raw[start:stop], self.type), dtype=np.float32)).reshape(stop - start, -1)
+
+    def float(self) -> torch.Tensor:
+        """The whole tensor dequantized, fp32 in ``shape`` (small tensors: norms, biases)."""
+        raw = self.raw()
+        return self.rows(raw, 0, raw.shape[0]).reshape(self.shape)
+
+
+class GGUFFile:
+    """A GGUF file's header and tensor table, checked.
+
+    Raises GGUFError naming the file and what is wrong: not a GGUF file, a damaged header, a
+    tensor that lies past the end of the file (a truncated download), or (when a tensor is
+    asked for) a tensor type that is not read here, naming the type, the tensor and what to
+    do.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser().resolve()
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # noqa: BLE001 - any parse failure of untrusted input is said as one
+            with open(self.path, "rb") as fh:
+                what = "truncated or damaged" if fh.read(4) == b"GGUF" else "not a GGUF file"
+            raise GGUFError(f"{self.path} is not a readable GGUF file: {what} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else 'bad header'}); "
+                             "download it again, or check that it is a GGUF model file") from None
+        size = self.path.stat().st_size
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if int(t.data_offset) + int(t.n_bytes) > size:
+                raise GGUFError(f"{self.path} is truncated: tensor {t.name} ends at byte "
+                                 f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size}; "
+                                 "download it again")
+        self.arch = self.field("general.architecture")
+        if not isinstance(self.arch, str):
+            raise GGUFError(f"{self.path} has no general.architecture: not a model file")
+
+    def field(self, key: str, default=None):
+        """A metadata value (str, int, float, list), or ``default`` when the key is absent."""
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def tensor(self, name: str, row_heads: int | None = None) -> GGUFTensor:
+        """The tensor ``name`` (``blk.0.attn_q.weight``). Raises KeyError when absent,
+        GGUFError for a type not read here."""
+        t = self.tensors[name]
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{self.path}: tensor {name} is {t.tensor_type.name}, a type this runtime does not "
+                f"read (it reads {', '.join(x.name for x in SUPPORTED_TYPES)}); use --backend "
+                "llama.cpp for this file, or a file quantized to one of those types")
+        return GGUFTensor(self, name, row_heads)
+
+    def name_map(self, n_layers: int):
+        """gguf's map from transformers tensor names to this architecture's GGUF names."""
+        arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch), None)
+        if arch is None:
+            raise GGUFError(f"{self.path}: architecture {self.arch!r} is unknown to the gguf "
+                             f"package {gguf.__version__ if hasattr(gguf, '__version__') else ''}")
+        return gguf.get_tensor_name_map(arch, n_layers)
+
+    def weights(self, names, n_layers: int, n_heads: int, n_kv_heads: int):
+        """(transformers name, :class:`GGUFTensor`) for each of ``names`` the file holds (a
+        tied lm_head is absent from it). Llama's q and k rows come in transformers' order."""
+        names_map = self.name_map(n_layers)
+        for name in names:
+            base, _, suffix = name.rpartition(".")
+            g = names_map.get_name(base)
+            if g is None or f"{g}.{suffix}" not in self.tensors:
+                continue
+            g = f"{g}.{suffix}"
+            heads = None
+            if self.arch == "llama" and suffix == "weight" and (".attn_q." in g or ".attn_k." in g):
+                heads = n_heads if ".attn_q." in g else n_kv_heads
+            yield name, self.tensor(g, heads)
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each type the file holds."""
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return counts
+
+
+def file_key(path: Path) -> str:
+    """A short key of the file's absolute path, size and mtime: a changed file gets a new one."""
+    st = path.stat()
+    return hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
+    """Write the transformers files of the GGUF file ``path`` (config.json,
+    generation_config.json, tokenizer files and chat template, from its metadata by
+    transformers' own GGUF reader; no tensor is read) and ``gguf_source.json`` naming the
+    file (``relative``: by its path from ``out``, for a file that moves with the directory's
+    cache) into a new directory ``out``, atomically (a temp directory renamed; a concurrent
+    writer's finished directory is kept). Raises GGUFError for a damaged or truncated file
+    (:class:`GGUFFile`), ValueError when transformers cannot read the file's metadata (an
+    architecture or tokenizer it does not know)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    GGUFFile(path)  # a damaged or truncated file is said as such, before transformers reads it
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        try:
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:  # noqa: BLE001 - re-raised with the file and what to do
+            raise ValueError(f"{path}: transformers cannot read this GGUF file's metadata "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); try --backend "
+                             "llama.cpp") from None
+        config.dtype = torch.float32
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        where = os.path.relpath(path, out) if relative else str(Path(path).resolve())
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": where}))
+        for p in (tmp, *tmp.iterdir()):  # mkdtemp creates owner-only directories
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / SOURCE_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def source_of(directory: Path) -> Path | None:
+    """The GGUF file a metadata directory (:func:`write_metadata_dir`) stands for, or None for
+    a directory of another kind (or an unreadable ``gguf_source.json``)."""
+    f = Path(directory) / SOURCE_FILE
+    if not f.is_file():
+        return None
+    try:
+        where = json.loads(f.read_text())["gguf"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(os.path.normpath(Path(directory) / where))  # (an absolute ``where`` stays)

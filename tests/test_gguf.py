@@ -1,0 +1,170 @@
+"""GGUF files read natively (models/gguf_file.py): every tensor type the runtime reads gives
+transformers' own reading of the file, is converted a slice of rows at a time, keeps verify
+rows equal to one-token passes, and a damaged file is said as such."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import specdecode
+from specdecode.models import gguf_file, quant, registry
+from specdecode.models.loading import load, resolve_model_path
+from specdecode.models.native import Transformer
+from tiny_dirs import PROMPT, gguf_source_dir, write_tiny_gguf
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+Q4K = quant.q4k_kernel()[0] is not None
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-src")
+    return {"llama": gguf_source_dir(root / "llama", "llama", tied=True),
+            "qwen2": gguf_source_dir(root / "qwen2", "qwen2", tied=False)}
+
+
+def transformers_reading(path):
+    """transformers' own model of the GGUF file (it dequantizes with the gguf package)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def verify_rows_equal_one_token_passes(lm, seed=0):
+    seq = torch.randint(0, lm.vocab_size, (1, 60), generator=torch.Generator().manual_seed(seed))
+    lm.allocate(1, 80)
+    lm.forward(seq[:, :30], num_logits=0)
+    singles = torch.cat([lm.forward(seq[:, i:i + 1])[0] for i in range(30, 45)])
+    for k in (2, 5, 9):
+        lm.rollback(32)
+        assert torch.equal(lm.forward(seq[:, 32:32 + k])[0], singles[2:2 + k]), k
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_type_reads_as_transformers_reads_it(sources, tmp_path, arch, qtype):
+    """Each tensor type, every 2-D weight stored in it (the embedding and an untied output
+    too): the float model read natively holds transformers' weights bit for bit and gives
+    its logits; the int8 model (q4 for Q4_K) has verify rows equal to one-token passes and
+    its speculative output equals its plain decoding."""
+    path = tmp_path / f"{arch}-{qtype}.gguf"
+    write_tiny_gguf(sources[arch], path, qtype=qtype)
+    assert gguf_file.GGUFFile(path).type_counts()[qtype] >= 7 * 2 + 1
+    hf = transformers_reading(path)
+    meta = resolve_model_path(path)
+    ours = Transformer.from_pretrained(meta, pack=False)
+    theirs = hf.state_dict()
+    for name, t in ours.state_dict().items():
+        assert torch.equal(t, theirs[name]), name
+    ids = torch.randint(0, hf.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours.allocate(1, 32)
+    assert (ours(ids) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    dtype = "q4" if qtype == "Q4_K" and Q4K else "int8"
+    m = load(path, dtype=dtype)
+    assert m.lm.weight_format.startswith(dtype)
+    verify_rows_equal_one_token_passes(m.lm)
+    plain = specdecode.generate(m, PROMPT, method="ar", max_new_tokens=24)
+    assert specdecode.generate(m, PROMPT, method="prompt-lookup", max_new_tokens=24).token_ids == plain.token_ids
+
+
+def test_the_native_reading_equals_the_fp32_conversion_bit_for_bit(sources, tmp_path):
+    """Where a tensor keeps the format it had when GGUF files were converted to fp32 first
+    (Q4_K blocks, int8 from the dequantized rest), the loaded bits are the same: the int8
+    and q4 states from the file equal those from transformers' fp32 conversion."""
+    path = tmp_path / "mix.gguf"
+    write_tiny_gguf(sources["qwen2"], path, qtype="Q6_K")
+    converted = registry.converted_dir_for_gguf(path)
+    native = load(path, dtype="int8", tokenizer=False).lm.state_dict()
+    via_fp32 = load(converted, dtype="int8", tokenizer=False).lm.state_dict()
+    assert native.keys() == via_fp32.keys()
+    for name in native:
+        assert torch.equal(native[name], via_fp32[name]), name
+
+
+def test_weights_are_converted_a_slice_of_rows_at_a_time(sources, tmp_path, monkeypatch):
+    """No weight is dequantized whole (the float copy of a 7B embedding alone is 2 GB): with
+    slices of 16 rows every dequantization covers at most 16 rows, and the state is the same
+    bits as with the default slices."""
+    path = tmp_path / "k.gguf"
+    write_tiny_gguf(sources["qwen2"], path, qtype="Q6_K")
+    whole = quant.quantize_state(_weights(path), "kn", False, keep_q4k=True)
+    seen = []
+    real_rows = gguf_file.GGUFTensor.rows
+
+    def spy(self, raw, start, stop):
+        seen.append(stop - start)
+        return real_rows(self, raw, start, stop)
+
+    monkeypatch.setattr(gguf_file.GGUFTensor, "rows", spy)
+    monkeypatch.setattr(quant, "ROWS_PER_SLICE", 16)
+    sliced = quant.quantize_state(_weights(path), "kn", False, keep_q4k=True)
+    assert max(seen) == 16 and len(seen) > 20
+    assert sliced.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(sliced[name], whole[name]), name
+
+
+def _weights(path):
+    meta = resolve_model_path(path)
+    config = transformers.AutoConfig.from_pretrained(meta)
+    with torch.device("meta"):
+        names = list(transformers.AutoModelForCausalLM.from_config(config).state_dict())
+    return gguf_file.GGUFFile(path).weights(names, config.num_hidden_layers,
+                                            config.num_attention_heads, config.num_key_value_heads)
+
+
+def test_damaged_files_are_said_as_such(sources, tmp_path):
+    """A truncated download, a file that is not GGUF, and a tensor type the runtime does not
+    read: one error naming the file and what to do, never a traceback from numpy."""
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(sources["llama"], good)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size * 3 // 4])
+    with pytest.raises(gguf_file.GGUFError, match=f"{cut} is not a readable GGUF file: truncated or "
+                       "damaged .* download it again"):
+        load(cut)
+    tail = tmp_path / "tail.gguf"  # the header whole, the last tensor's bytes cut
+    tail.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(gguf_file.GGUFError, match=f"{tail} is (not a readable GGUF file: truncated|"
+                       "truncated: tensor)"):
+        load(tail)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"ggml" + bytes(range(256)) * 4)
+    with pytest.raises(gguf_file.GGUFError, match=f"{junk} is not a readable GGUF file: not a GGUF file"):
+        load(junk)
+    q2 = tmp_path / "q2.gguf"
+    write_tiny_gguf(sources["llama"], q2, qtype="Q2_K")
+    with pytest.raises(gguf_file.GGUFError,
+                       match=r"tensor token_embd.weight is Q2_K, a type this runtime does not read .*--backend llama.cpp"):
+        load(q2)
+
+
+def test_a_template_reaching_for_python_objects_is_refused(sources, tmp_path):
+    """A GGUF chat template is untrusted: rendered in transformers' sandboxed Jinja, a
+    template that reaches for Python internals fails with a clear error, never runs."""
+    path = tmp_path / "evil.gguf"
+    write_tiny_gguf(sources["llama"], path, chat_template=(
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"))
+    m = load(path)
+    with pytest.raises(ValueError, match="the chat template of .* failed .*unsafe"):
+        specdecode.generate(m, "hi", chat=True, max_new_tokens=2)
+
+
+def test_a_known_models_metadata_moves_with_its_cache(sources, tmp_path):
+    """A known model's metadata directory names its GGUF file by the path from itself: a
+    cache that is moved (or linked from elsewhere, as the tests link it) still finds it."""
+    cache = tmp_path / "old"
+    (cache / "gguf").mkdir(parents=True)
+    write_tiny_gguf(sources["llama"], cache / "gguf" / "m.gguf")
+    gguf_file.write_metadata_dir(cache / "gguf" / "m.gguf", cache / "models" / "m", relative=True)
+    moved = tmp_path / "new"
+    cache.rename(moved)
+    assert gguf_file.source_of(moved / "models" / "m") == moved / "gguf" / "m.gguf"
+    assert load(moved / "models" / "m", tokenizer=False).lm.vocab_size > 0
