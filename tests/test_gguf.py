@@ -2,7 +2,6 @@
 transformers' own reading of the file, is converted a slice of rows at a time, keeps verify
 rows equal to one-token passes, and a damaged file is said as such."""
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -89,26 +88,38 @@ def test_the_native_reading_equals_the_fp32_conversion_bit_for_bit(sources, tmp_
 
 
 def test_weights_are_converted_a_slice_of_rows_at_a_time(sources, tmp_path, monkeypatch):
-    """No weight is dequantized whole (the float copy of a 7B embedding alone is 2 GB): with
-    slices of 16 rows every dequantization covers at most 16 rows, and the state is the same
-    bits as with the default slices."""
+    """No weight is read or dequantized whole (the float copy of a 7B embedding alone is
+    2 GB): with slices of 16 rows every read and every dequantization covers at most 16 rows,
+    and the state is the same bits as with the default slices."""
     path = tmp_path / "k.gguf"
     write_tiny_gguf(sources["qwen2"], path, qtype="Q6_K")
     whole = quant.quantize_state(_weights(path), "kn", False, keep_q4k=True)
+    path4 = tmp_path / "k4.gguf"
+    write_tiny_gguf(sources["qwen2"], path4, qtype="Q4_K")
+    whole4 = quant.quantize_state(_weights(path4), "kn", False, keep_q4k=True)
     seen = []
-    real_rows = gguf_file.GGUFTensor.rows
+    real_raw, real_dequantize = gguf_file.GGUFTensor.raw, gguf_file.GGUFTensor.dequantize
 
-    def spy(self, raw, start, stop):
-        seen.append(stop - start)
-        return real_rows(self, raw, start, stop)
+    def raw(self, start=0, stop=None):
+        out = real_raw(self, start, stop)
+        seen.append(out.shape[0])
+        return out
 
-    monkeypatch.setattr(gguf_file.GGUFTensor, "rows", spy)
-    monkeypatch.setattr(quant, "ROWS_PER_SLICE", 16)
-    sliced = quant.quantize_state(_weights(path), "kn", False, keep_q4k=True)
-    assert max(seen) == 16 and len(seen) > 20
-    assert sliced.keys() == whole.keys()
-    for name in whole:
-        assert torch.equal(sliced[name], whole[name]), name
+    def dequantize(self, raw):
+        seen.append(raw.shape[0])
+        return real_dequantize(self, raw)
+
+    monkeypatch.setattr(gguf_file.GGUFTensor, "raw", raw)
+    monkeypatch.setattr(gguf_file.GGUFTensor, "dequantize", dequantize)
+    monkeypatch.setattr(quant, "SLICE_VALUES", 1)  # slices of 16 rows
+    for p, full in ((path, whole), (path4, whole4)):
+        seen.clear()
+        sliced = quant.quantize_state(_weights(p), "kn", False, keep_q4k=True)
+        assert max(seen) == 16 and len(seen) > 20
+        assert sliced.keys() == full.keys()
+        for name in full:
+            assert torch.equal(sliced[name], full[name]), name
+    assert any(k.endswith(".dmin") for k in whole4)  # the Q4_K blocks were kept, by slices too
 
 
 def _weights(path):

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -22,7 +23,6 @@ T = gguf.GGMLQuantizationType
 # or dequantized a slice of rows at a time by the gguf package into one of our formats
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K,
                    T.Q6_K)
-ROWS_PER_SLICE = 4096  # rows dequantized at a time (fp32 [4096, width] transient)
 SOURCE_FILE = "gguf_source.json"  # names the GGUF file a metadata directory was written from
 
 
@@ -31,55 +31,74 @@ class GGUFError(ValueError):
     runtime does not read. The message names the file and what to do."""
 
 
+class TensorInfo(NamedTuple):
+    """A tensor's entry in a GGUF file's table: ``shape`` in torch order (rows, columns),
+    ``offset`` and ``nbytes`` of its data in the file (bytes)."""
+
+    name: str
+    type: gguf.GGMLQuantizationType
+    shape: torch.Size
+    offset: int
+    nbytes: int
+
+
 class GGUFTensor:
     """One weight of a GGUF file, read only when asked.
 
     ``shape``: torch order (rows, columns), e.g. [out_features, in_features]; ``type``: its
-    ``GGMLQuantizationType``. ``row_perm``: heads whose rotary halves llama.cpp's converter
+    ``GGMLQuantizationType``. ``row_heads``: heads whose rotary halves llama.cpp's converter
     interleaved (llama's q and k): the row order is undone on the raw blocks, as transformers
     undoes it on the dequantized rows.
     """
 
     def __init__(self, file: "GGUFFile", name: str, row_heads: int | None = None):
         t = file.tensors[name]
-        self.file, self.name, self.type = file, name, t.tensor_type
-        self.shape = torch.Size([int(x) for x in reversed(t.shape.tolist())])
+        self.file, self.name, self.type, self.shape = file, name, t.type, t.shape
         self.row_heads = row_heads
-        self._offset, self._bytes = int(t.data_offset), int(t.n_bytes)
+        self._offset, self._bytes = t.offset, t.nbytes
 
     def dim(self) -> int:
         return len(self.shape)
 
-    def raw(self) -> np.ndarray:
-        """The tensor's bytes, uint8 [rows, bytes per row] (1-D tensors: [1, bytes]), read from
-        the file (not mapped: its pages are not held once this array is dropped)."""
-        with open(self.file.path, "rb") as fh:
-            fh.seek(self._offset)
-            data = np.fromfile(fh, dtype=np.uint8, count=self._bytes)
-        if data.size != self._bytes:
-            raise GGUFError(f"{self.file.path}: tensor {self.name} is cut short ({data.size} of "
-                             f"{self._bytes} bytes): the file is truncated; download it again")
+    def raw(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start..stop of the tensor's bytes, uint8 [rows, bytes per row] (1-D tensors:
+        one row), read from the file (not mapped: no page of it is held once this array is
+        dropped). Only those rows are read, except for llama's q and k (small), read whole to
+        undo their row order."""
         rows = self.shape[0] if self.dim() == 2 else 1
-        data = data.reshape(rows, -1)
-        if self.row_heads:
+        stop = rows if stop is None else stop
+        whole = bool(self.row_heads)
+        per_row = self._bytes // rows
+        first, count = (0, rows) if whole else (start, stop - start)
+        with open(self.file.path, "rb") as fh:
+            fh.seek(self._offset + first * per_row)
+            data = np.fromfile(fh, dtype=np.uint8, count=count * per_row)
+        if data.size != count * per_row:
+            raise GGUFError(f"{self.file.path}: tensor {self.name} is cut short: the file is "
+                            "truncated; download it again")
+        data = data.reshape(count, per_row)
+        if whole:
             h = self.row_heads
-            data = data.reshape(h, rows // h // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1)
+            data = data.reshape(h, rows // h // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1)[start:stop]
         return data
 
-    def rows(self, raw: np.ndarray, start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop of ``raw`` (:meth:`raw`) dequantized: fp32 [stop - start, columns]."""
+    def dequantize(self, raw: np.ndarray) -> torch.Tensor:
+        """Rows of :meth:`raw` dequantized (the gguf package's arithmetic, as transformers
+        reads GGUF files): fp32 [rows, columns]."""
         return torch.from_numpy(np.ascontiguousarray(
-            gguf.quants.dequantize(raw[start:stop], self.type), dtype=np.float32)).reshape(stop - start, -1)
+            gguf.quants.dequantize(raw, self.type), dtype=np.float32)).reshape(raw.shape[0], -1)
 
     def float(self) -> torch.Tensor:
-        """The whole tensor dequantized, fp32 in ``shape`` (small tensors: norms, biases)."""
-        raw = self.raw()
-        return self.rows(raw, 0, raw.shape[0]).reshape(self.shape)
+        """The whole tensor dequantized, fp32 in ``shape`` (a float copy: 4 bytes a value)."""
+        return self.dequantize(self.raw()).reshape(self.shape)
 
 
 class GGUFFile:
     """A GGUF file's header and tensor table, checked.
 
+    ``tensors``: the table, by GGUF name; ``fields``: the metadata values but the long
+    arrays (the tokenizer's lists: transformers reads those). The gguf package's reader is
+    dropped once read (it holds about 0.5 GB of objects for a 152k-token vocabulary).
     Raises GGUFError naming the file and what is wrong: not a GGUF file, a damaged header, a
     tensor that lies past the end of the file (a truncated download), or (when a tensor is
     asked for) a tensor type that is not read here, naming the type, the tensor and what to
@@ -89,7 +108,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser().resolve()
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - any parse failure of untrusted input is said as one
             with open(self.path, "rb") as fh:
                 what = "truncated or damaged" if fh.read(4) == b"GGUF" else "not a GGUF file"
@@ -97,28 +116,30 @@ class GGUFFile:
                              f"{str(e).splitlines()[0][:200] if str(e) else 'bad header'}); "
                              "download it again, or check that it is a GGUF model file") from None
         size = self.path.stat().st_size
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        for t in self.reader.tensors:
-            if int(t.data_offset) + int(t.n_bytes) > size:
+        self.tensors = {t.name: TensorInfo(t.name, t.tensor_type, torch.Size([int(x) for x in reversed(
+            t.shape.tolist())]), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+        self.fields = {k: f.contents() for k, f in reader.fields.items()
+                       if not (f.types and f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > 1024)}
+        del reader
+        for t in self.tensors.values():
+            if t.offset + t.nbytes > size:
                 raise GGUFError(f"{self.path} is truncated: tensor {t.name} ends at byte "
-                                 f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size}; "
-                                 "download it again")
+                                f"{t.offset + t.nbytes}, the file has {size}; download it again")
         self.arch = self.field("general.architecture")
         if not isinstance(self.arch, str):
             raise GGUFError(f"{self.path} has no general.architecture: not a model file")
 
     def field(self, key: str, default=None):
-        """A metadata value (str, int, float, list), or ``default`` when the key is absent."""
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        """A metadata value (str, int, float, short list), or ``default`` when absent."""
+        return self.fields.get(key, default)
 
     def tensor(self, name: str, row_heads: int | None = None) -> GGUFTensor:
         """The tensor ``name`` (``blk.0.attn_q.weight``). Raises KeyError when absent,
         GGUFError for a type not read here."""
         t = self.tensors[name]
-        if t.tensor_type not in SUPPORTED_TYPES:
+        if t.type not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{self.path}: tensor {name} is {t.tensor_type.name}, a type this runtime does not "
+                f"{self.path}: tensor {name} is {t.type.name}, a type this runtime does not "
                 f"read (it reads {', '.join(x.name for x in SUPPORTED_TYPES)}); use --backend "
                 "llama.cpp for this file, or a file quantized to one of those types")
         return GGUFTensor(self, name, row_heads)
@@ -149,8 +170,8 @@ class GGUFFile:
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each type the file holds."""
         counts: dict[str, int] = {}
-        for t in self.reader.tensors:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        for t in self.tensors.values():
+            counts[t.type.name] = counts.get(t.type.name, 0) + 1
         return counts
 
 

@@ -49,7 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import registry
+from . import gguf_file, registry
 
 QMAX = 127  # symmetric int8: -127..127 (no -128, so negation stays in range)
 FORMAT_VERSION = 2  # of the cached int8 weights; bump when quantize_state changes
@@ -592,14 +592,7 @@ def q4k_fits(in_features: int, out_features: int) -> bool:
 
 def q4k_buffers(raw) -> dict[str, torch.Tensor]:
     """A :class:`Q4KLinear`'s buffers (without bias) from the rows of a GGUF Q4_K tensor:
-    raw uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs); out % 16 == 0.
-    Unpacked a slice of rows at a time (the buffers of a slice are whole 16-row blocks)."""
-    n = raw.shape[0]
-    parts = [_q4k_slice(raw[a:a + ROWS_PER_SLICE]) for a in range(0, n, ROWS_PER_SLICE)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-
-def _q4k_slice(raw) -> dict[str, torch.Tensor]:
+    raw uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs); out % 16 == 0."""
     n, k = raw.shape[0], raw.shape[1] // 144 * 256
     b = raw.reshape(n, k // 256, 144)
     sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, :, 4:16].reshape(-1, 12))
@@ -649,13 +642,6 @@ def q4k_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
                      sc.to(torch.uint8), mn.to(torch.uint8))
 
 
-def _usable_q4k(t) -> bool:
-    """A GGUF tensor (gguf-py's ReaderTensor) that a Q4KLinear takes: a 2-D Q4_K weight of
-    a shape that fits."""
-    return (t.tensor_type == gguf.GGMLQuantizationType.Q4_K and len(t.data.shape) == 2
-            and q4k_fits(t.data.shape[1] // 144 * 256, t.data.shape[0]))
-
-
 def has_q4k(gguf_path: Path) -> bool:
     """Whether a GGUF file holds a Q4_K weight :class:`Q4KLinear` takes. Reading a GGUF
     header takes seconds (gguf-py parses the whole vocabulary), so the answer is kept per
@@ -669,7 +655,8 @@ def has_q4k(gguf_path: Path) -> bool:
         memo = {}
     if isinstance(memo, dict) and isinstance(memo.get(key), bool):
         return memo[key]
-    found = any(_usable_q4k(t) for t in gguf.GGUFReader(str(gguf_path)).tensors)
+    found = any(t.type == gguf.GGMLQuantizationType.Q4_K and len(t.shape) == 2 and q4k_fits(t.shape[1], t.shape[0])
+                for t in gguf_file.GGUFFile(gguf_path).tensors.values())
     memo = memo if isinstance(memo, dict) else {}
     memo[key] = found
     with contextlib.suppress(OSError):
@@ -715,25 +702,31 @@ def quantize_linears(model: nn.Module, layout: str = "nk") -> nn.Module:
     return model
 
 
-ROWS_PER_SLICE = 4096  # rows converted at a time: a multiple of 16 (Q4_K's row blocks)
+SLICE_VALUES = 1 << 22  # weights converted at a time (16 MiB in fp32; the gguf package's
+# dequantization makes a few temporaries of that size)
 
 
-def _row_reader(t):
-    """rows(start, stop) -> fp32 rows of a weight: a torch tensor, or a lazily read GGUF
-    tensor (:class:`~specdecode.models.gguf_file.GGUFTensor`) whose bytes are read once."""
-    if isinstance(t, torch.Tensor):
-        return lambda a, b: t[a:b].float()
-    raw = t.raw()
-    return lambda a, b: t.rows(raw, a, b)
-
-
-def _by_slices(t, convert) -> dict[str, torch.Tensor]:
-    """``convert`` (fp32 rows -> dict of tensors whose first dimension follows the rows) of
-    each slice of ``ROWS_PER_SLICE`` rows of the weight ``t``, joined: the float weight is
-    never whole in memory (every conversion here is row by row)."""
-    rows, n = _row_reader(t), t.shape[0]
-    parts = [convert(rows(a, min(a + ROWS_PER_SLICE, n))) for a in range(0, n, ROWS_PER_SLICE)]
-    return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+def _by_slices(t, convert, raw: bool = False) -> dict[str, torch.Tensor]:
+    """``convert`` of each slice of about ``SLICE_VALUES`` weights (whole rows, a multiple
+    of 16 of them) of the weight ``t`` (a torch tensor, or a lazily read GGUF tensor),
+    written into tensors allocated once: the float
+    weight (``raw``: the GGUF tensor's bytes) is never whole in memory. ``convert`` maps rows
+    (fp32 [r, in], or raw bytes) to a dict of tensors whose first dimension is r or r / 16
+    (every conversion here is row by row)."""
+    n, out = t.shape[0], {}
+    step = max(16, SLICE_VALUES // t.shape[1] // 16 * 16)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        if isinstance(t, torch.Tensor):
+            rows = t[a:b].float()
+        else:
+            rows = t.raw(a, b) if raw else t.dequantize(t.raw(a, b))
+        for k, v in convert(rows).items():
+            if k not in out:
+                out[k] = torch.empty((n * v.shape[0] // (b - a), *v.shape[1:]), dtype=v.dtype)
+            start = a * v.shape[0] // (b - a)
+            out[k][start:start + v.shape[0]] = v
+    return out
 
 
 def _is_q4k(t) -> bool:
@@ -774,7 +767,7 @@ def quantize_state(tensors: Iterable[tuple[str, object]], layout: str, tie_embed
         elif int4 and t.shape[0] % 16 == 0:
             blocks = _by_slices(t, q4k_quantize)
         elif keep_q4k and _is_q4k(t):
-            blocks = q4k_buffers(t.raw())
+            blocks = _by_slices(t, q4k_buffers, raw=True)
         if embedding:
             tied_blocks = blocks
         elif blocks is not None:
