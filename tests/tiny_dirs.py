@@ -147,6 +147,7 @@ CONFIGS = {
     "qwen2-bias-tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
     "llama-mha-head-dim": (transformers.LlamaConfig, dict(num_key_value_heads=4, head_dim=32)),
+    "qwen3-qk-norm-head-dim": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
 }
 # architectures only the transformers adapter runs
 HF_ONLY_CONFIGS = {
@@ -201,7 +202,10 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // nh)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // nh
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(0)  # all F32
     tokens = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
@@ -265,12 +269,15 @@ def quantized(a, kind, seed: int = 0):
 
 def gguf_source_dir(root: Path, arch: str = "llama", tied: bool = True) -> Path:
     """A random 2-layer model of hidden size 256 (rows every GGML block size takes) in
-    transformers layout with the test tokenizer: llama, or qwen2 (q/k/v biases)."""
+    transformers layout with the test tokenizer: llama, qwen2 (q/k/v biases) or qwen3
+    (per-head q/k norms, a head size of 32, not 256 / 4)."""
     config = _llama_config(VOCAB, hidden=256)
-    if arch == "qwen2":
-        config = transformers.Qwen2Config(**{k: getattr(config, k) for k in (
+    if arch in ("qwen2", "qwen3"):
+        cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
+        config = cls(**{k: getattr(config, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "eos_token_id", "bos_token_id")})
+            "num_key_value_heads", "max_position_embeddings", "eos_token_id", "bos_token_id")},
+                     **({"head_dim": 32} if arch == "qwen3" else {}))
     config.tie_word_embeddings = tied
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomize(model, seed=6, std=0.1)

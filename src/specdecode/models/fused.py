@@ -16,7 +16,8 @@ Int8Linear in the "nk" layout and Q4KLinear, mixed alike. Used by :meth:`native.
 for decode, verify and draft-tree passes (the :class:`attention.Prefixes` attention), hidden
 states of chosen layers included, and prefill in passes of 64 tokens
 (:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
-(prefill past 2,048 slots or on the tile unit, float models, other devices) runs the modules.
+(prefill past 2,048 slots or on the tile unit, float models, Qwen3's per-head query and key
+norms, other devices) runs the modules.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class LayerStack:
 
 
 def _norms_fit(layer, norm_type: type) -> bool:
+    if "q_norm" in layer.self_attn._modules:  # Qwen3's per-head norms: not in the kernel
+        return False
     return all(type(n) is norm_type and n.weight.dtype == torch.float32
                and n.weight.device.type == "cpu"
                for n in (layer.input_layernorm, layer.post_attention_layernorm))

@@ -192,7 +192,7 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
     architecture or tokenizer it does not know)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    GGUFFile(path)  # a damaged or truncated file is said as such, before transformers reads it
+    f = GGUFFile(path)  # a damaged or truncated file is said as such, before transformers reads it
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -204,6 +204,9 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); try --backend "
                              "llama.cpp") from None
         config.dtype = torch.float32
+        head_dim = f.field(f"{f.arch}.attention.key_length")
+        if head_dim and hasattr(config, "head_dim"):  # (transformers' qwen3 mapping lacks it)
+            config.head_dim = int(head_dim)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)

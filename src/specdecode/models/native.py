@@ -35,7 +35,7 @@ from .base import ForwardOutput
 from .kv_cache import CacheRows, KVCache
 from .self_draft import SelfDraft
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def read_json(path: Path) -> dict:
@@ -56,9 +56,11 @@ def read_json(path: Path) -> dict:
 class ModelArgs:
     """Architecture of a Llama-family decoder; built from a Hugging Face ``config.json``.
 
-    The switches that separate the family members: ``qkv_bias`` (Qwen2), ``tie_embeddings``
-    (small Qwen2.5, SmolLM2), ``rope_theta`` / ``rope_scaling`` (Llama 3 ``llama3`` scaling),
-    ``n_kv_heads < n_heads`` (grouped-query attention).
+    The switches that separate the family members: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3:
+    an RMSNorm over each head's query and key before RoPE), ``head_dim`` of its own (Qwen3:
+    not width / heads), ``tie_embeddings`` (small Qwen2.5 and Qwen3, SmolLM2),
+    ``rope_theta`` / ``rope_scaling`` (Llama 3 ``llama3`` scaling), ``n_kv_heads < n_heads``
+    (grouped-query attention).
     """
 
     vocab_size: int
@@ -72,6 +74,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
     qkv_bias: bool = False
+    qk_norm: bool = False
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
 
@@ -85,7 +88,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
-        """Build from a ``config.json`` dict of model_type llama, qwen2 or mistral.
+        """Build from a ``config.json`` dict of model_type llama, qwen2, qwen3 or mistral.
 
         Raises ValueError for other model types (use the transformers adapter for those).
         """
@@ -121,6 +124,7 @@ class ModelArgs:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             qkv_bias=mt == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=mt == "qwen3",
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
         )
@@ -215,6 +219,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps)
+            self.k_norm = RMSNorm(hd, args.norm_eps)
 
     def forward(self, x, cos, sin, where, mask, cache: KVCache):
         """cos, sin: [T, D] or [B, 1, T, D]; where: see :meth:`~.kv_cache.KVCache.update`; mask: None
@@ -222,8 +229,11 @@ class Attention(nn.Module):
         [B, 1, T, end], True where a query sees a key, or :class:`~.attention.Prefixes`."""
         b, t, _ = x.shape
         a = self.args
-        q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim)
+        k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:  # Qwen3: each head's query and key normalized, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(where, k, v)
