@@ -252,7 +252,7 @@ def test_cli_list_and_fetch(fake, capsys):
     assert str(registry.model_dir(NAME)) in capsys.readouterr().out
     run_cli(["models", "list"])
     row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(NAME))
-    assert " yes " in row and row.endswith(str(registry.model_dir(NAME)))
+    assert " yes " in row and row.endswith(str(registry.gguf_path(NAME)))
     assert run_cli(["models", "fetch", "no-such-model"]) == 2  # bad input, as everywhere
     err = capsys.readouterr().err
     assert err.startswith("error: unknown model") and err.count("\n") == 1 and "Traceback" not in err

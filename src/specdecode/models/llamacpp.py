@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import registry
+from . import registry, stores
 
 INSTALL = ("make llamacpp  (runs pip install -e '.[llamacpp]': llama-cpp-python==0.3.36, "
            "compiled from source once, 10-20 minutes)")
@@ -37,21 +37,21 @@ def llama_cpp():
 
 
 def gguf_file(name_or_path: str | Path) -> Path:
-    """The GGUF file of a known model name (fetched on first use) or a ``.gguf`` path.
+    """The GGUF file of a known model name (fetched on first use), an ollama model
+    (``ollama:NAME[:TAG]``) or a ``.gguf`` path.
 
     Raises ValueError for anything else (llama.cpp reads GGUF files only), ModelFetchError
     when a known model cannot be fetched."""
     s = str(name_or_path)
     if s in registry.KNOWN_MODELS:
         registry.fetch(s)
-        return registry.gguf_path(s)
-    p = Path(s).expanduser()
-    if p.suffix.lower() == ".gguf" and p.is_file():
-        return p
-    if p.suffix.lower() == ".gguf":
+    found = stores.gguf_path_of(s)
+    if found is not None:
+        return found
+    if s.lower().endswith(".gguf"):
         raise ValueError(f"GGUF file {s!r} not found")
     raise ValueError(f"llama.cpp runs GGUF files: {s!r} is neither a known model "
-                     f"({', '.join(registry.KNOWN_MODELS)}) nor a .gguf file")
+                     f"({', '.join(registry.KNOWN_MODELS)}), an ollama model nor a .gguf file")
 
 
 def load(name_or_path: str | Path, threads: int, prompt_lookup: int = 0):

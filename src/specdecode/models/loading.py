@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import gguf_file, llamacpp, registry
+from . import gguf_file, llamacpp, registry, stores
 from .base import CausalLM, rows_exact
 from .hf import HFCausalLM
 from .native import SUPPORTED_MODEL_TYPES, Transformer, read_json
@@ -83,6 +83,8 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         return p
     if kind == "gguf":
         return registry.metadata_dir_for_gguf(p)
+    if kind == "ollama":
+        return registry.metadata_dir_for_gguf(stores.ollama_blob(s))
     from huggingface_hub import snapshot_download  # a hub id
 
     try:
@@ -107,15 +109,19 @@ def float_model_path(name_or_path: str | Path) -> Path:
 
 def check_model_name(name_or_path: str | Path) -> str:
     """Which form of model ``name_or_path`` is, without fetching, converting or loading
-    anything: "known" (a registry name), "directory", "gguf" or "hub" (a hub id's form; whether
-    the hub has it is known only when fetched). Raises ValueError saying what is wrong with it
-    (empty, a directory without config.json, another kind of file, none of the forms)."""
+    anything: "known" (a registry name), "directory", "gguf", "ollama" (``ollama:NAME[:TAG]``,
+    :mod:`.stores`) or "hub" (a hub id's form; whether the hub has it is known only when
+    fetched). Raises ValueError saying what is wrong with it (empty, a directory without
+    config.json, another kind of file, an ollama name the store lacks, none of the forms)."""
     s = str(name_or_path)
     if not s.strip():
         raise ValueError("the model name/path is empty; give one of " + ", ".join(registry.KNOWN_MODELS)
-                         + ", a model directory, a .gguf file or a hub id")
+                         + ", a model directory, a .gguf file, ollama:NAME or a hub id")
     if s in registry.KNOWN_MODELS:
         return "known"
+    if s.startswith(stores.OLLAMA_PREFIX):
+        stores.ollama_blob(s)
+        return "ollama"
     p = Path(s).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -307,18 +313,14 @@ def check_q4(name_or_path, source: Path | None = None) -> Path | None:
     return gguf
 
 
-def _gguf_source(name_or_path, required: bool = True) -> Path | None:
-    """The GGUF file of a model: a known model's, or the path itself; None (or, when
-    ``required``, ValueError) for other models."""
-    s = str(name_or_path)
-    if s in registry.KNOWN_MODELS and registry.gguf_path(s).is_file():
-        return registry.gguf_path(s)
-    if s.lower().endswith(".gguf") and Path(s).expanduser().is_file():
-        return Path(s).expanduser()
-    if not required:
-        return None
-    raise ValueError(f"dtype q4 reads a GGUF file's Q4_K blocks: {s!r} is neither a known model "
-                     f"({', '.join(registry.KNOWN_MODELS)}) nor a .gguf file; use dtype int8")
+def _gguf_source(name_or_path) -> Path:
+    """The GGUF file of a model (:func:`.stores.gguf_path_of`); ValueError for other models."""
+    source = stores.gguf_path_of(name_or_path)
+    if source is None:
+        raise ValueError(f"dtype q4 reads a GGUF file's Q4_K blocks: {str(name_or_path)!r} is neither a "
+                         f"known model ({', '.join(registry.KNOWN_MODELS)}), an ollama model nor a .gguf "
+                         "file; use dtype int8")
+    return source
 
 
 def default_eos_token_ids(path: Path) -> tuple[int, ...]:

@@ -1,0 +1,85 @@
+"""Models where users keep them (models/stores.py): ollama's store by ``ollama:NAME[:TAG]``
+and the Hugging Face hub cache, read in place and listed by `specdecode models list`."""
+
+import hashlib
+import json
+
+import pytest
+
+import specdecode
+from specdecode.cli import main
+from specdecode.models import llamacpp, stores
+from specdecode.models.loading import check_model_name
+from tiny_dirs import PROMPT, tiny_dirs_in, write_tiny_gguf
+
+
+@pytest.fixture
+def ollama(tmp_path, tmp_path_factory, monkeypatch):
+    """An ollama store in tmp_path holding the tiny target as library/tiny:q8 and
+    me/tiny (tag latest), as ollama lays it out."""
+    root = tmp_path / "ollama"
+    gguf = tmp_path / "t.gguf"
+    write_tiny_gguf(tiny_dirs_in(tmp_path_factory)["target"], gguf)
+    data = gguf.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    (root / "blobs").mkdir(parents=True)
+    (root / "blobs" / f"sha256-{digest}").write_bytes(data)
+    manifest = {"schemaVersion": 2, "layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256-00", "size": 1},
+        {"mediaType": stores.OLLAMA_MODEL_LAYER, "digest": f"sha256:{digest}", "size": len(data)}]}
+    for parts, tag in ((("registry.ollama.ai", "library", "tiny"), "q8"), (("registry.ollama.ai", "me", "tiny"), "latest")):
+        d = root.joinpath("manifests", *parts)
+        d.mkdir(parents=True)
+        (d / tag).write_text(json.dumps(manifest))
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    return root, digest
+
+
+def test_an_ollama_model_loads_in_place_and_decodes(ollama, tmp_path_factory):
+    root, digest = ollama
+    blob = root / "blobs" / f"sha256-{digest}"
+    assert stores.ollama_blob("ollama:tiny:q8") == blob == stores.ollama_blob("ollama:me/tiny")
+    assert check_model_name("ollama:tiny:q8") == "ollama"
+    assert llamacpp.gguf_file("ollama:tiny:q8") == blob  # the llama.cpp backend reads the same blob
+    m = specdecode.load("ollama:tiny:q8")
+    target = specdecode.load(tiny_dirs_in(tmp_path_factory)["target"])
+    assert specdecode.generate(m, PROMPT, max_new_tokens=16).token_ids == \
+        specdecode.generate(target, PROMPT, max_new_tokens=16).token_ids
+    assert sorted(p.name for p in root.rglob("*")) == sorted(  # nothing written into the store
+        [f"sha256-{digest}", "blobs", "manifests", "registry.ollama.ai", "library", "me", "tiny", "tiny", "q8",
+         "latest"])
+
+
+def test_ollama_names_that_do_not_resolve_say_why(ollama, tmp_path):
+    root, _ = ollama
+    with pytest.raises(ValueError, match="not in the ollama store .*models there: ollama:tiny:q8, "
+                                         "ollama:me/tiny:latest"):
+        specdecode.load("ollama:tiny:7b")
+    for bad in ("ollama:", "ollama:../x", "ollama:tiny:../../x", "ollama:a//b"):
+        with pytest.raises(ValueError, match="not an ollama model name"):
+            check_model_name(bad)
+    (root / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q8").write_text('{"layers": []}')
+    with pytest.raises(ValueError, match="names no model layer"):
+        specdecode.load("ollama:tiny:q8")
+
+
+def test_models_list_shows_what_it_finds(ollama, tmp_path, monkeypatch, capsys):
+    """`models list` names the ollama models and the hub cache's GGUF files and model
+    directories by what --target takes."""
+    hub = tmp_path / "hub" / "models--org--m"
+    blob = hub / "blobs" / "abc"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"GGUF" + b"\0" * 60)
+    snap = hub / "snapshots" / "1234"
+    snap.mkdir(parents=True)
+    (snap / "m-Q4_K_M.gguf").symlink_to(blob)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("1234")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    found = out.split("found on this machine")[1]
+    assert "ollama:tiny:q8 " in found and "ollama:me/tiny:latest " in found and " ollama" in found
+    assert str(snap / "m-Q4_K_M.gguf") in found and "hugging face" in found
