@@ -83,3 +83,49 @@ def test_models_list_shows_what_it_finds(ollama, tmp_path, monkeypatch, capsys):
     found = out.split("found on this machine")[1]
     assert "ollama:tiny:q8 " in found and "ollama:me/tiny:latest " in found and " ollama" in found
     assert str(snap / "m-Q4_K_M.gguf") in found and "hugging face" in found
+
+
+def _store_model(root, name, src_dir, tmp_path):
+    """Put the tiny model directory ``src_dir`` into the ollama store ``root`` as NAME:latest."""
+    gguf = tmp_path / f"{name}.gguf"
+    write_tiny_gguf(src_dir, gguf)
+    data = gguf.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    (root / "blobs" / f"sha256-{digest}").write_bytes(data)
+    d = root / "manifests" / "registry.ollama.ai" / "library" / name
+    d.mkdir(parents=True)
+    (d / "latest").write_text(json.dumps({"layers": [
+        {"mediaType": stores.OLLAMA_MODEL_LAYER, "digest": f"sha256:{digest}"}]}))
+    return data
+
+
+def test_draft_auto_picks_the_smallest_draft_that_pays(ollama, tmp_path, tmp_path_factory, capsys):
+    """The smallest model here with the target's tokenizer; failing that one of another
+    tokenizer; failing that none (--method self, said), and never the target itself or a
+    model over half its size."""
+    from specdecode.models.auto_draft import pick_draft
+
+    root, _ = ollama
+    dirs = tiny_dirs_in(tmp_path_factory)
+    target = specdecode.load(dirs["target"])
+    small = len(_store_model(root, "foreign", dirs["foreign"], tmp_path))
+    same = len((root / "blobs" / f"sha256-{ollama[1]}").read_bytes())  # tiny:q8, me/tiny: the target's tokenizer
+    pick = pick_draft(target, target_bytes=2 * same)
+    assert pick.mode == "same" and pick.name in ("ollama:tiny:q8", "ollama:me/tiny:latest"), pick
+    assert "smallest model here with the target's tokenizer" in pick.why
+    pick = pick_draft(target, target_bytes=2 * small + 1)  # only the foreign one is small enough
+    assert (pick.name, pick.mode) == ("ollama:foreign:latest", "cross") and "through text" in pick.why
+    pick = pick_draft(target, target_bytes=small)
+    assert pick.name is None and "--method self" in pick.why
+
+
+def test_generate_with_draft_auto_and_no_draft_here_speculates_with_self(ollama, tmp_path_factory, capsys):
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    code = main(["generate", "--target", str(target), "--draft", "auto", "--prompt", PROMPT,
+                 "--max-new-tokens", "12", "--json", "--compare"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "draft auto: no model on this machine is a draft for this target" in err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["identical"] is True and result["weights"]["draft"] is None
+    assert "[self] 12 tokens" in err

@@ -220,7 +220,9 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
     w.add_unk_token_id(0)
     w.add_pad_token_id(EOS)
     w.add_add_bos_token(False)
-    w.add_chat_template(chat_template or (src / "chat_template.jinja").read_text())
+    template = src / "chat_template.jinja"
+    if chat_template or template.is_file():
+        w.add_chat_template(chat_template or template.read_text())
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg["num_hidden_layers"])
     for key, t in load_file(src / "model.safetensors").items():

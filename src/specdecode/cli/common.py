@@ -17,8 +17,9 @@ import torch
 from ..config import MAX_K, check_k
 from ..methods import DEFAULT_METHOD, METHODS, Method, split_method
 from ..models import registry
+from ..models.auto_draft import pick_draft
 from ..models.llamacpp import MissingExtraError
-from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible,
+from ..models.loading import (BACKENDS, DEFAULT_DTYPE, DTYPE_NAMES, LoadedModel, check_compatible, load,
                               load_pair, parse_device)
 from ..models.registry import ModelFetchError
 
@@ -210,7 +211,9 @@ def add_model_arguments(p: argparse.ArgumentParser, default_method: Method = DEF
                         f"GGUF file or a hub id (default: {registry.DEFAULT_TARGET})")
     p.add_argument("--draft", default=None,
                    help=f"draft model for --method draft or hybrid, same forms as --target "
-                        f"(default: {registry.DEFAULT_DRAFT})")
+                        f"(default: {registry.DEFAULT_DRAFT}); auto: the smallest model on this "
+                        "machine (known, ollama's, the hub cache's) with the target's tokenizer, "
+                        "else one of another tokenizer, else --method self, said on stderr")
     p.add_argument("--method", default=default_method.value, type=server_method_arg if server else method_arg,
                    metavar="METHOD[:KEY=VALUE...]",
                    help="who proposes: " + "; ".join(f"'{m.name}': {m.summary}" for m in METHODS.values())
@@ -255,8 +258,17 @@ def load_models(args: argparse.Namespace, method: Method) -> tuple[LoadedModel, 
     """The target and, when ``method`` needs one or --draft names one, the draft, from the
     options of :func:`add_model_arguments` (see :func:`load_pair` for the errors)."""
     draft = args.draft or (registry.DEFAULT_DRAFT if method.needs_draft_model else None)
-    target, drf = load_pair(args.target, draft, args.dtype, args.draft_dtype or DEFAULT_DTYPE,
-                            args.backend, args.draft_backend or "auto", args.device)
+    auto = draft == "auto"
+    target, drf = load_pair(args.target, None if auto else draft, args.dtype,
+                            args.draft_dtype or DEFAULT_DTYPE, args.backend,
+                            args.draft_backend or "auto", args.device)
+    if auto:
+        pick = pick_draft(target)
+        print(f"draft auto: {pick.why}", file=sys.stderr)
+        if pick.name is not None:
+            drf = load(pick.name, dtype=args.draft_dtype or DEFAULT_DTYPE,
+                       backend=args.draft_backend or "auto", role="draft", device=args.device)
+            check_compatible(target, drf)
     if drf is not None and check_compatible(target, drf) == "cross":
         print(f"note: draft {drf.name} uses another tokenizer than target {target.name}: its "
               f"proposals reach the target through text (`specdecode check-pair {target.name} "

@@ -171,6 +171,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"the prompt is empty ({where})")
     t0 = time.perf_counter()
     target, draft = load_models(args, method)
+    if method.needs_draft_model and draft is None:  # --draft auto found none (said on stderr)
+        args.method = "self"
+        method = method_of(args)
     load_s = time.perf_counter() - t0
     common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,

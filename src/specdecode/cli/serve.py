@@ -101,6 +101,9 @@ def load_served(args: argparse.Namespace, methods: dict[str, SpeculativeConfig])
     specs = list(methods.values())
     target, draft = load_models(args, next((s.method for s in specs if s.method.needs_draft_model),
                                            specs[0].method))
+    if draft is None and any(s.method.needs_draft_model for s in specs):
+        raise ValueError("--draft auto found no draft for this target on this machine: serve it with "
+                         "--method self (or prompt-lookup), or give --draft")
     for text, spec in methods.items():
         try:
             prepare(spec, target)
