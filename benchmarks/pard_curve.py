@@ -47,6 +47,7 @@ from specdecode.train.features import load_sequences, record
 from specdecode.train.loop import resolve_precision
 from specdecode.train.pard import held_out_examples, mask_token_id, parallel_acceptance, pard_task
 from specdecode.train.run import HeadRecipe, _recorded
+from draft_projection import forward_times  # (benchmarks/: this script's directory)
 
 
 def main() -> None:
@@ -143,24 +144,11 @@ def main() -> None:
     task.save(module, out / "draft", {"curve": str(out / "curve.jsonl")})
 
 
-def _times(path: Path):
-    """T(n) in ms, interpolated between the sizes of a forward_times.py line."""
-    measured = {int(n): t for n, t in json.loads(path.read_text().strip().splitlines()[-1])["T_ms"].items()}
-    sizes = sorted(measured)
-
-    def t(n: float) -> float:
-        lo = max([s for s in sizes if s <= n], default=sizes[0])
-        hi = min([s for s in sizes if s >= n], default=sizes[-1])
-        return measured[lo] if hi == lo else measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
-
-    return t
-
-
 def project(out: Path, target_times: Path, draft_times: Path) -> None:
     last = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()][-1]
     alpha = [last["humaneval"][f"alpha_{j}"] for j in range(1, 9)]
     ar = [last["humaneval"][f"ar_alpha_{j}"] for j in range(1, 9)]
-    tt, td = _times(target_times), _times(draft_times)
+    (tt, _), (td, _) = forward_times(target_times), forward_times(draft_times)
     rows = []
     for k in range(2, 9):
         tau, tau_ar = 1 + sum(alpha[:k]), 1 + sum(ar[:k])

@@ -56,7 +56,7 @@ def test_forward_times_of_a_tiny_target(tmp_path_factory, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["kind"] == "int8" and set(out["T_ms"]) == {"1", "2", "4", "8", "16", "17"}
-    assert out["T8/T1"] > 0 and out["peak_rss_gib"] > 0
+    assert out["T8/T1"] > 0 and out["peak_rss_gib"] > 0 and out["prefill_ms_per_token"] > 0
 
 
 def test_synthetic_gguf_of_small_shapes_loads_and_pairs(tmp_path, monkeypatch):
@@ -91,6 +91,32 @@ def test_synthetic_gguf_of_small_shapes_loads_and_pairs(tmp_path, monkeypatch):
     assert torch.isfinite(singles).all()
     lm.rollback(12)
     assert torch.equal(lm.forward(ids[:, 12:20])[0], singles)
+
+
+def test_draft_projection_from_a_curve_and_forward_times(tmp_path):
+    """``python benchmarks/draft_projection.py CURVE TARGET_TIMES DRAFT_TIMES``: per acceptance
+    scale and answer length, the best K and every K's decode-only and end-to-end speedup,
+    from the formulas its docstring gives."""
+    curve = tmp_path / "curve.jsonl"
+    curve.write_text(json.dumps({"humaneval": {f"ar_alpha_{j}": 0.9 ** j for j in range(1, 9)}}) + "\n")
+    target, draft = tmp_path / "t.json", tmp_path / "d.json"
+    target.write_text(json.dumps({"T_ms": {"1": 100, "2": 110, "4": 130, "8": 200}, "prefill_ms_per_token": 20}))
+    draft.write_text(json.dumps({"T_ms": {"1": 10, "8": 40}, "prefill_ms_per_token": 2}))
+    proc = _run([SCRIPTS / "draft_projection.py", curve, target, draft, "--prompt", 100, "--new", 128,
+                 "--scale", 1.0, 0.5], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(x["scale"], x["new_tokens"]) for x in lines] == [(1.0, 128), (0.5, 128)]
+    k2 = lines[0]["rows"][1]
+    tau = 1 + 0.9 + 0.81
+    assert k2["k"] == 2 and k2["tau"] == round(tau, 2)
+    assert k2["decode"] == round(tau * 100 / (120 + 2 * 10), 2)  # T(3) interpolated: 120
+    assert k2["end_to_end"] == round((100 * 20 + 128 * 100) / (100 * 22 + 128 / tau * 140), 2)
+    assert lines[0]["best"]["end_to_end"] == max(r["end_to_end"] for r in lines[0]["rows"])
+    assert lines[1]["best"]["end_to_end"] < lines[0]["best"]["end_to_end"]
+    target.write_text(json.dumps({"T_ms": {"1": 100}}))
+    proc = _run([SCRIPTS / "draft_projection.py", curve, target, draft], tmp_path)
+    assert proc.returncode == 2 and "prefill_ms_per_token" in proc.stderr
 
 
 def test_paired_ratios_of_a_runs_records(tmp_path):

@@ -771,12 +771,11 @@ class Transformer(CacheRows, nn.Module):
             model = cls(args)
         source = gguf_file.source_of(path)
         if source is not None:
-            gf = gguf_file.GGUFFile(source)
             names = list(model.state_dict())
             sources, label = [source], source.stem
 
-            def weights():
-                return gf.weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
+            def weights():  # (the header is read only when the cached state lacks: seconds)
+                return gguf_file.GGUFFile(source).weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
         else:
             sources, label = sorted(path.glob("*.safetensors")), path.name
             if not sources:
