@@ -44,6 +44,23 @@ def verify_rows_equal_one_token_passes(lm, seed=0):
         assert torch.equal(lm.forward(seq[:, 32:32 + k])[0], singles[2:2 + k]), k
 
 
+def same_logits_and_lossless(ours, reference, path, qtype):
+    """``ours`` (the file's float model) gives ``reference``'s logits; the file's int8 model
+    (q4 for Q4_K where a Q4_K kernel runs) has verify rows equal to one-token passes and
+    its speculative output equals its plain decoding."""
+    ids = torch.randint(0, ours.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = reference(ids).logits
+    ours.allocate(1, 32)
+    assert (ours(ids) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    dtype = "q4" if qtype == "Q4_K" and Q4K else "int8"
+    m = load(path, dtype=dtype)
+    assert m.lm.weight_format.startswith(dtype)
+    verify_rows_equal_one_token_passes(m.lm)
+    plain = specdecode.generate(m, PROMPT, method="ar", max_new_tokens=24)
+    assert specdecode.generate(m, PROMPT, method="prompt-lookup", max_new_tokens=24).token_ids == plain.token_ids
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_type_reads_as_transformers_reads_it(sources, tmp_path, arch, qtype):
@@ -60,17 +77,7 @@ def test_every_type_reads_as_transformers_reads_it(sources, tmp_path, arch, qtyp
     theirs = hf.state_dict()
     for name, t in ours.state_dict().items():
         assert torch.equal(t, theirs[name]), name
-    ids = torch.randint(0, hf.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    ours.allocate(1, 32)
-    assert (ours(ids) - ref).abs().max() <= 1e-4 * ref.abs().max()
-    dtype = "q4" if qtype == "Q4_K" and Q4K else "int8"
-    m = load(path, dtype=dtype)
-    assert m.lm.weight_format.startswith(dtype)
-    verify_rows_equal_one_token_passes(m.lm)
-    plain = specdecode.generate(m, PROMPT, method="ar", max_new_tokens=24)
-    assert specdecode.generate(m, PROMPT, method="prompt-lookup", max_new_tokens=24).token_ids == plain.token_ids
+    same_logits_and_lossless(ours, hf, path, qtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
@@ -89,17 +96,7 @@ def test_qwen3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qty
     with torch.no_grad():  # the source's weights as the file stores them
         for name, t in ours.state_dict().items():
             reference.get_parameter(name).copy_(t)
-    ids = torch.randint(0, ours.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = reference(ids).logits
-    ours.allocate(1, 32)
-    assert (ours(ids) - ref).abs().max() <= 1e-4 * ref.abs().max()
-    dtype = "q4" if qtype == "Q4_K" and Q4K else "int8"
-    m = load(path, dtype=dtype)
-    assert m.lm.weight_format.startswith(dtype)
-    verify_rows_equal_one_token_passes(m.lm)
-    plain = specdecode.generate(m, PROMPT, method="ar", max_new_tokens=24)
-    assert specdecode.generate(m, PROMPT, method="prompt-lookup", max_new_tokens=24).token_ids == plain.token_ids
+    same_logits_and_lossless(ours, reference, path, qtype)
 
 
 def test_the_native_reading_equals_the_fp32_conversion_bit_for_bit(sources, tmp_path):
