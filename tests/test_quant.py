@@ -615,6 +615,25 @@ def test_a_broken_cached_kernel_is_built_again(tmp_path):
     assert built.stat().st_size > 1000
 
 
+def test_without_a_compiler_a_model_still_loads_and_says_what_to_install(tmp_path):
+    """No C++ compiler (an empty PATH, no $CXX), in a fresh process with an empty cache: the
+    model loads and decodes on torch's int8 product, and stderr says what to install and
+    what runs meanwhile (not a silent fall to a path many times slower), once a kernel."""
+    hf_model_dir(tmp_path / "m", "llama-gqa-untied")
+    code = ("import specdecode, torch; m = specdecode.load(%r, tokenizer=False); "
+            "m.lm.allocate(1, 8); print(m.lm.weight_format, bool(torch.isfinite(m.lm(torch.tensor([[1, 2]]))).all()))"
+            % str(tmp_path / "m"))
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(SPECDECODE_CACHE=str(tmp_path / "cache"), PATH=str(tmp_path / "empty"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["int8-kn", "True"]
+    if "avx2" in _cpu_flags():  # (elsewhere no kernel is built, compiler or not)
+        notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("note:") and "kernel is not in use" in ln]
+        assert 1 <= len(notes) <= 2, proc.stderr  # (the AVX512-VNNI kernel's, then the AVX2 one's)
+        assert all("no C++ compiler" in n and "apt install g++" in n and "torch._int_mm" in n for n in notes)
+
+
 def test_a_draft_q4_that_cannot_load_is_refused_before_the_target_loads(tmp_path, monkeypatch):
     hf_model_dir(tmp_path, "mistral")
     calls = []

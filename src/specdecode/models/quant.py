@@ -141,8 +141,8 @@ def avx2_library() -> ctypes.CDLL | None:
         return None
     lib, why = _compiled(AVX2_SOURCE, (AVX2_FLAGS,))
     if lib is None:
-        print(f"note: the AVX2 kernel is not in use ({why}); int8 runs on torch._int_mm, "
-              "many times slower", file=sys.stderr)
+        print(f"note: the AVX2 kernel is not in use ({why}); meanwhile int8 runs on "
+              "torch._int_mm, many times slower, and q4 and int4 are unavailable", file=sys.stderr)
         return None
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.sd_int8_mm_nk.argtypes = [P, I, I, P, I, P]
@@ -238,7 +238,8 @@ def _compiled(source: Path, flag_sets: tuple) -> tuple[ctypes.CDLL | None, str]:
     cached build that does not load is built again, once. Never raises."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        return None, "no C++ compiler: install g++"
+        return None, ("no C++ compiler (g++ or c++ on PATH, or $CXX): install one (Debian/Ubuntu: "
+                      "apt install g++; Fedora: dnf install gcc-c++) and run again")
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
