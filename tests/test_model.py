@@ -176,6 +176,27 @@ def test_hf_adapter_int8_verify_rows_equal_one_token_passes_bit_for_bit(tmp_path
             assert torch.equal(block, singles[pos - 20:pos - 20 + k + 1]), (k, pos)
 
 
+def test_gemma2_soft_capping_runs_through_transformers(tmp_path):
+    """Gemma 2 (attention logit soft-capping, which SDPA lacks: it failed outright) through
+    the transformers adapter: its logits are transformers' own eager model's, and its
+    speculative output equals its plain decoding."""
+    from specdecode import generate
+
+    hf = hf_model_dir(tmp_path, "gemma2-softcap")
+    hf.set_attn_implementation("eager")
+    ids = torch.randint(0, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    m = load(tmp_path, dtype="float32", tokenizer=False)
+    assert isinstance(m.lm, HFCausalLM)
+    m.lm.allocate(1, 32)
+    assert (m.lm.forward(ids) - ref).abs().max() <= TOL
+    prompt = ids[0].tolist()
+    plain = generate(m, input_ids=prompt, method="ar", max_new_tokens=12, eos_token_id=[])
+    spec = generate(m, input_ids=prompt, method="prompt-lookup", max_new_tokens=12, eos_token_id=[])
+    assert spec.token_ids == plain.token_ids
+
+
 def test_model_args_errors(tmp_path):
     with pytest.raises(ValueError, match="not one of the natively supported"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})

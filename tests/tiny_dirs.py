@@ -153,6 +153,8 @@ CONFIGS = {
 HF_ONLY_CONFIGS = {
     "gemma3-sliding-window": (transformers.Gemma3TextConfig, dict(
         head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "gemma2-softcap": (transformers.Gemma2Config, dict(
+        head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
 }
 
 

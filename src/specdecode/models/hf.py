@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -28,13 +29,24 @@ def rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     query: [B, H, T, D], key/value: [B, H_kv, S, D] (S = cached + T, the new tokens last,
     every position kept: :class:`HFCausalLM` gives sliding layers full caches; rows of one
     length, as this adapter runs them). Returns ([B, T, H, D], None). Prefill
-    (T > attention.SDPA_MIN_TOKENS), dropout, soft-capping and position biases go to
-    transformers' SDPA function with its mask (row-exactness is a decode property; those
-    models' verify rows may then differ from one-token passes in the last bits).
+    (T > attention.SDPA_MIN_TOKENS), dropout and position biases go to transformers' SDPA
+    function with its mask, soft-capping (Gemma 2) to the model's own eager function
+    (row-exactness is a decode property; those models' verify rows may then differ from
+    one-token passes in the last bits).
     """
     t, s = query.shape[2], key.shape[2]
-    if (t > attention.SDPA_MIN_TOKENS or dropout or kwargs.get("softcap") is not None
-            or kwargs.get("position_bias") is not None):
+    if kwargs.get("softcap") is not None:  # (Gemma 2) SDPA has no soft-capping: the model's own eager
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        if attention_mask is None or attention_mask.dtype == torch.bool:  # eager adds a float mask
+            pos, keys = torch.arange(s - t, s)[:, None], torch.arange(s)[None]
+            seen = (keys <= pos) & (keys > pos - kwargs["sliding_window"] if kwargs.get("sliding_window")
+                                    else True)  # (SDPA's mask may be None: causal implied)
+            if attention_mask is not None:
+                seen = seen.to(attention_mask.device) & attention_mask
+            attention_mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~seen.to(query.device), float("-inf"))
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if (t > attention.SDPA_MIN_TOKENS or dropout or kwargs.get("position_bias") is not None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
