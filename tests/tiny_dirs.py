@@ -148,6 +148,14 @@ CONFIGS = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
     "llama-mha-head-dim": (transformers.LlamaConfig, dict(num_key_value_heads=4, head_dim=32)),
     "qwen3-qk-norm-head-dim": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
+    # Phi-4-mini's switches: fused qkv and gate_up, partial rotary, LongRoPE, tied embeddings
+    "phi3-longrope-partial": (transformers.Phi3Config, dict(
+        tie_word_embeddings=True, pad_token_id=0, max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 64,
+                         "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
 }
 # architectures only the transformers adapter runs
 HF_ONLY_CONFIGS = {

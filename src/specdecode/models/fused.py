@@ -17,7 +17,7 @@ for decode, verify and draft-tree passes (the :class:`attention.Prefixes` attent
 states of chosen layers included, and prefill in passes of 64 tokens
 (:meth:`native.Transformer._chunk`), of a model whose every layer fits; every other pass
 (prefill past 2,048 slots or on the tile unit, float models, Qwen3's per-head query and key
-norms, other devices) runs the modules.
+norms, Phi-3's fused linears and partial rotary, other devices) runs the modules.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class LayerStack:
 
 
 def _norms_fit(layer, norm_type: type) -> bool:
-    if "q_norm" in layer.self_attn._modules:  # Qwen3's per-head norms: not in the kernel
-        return False
+    if "q_norm" in layer.self_attn._modules or "qkv_proj" in layer.self_attn._modules:
+        return False  # Qwen3's per-head norms, Phi-3's fused linears: not in the kernel
     return all(type(n) is norm_type and n.weight.dtype == torch.float32
                and n.weight.device.type == "cpu"
                for n in (layer.input_layernorm, layer.post_attention_layernorm))
@@ -144,7 +144,8 @@ def stack(model) -> LayerStack | None:
     if held is not None and held.fn is fn and held.current(layers):
         return held
     norm_type = type(model.model.norm)
-    ok = model.caches[0].k.dtype == torch.float32 and all(
+    # (the kernel rotates whole heads, from the model's cos and sin tables)
+    ok = model.args.rotated == model.args.head_dim and model.caches[0].k.dtype == torch.float32 and all(
         _norms_fit(layer, norm_type) and all(_fits(getattr(getattr(layer, p), n), layout) for p, n in _LINEARS)
         for layer in layers)
     built = LayerStack(layers, fn) if ok else None

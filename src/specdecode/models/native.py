@@ -35,7 +35,7 @@ from .base import ForwardOutput
 from .kv_cache import CacheRows, KVCache
 from .self_draft import SelfDraft
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def read_json(path: Path) -> dict:
@@ -58,9 +58,12 @@ class ModelArgs:
 
     The switches that separate the family members: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3:
     an RMSNorm over each head's query and key before RoPE), ``head_dim`` of its own (Qwen3:
-    not width / heads), ``tie_embeddings`` (small Qwen2.5 and Qwen3, SmolLM2),
-    ``rope_theta`` / ``rope_scaling`` (Llama 3 ``llama3`` scaling), ``n_kv_heads < n_heads``
-    (grouped-query attention).
+    not width / heads), ``fused`` (Phi-3: one ``qkv_proj`` and one ``gate_up_proj``),
+    ``rotary_dim`` < ``head_dim`` (Phi-4-mini's partial rotary: the rest of each head passes
+    unrotated), ``tie_embeddings`` (small Qwen2.5 and Qwen3, SmolLM2, Phi-4-mini),
+    ``rope_theta`` / ``rope_scaling`` (Llama 3 ``llama3`` scaling; Phi-3's ``longrope``, its
+    short factors and attention factor: the context is then its original one, where those
+    hold), ``n_kv_heads < n_heads`` (grouped-query attention).
     """
 
     vocab_size: int
@@ -75,8 +78,15 @@ class ModelArgs:
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused: bool = False
+    rotary_dim: int = 0  # 0: head_dim
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
+
+    @property
+    def rotated(self) -> int:
+        """The dimensions of each head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -88,7 +98,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
-        """Build from a ``config.json`` dict of model_type llama, qwen2, qwen3 or mistral.
+        """Build from a ``config.json`` dict of model_type llama, qwen2, qwen3, mistral or phi3.
 
         Raises ValueError for other model types (use the transformers adapter for those).
         """
@@ -101,14 +111,28 @@ class ModelArgs:
         rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
-        if rope_type not in (None, "default"):
-            if rope_type != "llama3":
-                raise ValueError(f"rope scaling type {rope_type!r} is not supported natively "
-                                 "(supported: default, llama3); load with backend='transformers'")
-            scaling = tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
         n_heads = config["num_attention_heads"]
         dim = config["hidden_size"]
         max_pos = config.get("max_position_embeddings", 4096)
+        if rope_type not in (None, "default"):
+            if rope_type not in ("llama3", "longrope"):
+                raise ValueError(f"rope scaling type {rope_type!r} is not supported natively "
+                                 "(supported: default, llama3, longrope); load with backend='transformers'")
+            keep = ("rope_theta", "partial_rotary_factor")
+            scaling = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                   for k, v in rope.items() if k not in keep))
+            if rope_type == "longrope":
+                # transformers switches every position to the long factors once a sequence
+                # passes the original context (the cached keys keep the short ones): the
+                # context is the original one, where one set of factors holds throughout
+                original = rope.get("original_max_position_embeddings") or config.get(
+                    "original_max_position_embeddings") or max_pos
+                factor = max_pos / original
+                scaling += (("attention_factor", rope.get("attention_factor") or (
+                    math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)),)
+                max_pos = min(max_pos, original)
+        head_dim = config.get("head_dim") or dim // n_heads
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         if mt == "mistral" and config.get("sliding_window"):
             # Full attention equals sliding-window attention up to the window length.
             max_pos = min(max_pos, config["sliding_window"])
@@ -118,25 +142,31 @@ class ModelArgs:
             n_layers=config["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=config.get("head_dim") or dim // n_heads,
+            head_dim=head_dim,
             intermediate_size=config["intermediate_size"],
             norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             qkv_bias=mt == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=mt == "qwen3",
+            fused=mt == "phi3",
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
         )
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim/2] (fp32), with Llama 3 scaling when configured."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64)
-                                          .float() / args.head_dim))
+    """Rotary inverse frequencies [rotated dims / 2] (fp32), with Llama 3 scaling or Phi-3's
+    LongRoPE short factors when configured (transformers' arithmetic)."""
+    d = args.rotated
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if args.rope_scaling is None:
         return inv_freq
     s = dict(args.rope_scaling)
+    if s.get("rope_type", s.get("type")) == "longrope":
+        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32)
+                      * args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_ctx = s["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
@@ -146,6 +176,11 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def rope_scale(args: ModelArgs) -> float:
+    """The factor on cos and sin (LongRoPE's attention factor; else 1)."""
+    return float(dict(args.rope_scaling or ()).get("attention_factor", 1.0))
 
 
 class PackedLinear(nn.Module):
@@ -215,9 +250,12 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         hd = args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        if args.fused:  # Phi-3: the three in one linear, q rows first, then k, then v
+            self.qkv_proj = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.norm_eps)
@@ -229,12 +267,17 @@ class Attention(nn.Module):
         [B, 1, T, end], True where a query sees a key, or :class:`~.attention.Prefixes`."""
         b, t, _ = x.shape
         a = self.args
-        q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim)
-        k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim)
+        if a.fused:
+            q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
+                                              a.n_kv_heads * a.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, a.n_heads, a.head_dim)
+        k = k.reshape(b, t, a.n_kv_heads, a.head_dim)
         if a.qk_norm:  # Qwen3: each head's query and key normalized, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(where, k, v)
         if isinstance(mask, Prefixes):  # decode / verify rows on the CPU: the C++ kernel
@@ -260,8 +303,12 @@ class Attention(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding (the Hugging Face layout, no weight permutation)."""
-    half = x.shape[-1] // 2
+    """Rotate-half rotary embedding (the Hugging Face layout, no weight permutation) of the
+    first cos.shape[-1] dimensions of each head; the rest pass unrotated (partial rotary)."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :d], cos, sin), x[..., d:]), dim=-1)
+    half = d // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -269,12 +316,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        if args.fused:  # Phi-3: gate rows, then up rows, in one linear
+            self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        else:
+            self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if "gate_up_proj" in self._modules:
+            gate, up = (t.contiguous() for t in self.gate_up_proj(x).chunk(2, dim=-1))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         lib = cpu_kernels(gate.device, gate.dtype)
         if lib is None or not (gate.is_contiguous() and up.is_contiguous()):
             return self.down_proj(F.silu(gate) * up)
@@ -404,7 +457,8 @@ class Transformer(CacheRows, nn.Module):
             pos = torch.arange(max_len, dtype=torch.float32, device=w.device)
             freqs = torch.outer(pos, rope_inv_freq(a).to(w.device))
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().to(w.dtype), emb.sin().to(w.dtype)
+            scale = rope_scale(a)
+            self._cos, self._sin = (emb.cos() * scale).to(w.dtype), (emb.sin() * scale).to(w.dtype)
         self.row_lengths, self._layer_lengths = [0] * batch, None
 
     def _apply(self, fn, recurse=True):
