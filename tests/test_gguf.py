@@ -36,7 +36,7 @@ def transformers_reading(path):
 
 def verify_rows_equal_one_token_passes(lm, seed=0):
     seq = torch.randint(0, lm.vocab_size, (1, 60), generator=torch.Generator().manual_seed(seed))
-    lm.allocate(1, 80)
+    lm.allocate(1, 64)
     lm.forward(seq[:, :30], num_logits=0)
     singles = torch.cat([lm.forward(seq[:, i:i + 1])[0] for i in range(30, 45)])
     for k in (2, 5, 9):
@@ -93,6 +93,26 @@ def test_qwen3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qty
     ours = Transformer.from_pretrained(meta, pack=False)
     assert ours.args.qk_norm and ours.args.head_dim == 32
     reference = transformers.Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():  # the source's weights as the file stores them
+        for name, t in ours.state_dict().items():
+            reference.get_parameter(name).copy_(t)
+    same_logits_and_lossless(ours, reference, path, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_phi3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qtype):
+    """Phi-4-mini's switches (fused qkv and gate_up, partial rotary, LongRoPE factors stored
+    as tensors, tied embeddings) written as llama.cpp writes them: the config gets its rope
+    from the file's metadata, the float model gives transformers' Phi-3 logits on the same
+    weights, and the quantized model is lossless."""
+    src = gguf_source_dir(tmp_path / "src", "phi3", tied=True)
+    path = tmp_path / f"phi3-{qtype}.gguf"
+    write_tiny_gguf(src, path, qtype=qtype)
+    ours = Transformer.from_pretrained(resolve_model_path(path), pack=False)
+    rope = dict(ours.args.rope_scaling)
+    assert ours.args.fused and ours.args.rotary_dim == 48 and ours.args.max_position_embeddings == 64
+    assert rope["rope_type"] == "longrope" and rope["short_factor"][1] == pytest.approx(1.05)
+    reference = transformers.Phi3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():  # the source's weights as the file stores them
         for name, t in ours.state_dict().items():
             reference.get_parameter(name).copy_(t)

@@ -209,11 +209,16 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // nh
-    w.add_rope_dimension_count(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(rotary)
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3's
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
@@ -281,10 +286,20 @@ def quantized(a, kind, seed: int = 0):
 
 def gguf_source_dir(root: Path, arch: str = "llama", tied: bool = True) -> Path:
     """A random 2-layer model of hidden size 256 (rows every GGML block size takes) in
-    transformers layout with the test tokenizer: llama, qwen2 (q/k/v biases) or qwen3
-    (per-head q/k norms, a head size of 32, not 256 / 4)."""
+    transformers layout with the test tokenizer: llama, qwen2 (q/k/v biases), qwen3
+    (per-head q/k norms, a head size of 32, not 256 / 4) or phi3 (Phi-4-mini's switches:
+    fused linears, partial rotary, LongRoPE)."""
     config = _llama_config(VOCAB, hidden=256)
-    if arch in ("qwen2", "qwen3"):
+    if arch == "phi3":
+        config = transformers.Phi3Config(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            original_max_position_embeddings=64, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "original_max_position_embeddings": 64,
+                             "short_factor": [1.0 + 0.05 * i for i in range(24)],
+                             "long_factor": [2.0 + 0.5 * i for i in range(24)]})
+    elif arch in ("qwen2", "qwen3"):
         cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
         config = cls(**{k: getattr(config, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

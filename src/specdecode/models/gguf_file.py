@@ -204,9 +204,7 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); try --backend "
                              "llama.cpp") from None
         config.dtype = torch.float32
-        head_dim = f.field(f"{f.arch}.attention.key_length")
-        if head_dim and hasattr(config, "head_dim"):  # (transformers' qwen3 mapping lacks it)
-            config.head_dim = int(head_dim)
+        _rope_from_metadata(f, config)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -221,6 +219,30 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rope_from_metadata(f: GGUFFile, config) -> None:
+    """What transformers' GGUF config mapping leaves out, from the file (llama.cpp's keys):
+    the head size (qwen3's ``attention.key_length``), partial rotary (``rope.dimension_count``
+    below the head size: Phi-4-mini) and Phi-3's LongRoPE (``rope_factors_long`` /
+    ``rope_factors_short`` tensors, ``rope.scaling.original_context_length``)."""
+    head_dim = f.field(f"{f.arch}.attention.key_length")
+    if head_dim and hasattr(config, "head_dim"):
+        config.head_dim = int(head_dim)
+    text = getattr(config, "get_text_config", lambda: config)()
+    hd = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    rotary = f.field(f"{f.arch}.rope.dimension_count")
+    if rotary and int(rotary) < hd:
+        params["partial_rotary_factor"] = int(rotary) / hd
+    if "rope_factors_long.weight" in f.tensors and "rope_factors_short.weight" in f.tensors:
+        original = int(f.field(f"{f.arch}.rope.scaling.original_context_length") or text.max_position_embeddings)
+        params.update(rope_type="longrope", original_max_position_embeddings=original,
+                      long_factor=f.tensor("rope_factors_long.weight").float().tolist(),
+                      short_factor=f.tensor("rope_factors_short.weight").float().tolist())
+        text.original_max_position_embeddings = original
+    if params:
+        text.rope_parameters = params
 
 
 def source_of(directory: Path) -> Path | None:
