@@ -489,6 +489,21 @@ def test_check_pair_reads_a_gguf_file_without_converting_it(capsys, dirs, tmp_pa
     assert report["target"]["model_type"] == "llama"
 
 
+def test_check_pair_measure_runs_both_and_reports_the_speedup(capsys, dirs):
+    """check-pair --measure loads the pair and runs plain decoding and the draft method on
+    its two prompts: the acceptance, the tokens/s of each, their ratio, and identical output."""
+    code, out, err = run(capsys, "check-pair", dirs["target"], dirs["draft"], "--json", "--measure", "12")
+    assert code == 0, err
+    m = json.loads(out)["measured"]
+    assert m["identical"] is True and m["new_tokens"] == 12 and m["prompts"] == 2
+    assert 0 <= m["acceptance_rate"] <= 1 and m["mean_acceptance_length"] >= 1
+    assert m["speedup"] == pytest.approx(m["draft_tokens_per_second"] / m["plain_tokens_per_second"], rel=0.02)
+    code, out, err = run(capsys, "check-pair", dirs["target"], dirs["draft"], "--measure", "8")
+    assert code == 0 and "measured " in out and "outputs identical to plain decoding" in out
+    code, _, err = run(capsys, "check-pair", dirs["target"], dirs["draft"], "--measure", "0")
+    assert code == 2 and "--measure takes a positive number" in err
+
+
 def test_non_native_draft_with_default_int8(capsys, dirs):
     """A draft the native decoder cannot load (GPT-2) goes through transformers, with the
     default --draft-dtype int8."""
