@@ -6,6 +6,7 @@ small directory. No float copy of the model is ever held. Format: ggml's GGUF sp
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -175,6 +176,20 @@ class GGUFFile:
         return counts
 
 
+def open_file(path: str | os.PathLike) -> GGUFFile:
+    """:class:`GGUFFile` of ``path``, read once per process and file version (path, size,
+    mtime): the header takes seconds to parse for a large vocabulary, and a first load reads
+    it for several steps. Raises as :class:`GGUFFile` does."""
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    return _open(str(p), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
 def file_key(path: Path) -> str:
     """A short key of the file's absolute path, size and mtime: a changed file gets a new one."""
     st = path.stat()
@@ -192,7 +207,7 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
     architecture or tokenizer it does not know)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    f = GGUFFile(path)  # a damaged or truncated file is said as such, before transformers reads it
+    f = open_file(path)  # a damaged or truncated file is said as such, before transformers reads it
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:

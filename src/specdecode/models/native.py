@@ -829,7 +829,7 @@ class Transformer(CacheRows, nn.Module):
             sources, label = [source], source.stem
 
             def weights():  # (the header is read only when the cached state lacks: seconds)
-                return gguf_file.GGUFFile(source).weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
+                return gguf_file.open_file(source).weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
         else:
             sources, label = sorted(path.glob("*.safetensors")), path.name
             if not sources:

@@ -657,7 +657,7 @@ def has_q4k(gguf_path: Path) -> bool:
     if isinstance(memo, dict) and isinstance(memo.get(key), bool):
         return memo[key]
     found = any(t.type == gguf.GGMLQuantizationType.Q4_K and len(t.shape) == 2 and q4k_fits(t.shape[1], t.shape[0])
-                for t in gguf_file.GGUFFile(gguf_path).tensors.values())
+                for t in gguf_file.open_file(gguf_path).tensors.values())
     memo = memo if isinstance(memo, dict) else {}
     memo[key] = found
     with contextlib.suppress(OSError):
