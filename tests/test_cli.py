@@ -776,8 +776,10 @@ def test_ctrl_c_while_the_command_line_imports_ends_with_one_line(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     script = os.path.join(os.path.dirname(sys.executable), "specdecode")  # the console script
-    proc = subprocess.Popen([script, "models"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (SIGINT as a terminal gives it: a shell's background job inherits it ignored, and Python
+    # then installs no KeyboardInterrupt for it)
+    proc = subprocess.Popen([script, "models"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not marker.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
