@@ -376,3 +376,25 @@ def test_sampling_is_the_targets_distribution(rule, temperature, top_k):
         exact += gen.stats.num_accepted_tokens
     assert proposed > N_RUNS and exact > N_RUNS / 4  # the draft drafted, and was accepted often
     assert_lossless(counts, _joint(target, params, prompt))
+
+
+def test_padding_tokens_past_the_last_id_keep_a_pair_the_same():
+    """A tokenizer whose list llama.cpp padded further ([PAD<id>] up to its embedding rows, as
+    a Qwen2.5-7B GGUF beside a 0.5B one) pairs as "same" either way round; another extra
+    token, or a pad name at another id, makes it "cross"."""
+    import copy
+
+    from specdecode.tokenmap import pair_mode
+
+    base = local_tokenizer()
+    n = len(base)
+    padded = copy.deepcopy(base)  # (local_tokenizer() is one shared object)
+    padded.add_tokens([f"[PAD{i}]" for i in range(n, n + 5)])
+    assert len(padded) == n + 5 and padded.convert_tokens_to_ids(f"[PAD{n + 4}]") == n + 4
+    assert pair_mode(padded, base) == pair_mode(base, padded) == "same"
+    other = copy.deepcopy(base)
+    other.add_tokens(["[PAD0]"])  # a pad name, at an id that is not its own
+    assert pair_mode(other, base) == "cross"
+    extra = copy.deepcopy(base)
+    extra.add_tokens(["hello_world_token"])
+    assert pair_mode(extra, base) == "cross"

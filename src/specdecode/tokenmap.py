@@ -213,13 +213,24 @@ class VocabMap:
 
 def pair_mode(target_tokenizer, draft_tokenizer) -> str:
     """"same" when the two tokenizers have the same vocabulary and special tokens (token ids
-    pass straight through), else "cross" (proposals go through text). Raises
-    UnsupportedTokenizerError when they differ and one cannot be read as bytes."""
+    pass straight through), also when one lists padding tokens past the other's last id, as
+    llama.cpp's converter pads a GGUF's token list to the embedding rows (``[PAD<id>]``: a
+    Qwen2.5-7B file lists 152,064 tokens, a Qwen2.5-0.5B one 151,936); else "cross"
+    (proposals go through text). Raises UnsupportedTokenizerError when they differ and one
+    cannot be read as bytes."""
     tt, dt = target_tokenizer, draft_tokenizer
-    if tt.get_vocab() == dt.get_vocab() and tt.all_special_tokens == dt.all_special_tokens:
+    if tt.all_special_tokens == dt.all_special_tokens and _same_but_padding(tt.get_vocab(), dt.get_vocab()):
         return "same"
     TokenBytes.of(tt), TokenBytes.of(dt)
     return "cross"
+
+
+def _same_but_padding(a: dict[str, int], b: dict[str, int]) -> bool:
+    """Whether two vocabularies (token -> id) are equal, but for ``[PAD<id>]`` tokens that
+    the larger lists past the smaller's ids."""
+    small, large = sorted((a, b), key=len)
+    return (all(large.get(t) == i for t, i in small.items())
+            and all(t == f"[PAD{i}]" and i >= len(small) for t, i in large.items() if t not in small))
 
 
 SAMPLE_TEXT = "def mean(xs):\n    return sum(xs) / len(xs)  # naïve, 🚀 Grüße 你好"
