@@ -219,7 +219,7 @@ def pair_mode(target_tokenizer, draft_tokenizer) -> str:
     (proposals go through text). Raises UnsupportedTokenizerError when they differ and one
     cannot be read as bytes."""
     tt, dt = target_tokenizer, draft_tokenizer
-    if tt.all_special_tokens == dt.all_special_tokens and _same_but_padding(tt.get_vocab(), dt.get_vocab()):
+    if _same_but_padding(tt.get_vocab(), dt.get_vocab()) and tt.all_special_tokens == dt.all_special_tokens:
         return "same"
     TokenBytes.of(tt), TokenBytes.of(dt)
     return "cross"
