@@ -100,6 +100,27 @@ def test_qwen3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qty
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gemma3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qtype):
+    """Gemma 3 written as llama.cpp writes it (its 1 + w norms, sliding window and linear
+    RoPE scaling in the metadata, five sliding-window layers then a global one): the float
+    model gives transformers' Gemma 3 logits on the same weights over more than the window,
+    the quantized model's verify rows equal its one-token passes across the window's edge,
+    and its speculative output equals its plain decoding."""
+    src = gguf_source_dir(tmp_path / "src", "gemma3", tied=True)
+    path = tmp_path / f"gemma3-{qtype}.gguf"
+    write_tiny_gguf(src, path, qtype=qtype)
+    ours = Transformer.from_pretrained(resolve_model_path(path), pack=False)
+    a = ours.args
+    assert a.sandwich_norms and a.sliding_window == 8 and a.sliding_layers == (0, 1, 2, 3, 4)
+    assert dict(a.rope_scaling) == {"factor": 8.0, "rope_type": "linear"} and a.attn_scale == 64 ** -0.5
+    reference = transformers.Gemma3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():  # the file's weights, its norms back to transformers' w
+        for name, t in ours.state_dict().items():
+            reference.get_parameter(name).copy_(t - 1 if name.endswith("norm.weight") else t)
+    same_logits_and_lossless(ours, reference, path, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_phi3_from_a_gguf_file_gives_transformers_logits(sources, tmp_path, qtype):
     """Phi-4-mini's switches (fused qkv and gate_up, partial rotary, LongRoPE factors stored
     as tensors, tied embeddings) written as llama.cpp writes them: the config gets its rope

@@ -197,6 +197,86 @@ def test_gemma2_soft_capping_runs_through_transformers(tmp_path):
     assert spec.token_ids == plain.token_ids
 
 
+def test_gemma3_of_4b_and_up_reads_its_text_model(tmp_path):
+    """A Gemma 3 directory of 4B and up (Gemma3ForConditionalGeneration: the text model's
+    config nested in text_config, its weights beside a vision tower, linear RoPE scaling on
+    the global layers): the native decoder reads the text model alone and gives the logits
+    of transformers' model on text; its int8 verify rows equal one-token passes past the
+    window. Settings it does not run are refused naming the backend that does."""
+    text = {**TINY, "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and (p.dim() > 1 or "norm" in name):
+                p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    model = Transformer.from_pretrained(tmp_path, pack=False)
+    assert model.args.sliding_layers == (0,) and dict(model.args.rope_scaling)["factor"] == 4.0
+    model.allocate(1, 32)
+    assert ref.abs().max() > 1.0 and (model(ids) - ref).abs().max() <= TOL
+    q = Transformer.from_pretrained(tmp_path, dtype="int8")
+    q.allocate(1, 32)
+    q(ids[:, :10], num_logits=0)
+    singles = torch.cat([q(ids[:, i:i + 1])[0] for i in range(10, 30)])
+    for start, k in [(10, 5), (13, 9), (21, 9)]:
+        q.rollback(start)
+        assert torch.equal(q(ids[:, start:start + k])[0], singles[start - 10:start - 10 + k]), (start, k)
+    for bad, match in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+                       ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0,
+                                                                "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default",
+                                                                   "rope_theta": 1e4}}}, "'yarn'")]:
+        with pytest.raises(ValueError, match=match):
+            ModelArgs.from_hf_config({"model_type": "gemma3_text", **TINY, **bad})
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_gemma3_tree_rows_see_their_window(tmp_path, monkeypatch, kernel):
+    """Two rows of other cached lengths, both past a 4-token window, verify a draft tree
+    each in one pass (the C kernel's windowed slots, or PyTorch's masked products): every
+    node's logits are transformers' for the prompt plus its root-to-node path; a prefill
+    longer than SDPA_MIN_TOKENS (the fused kernel's windowed mask) too."""
+    from specdecode.models import attention
+
+    if not kernel:
+        monkeypatch.setattr(attention, "cpu_kernels", lambda *a: None)
+    hf = hf_model_dir(tmp_path, "gemma3-sliding-window")
+    model = Transformer.from_pretrained(tmp_path, pack=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (10, 7)]
+    nodes = torch.randint(0, TINY["vocab_size"], (2, 4), generator=g)
+    parents = [-1, 0, 0, 1]
+    mask = torch.tensor([[j == i or j == 0 or (i == 3 and j == 1) for j in range(4)] for i in range(4)])
+    depth = torch.tensor([0, 1, 1, 2])
+    model.allocate(2, 32)
+    model.forward_rows(torch.tensor([prompts[0], prompts[1] + [0, 0, 0]]), [10, 7], num_logits=0)
+    out = model.forward_rows(nodes, attn_mask=mask, position_ids=torch.tensor([[10], [7]]) + depth)
+    for b in range(2):
+        for i in range(4):
+            path = [i]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            seq = prompts[b] + nodes[b, path[::-1]].tolist()
+            with torch.no_grad():
+                ref = hf(torch.tensor([seq])).logits[0, -1]
+            assert (out.logits[b, i] - ref).abs().max() <= TOL, (b, i)
+    long = torch.randint(0, TINY["vocab_size"], (1, 90), generator=g)
+    with torch.no_grad():
+        ref = hf(long).logits
+    model.allocate(1, 96)
+    assert (model(long) - ref).abs().max() <= TOL
+
+
 def test_model_args_errors(tmp_path):
     with pytest.raises(ValueError, match="not one of the natively supported"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})

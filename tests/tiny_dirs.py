@@ -148,6 +148,9 @@ CONFIGS = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
     "llama-mha-head-dim": (transformers.LlamaConfig, dict(num_key_value_heads=4, head_dim=32)),
     "qwen3-qk-norm-head-dim": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
+    # Gemma 3: a 4-token window on the first layer, 1 + w norms, GeGLU, its own score scale
+    "gemma3-sliding-window": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
     # Phi-4-mini's switches: fused qkv and gate_up, partial rotary, LongRoPE, tied embeddings
     "phi3-longrope-partial": (transformers.Phi3Config, dict(
         tie_word_embeddings=True, pad_token_id=0, max_position_embeddings=256,
@@ -159,8 +162,6 @@ CONFIGS = {
 }
 # architectures only the transformers adapter runs
 HF_ONLY_CONFIGS = {
-    "gemma3-sliding-window": (transformers.Gemma3TextConfig, dict(
-        head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
     "gemma2-softcap": (transformers.Gemma2Config, dict(
         head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
 }
@@ -174,9 +175,11 @@ def hf_model_dir(tmp_path, name):
     config = cls(**{**TINY, **extra})
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # larger weights than the default init, so that logits are not ~0
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
+            elif "norm" in name and isinstance(config, transformers.Gemma3TextConfig):
+                p.normal_(0, 0.2)  # Gemma's are 1 + w: w = 0 would not test the offset
     hf.save_pretrained(tmp_path)
     return hf
 
@@ -197,6 +200,11 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
     cfg = json.loads((src / "config.json").read_text())
     tj = json.loads((src / "tokenizer.json").read_text())
     nh, nkv, arch = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["model_type"]
+    gemma = arch == "gemma3_text"
+    arch = "gemma3" if gemma else arch
+    rope = cfg.get("rope_parameters") or {}
+    if gemma:
+        rope = rope["full_attention"]
 
     def permute(w, n_head):
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -209,10 +217,14 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
-    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // nh
-    rope = cfg.get("rope_parameters") or {}
+    if gemma:  # as llama.cpp's Gemma 3 converter writes them
+        w.add_sliding_window(cfg["sliding_window"])
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     w.add_rope_dimension_count(rotary)
     if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3's
@@ -246,6 +258,8 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
         name = f"{names.get_name(base)}.{suffix}"
         if arch == "llama" and suffix == "weight" and base.endswith(("q_proj", "k_proj")):
             a = permute(a, nh if base.endswith("q_proj") else nkv)
+        if gemma and key.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+            a = a + 1
         if q4k and a.ndim == 2 and key != "model.embed_tokens.weight" and a.shape[1] % 256 == 0:
             w.add_tensor(name, random_q4k_blocks(*a.shape, seed=sum(name.encode()) + len(name)),
                          raw_dtype=gguf.GGMLQuantizationType.Q4_K)
@@ -285,10 +299,20 @@ def quantized(a, kind, seed: int = 0):
 def gguf_source_dir(root: Path, arch: str = "llama", tied: bool = True) -> Path:
     """A random 2-layer model of hidden size 256 (rows every GGML block size takes) in
     transformers layout with the test tokenizer: llama, qwen2 (q/k/v biases), qwen3
-    (per-head q/k norms, a head size of 32, not 256 / 4) or phi3 (Phi-4-mini's switches:
-    fused linears, partial rotary, LongRoPE)."""
+    (per-head q/k norms, a head size of 32, not 256 / 4), phi3 (Phi-4-mini's switches:
+    fused linears, partial rotary, LongRoPE) or gemma3 (6 layers: llama.cpp's pattern of 5
+    sliding-window layers, here of 8 positions, then a global one with linear RoPE scaling;
+    1 + w norms, GeGLU, a head size of 64)."""
     config = _llama_config(VOCAB, hidden=256)
-    if arch == "phi3":
+    if arch == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+            max_position_embeddings=256, sliding_window=8, eos_token_id=EOS, bos_token_id=1,
+            pad_token_id=EOS, rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    elif arch == "phi3":
         config = transformers.Phi3Config(
             vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -306,6 +330,12 @@ def gguf_source_dir(root: Path, arch: str = "llama", tied: bool = True) -> Path:
     config.tie_word_embeddings = tied
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomize(model, seed=6, std=0.1)
+    if arch == "gemma3":  # its norms are 1 + w: w ~ 0.1, the final one sharpened as _randomize's
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+            model.model.norm.weight.fill_(3.0)
     model.save_pretrained(root)
     local_tokenizer().save_pretrained(root)
     return root

@@ -60,6 +60,28 @@ def tree_slots(tree: torch.Tensor, starts: list[int], valid: torch.Tensor
     return lens, slots
 
 
+def window_prefixes(prefixes: Prefixes, positions: torch.Tensor, window: int) -> Prefixes:
+    """The slots each query of ``prefixes`` sees in a sliding-window layer: those of
+    positions p-window+1..p for a query at position p (Gemma 3's local layers; transformers'
+    sliding-window mask, llama.cpp's standard SWA), as slots (the kernel's
+    ``sd_attend_slots``), so that every pass of the layer takes the same path.
+
+    prefixes: a chain's (slot = position) or a draft tree's (:func:`tree_slots`: the
+    committed slots, slot = position, then the new tokens the query sees, all within the
+    window); positions: int64 [B, T], each query's position (padding: any). Returns
+    :class:`Prefixes` with lens [B, T] <= window and slots [B, T, min(width, window)].
+    """
+    b, t = prefixes.lens.shape
+    lens = prefixes.lens
+    slots = prefixes.slots if prefixes.slots is not None else \
+        torch.arange(int(lens.max())).expand(b, t, -1)
+    width = min(slots.shape[2], window)
+    # the committed slots before the window (the first in each query's list), never all
+    drop = torch.minimum(positions.to(lens.device) + 1 - window, lens - 1).clamp(min=0)
+    idx = (drop[..., None] + torch.arange(width)).clamp(max=slots.shape[2] - 1)
+    return Prefixes(prefixes.lib, (lens - drop).contiguous(), slots.gather(2, idx).contiguous())
+
+
 def cpu_kernels(device: torch.device, dtype: torch.dtype):
     """The loaded ``cpu_kernels.cpp`` (AVX512) or ``cpu_kernels_avx2.cpp`` for fp32 tensors on
     the CPU, or None (another device or dtype, or no kernel on this CPU: then PyTorch's
@@ -135,12 +157,13 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of T new tokens at positions start..start+T-1, each row computed as
     the one-token pass at its position computes it.
 
     q: [B, H, T, D] (RoPE applied); k, v: [B, H_kv, start+T, D] (the cache, new tokens
-    included); scale: of the scores, default D ** -0.5. Returns [B, H, T, D]. Query i attends to slots 0..start+i through products
+    included); scale: of the scores, default D ** -0.5; window: > 0 for a sliding-window
+    layer, whose query at position p sees p-window+1..p only. Returns [B, H, T, D]. Query i attends to slots 0..start+i through products
     of exactly the shapes a one-token pass there uses ([g, D] x [D, start+i+1] per group of
     g = H / H_kv heads), so its floating-point result is the same bit for bit. One product
     over all T rows and start+T keys (with the future masked) is faster, but the order of its
@@ -156,6 +179,7 @@ def attend_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     rows = []
     for i in range(t):
         n = start + i + 1
-        scores = (qg[:, :, :, i] @ k[:, :, :n].transpose(-1, -2)) * scale
-        rows.append(_softmax(scores).to(q.dtype) @ v[:, :, :n])  # [B, kv, g, D]
+        lo = max(0, n - window) if window else 0
+        scores = (qg[:, :, :, i] @ k[:, :, lo:n].transpose(-1, -2)) * scale
+        rows.append(_softmax(scores).to(q.dtype) @ v[:, :, lo:n])  # [B, kv, g, D]
     return torch.stack(rows, 3).view(b, h, t, d)

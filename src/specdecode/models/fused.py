@@ -145,7 +145,9 @@ def stack(model) -> LayerStack | None:
         return held
     norm_type = type(model.model.norm)
     # (the kernel rotates whole heads, from the model's cos and sin tables)
-    ok = model.args.rotated == model.args.head_dim and model.caches[0].k.dtype == torch.float32 and all(
+    a = model.args  # (Gemma's sandwich norms, GeGLU, scale and windows are not in the kernel)
+    plain = not (a.sandwich_norms or a.sliding_layers or a.attn_scale) and a.activation == "silu"
+    ok = plain and a.rotated == a.head_dim and model.caches[0].k.dtype == torch.float32 and all(
         _norms_fit(layer, norm_type) and all(_fits(getattr(getattr(layer, p), n), layout) for p, n in _LINEARS)
         for layer in layers)
     built = LayerStack(layers, fn) if ok else None

@@ -239,8 +239,10 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
 def _rope_from_metadata(f: GGUFFile, config) -> None:
     """What transformers' GGUF config mapping leaves out, from the file (llama.cpp's keys):
     the head size (qwen3's ``attention.key_length``), partial rotary (``rope.dimension_count``
-    below the head size: Phi-4-mini) and Phi-3's LongRoPE (``rope_factors_long`` /
-    ``rope_factors_short`` tensors, ``rope.scaling.original_context_length``)."""
+    below the head size: Phi-4-mini), Phi-3's LongRoPE (``rope_factors_long`` /
+    ``rope_factors_short`` tensors, ``rope.scaling.original_context_length``), and Gemma 3's
+    linear scaling of its global layers (``rope.scaling.type`` / ``factor``) and score scale
+    (``query_pre_attn_scalar``, as llama.cpp derives it)."""
     head_dim = f.field(f"{f.arch}.attention.key_length")
     if head_dim and hasattr(config, "head_dim"):
         config.head_dim = int(head_dim)
@@ -256,6 +258,13 @@ def _rope_from_metadata(f: GGUFFile, config) -> None:
                       long_factor=f.tensor("rope_factors_long.weight").float().tolist(),
                       short_factor=f.tensor("rope_factors_short.weight").float().tolist())
         text.original_max_position_embeddings = original
+    if f.arch == "gemma3":  # transformers' mapping reads neither: llama.cpp's rules
+        if f.field("gemma3.rope.scaling.type") == "linear":  # the global layers of 4B and up
+            params["full_attention"] = {**params.get("full_attention", {}), "rope_type": "linear",
+                                        "factor": float(f.field("gemma3.rope.scaling.factor"))}
+        # the scores' scale: 1 / sqrt(head size), but 27B's (62 layers) 1 / sqrt(width / heads)
+        text.query_pre_attn_scalar = (text.hidden_size // text.num_attention_heads
+                                      if text.num_hidden_layers == 62 else hd)
     if params:
         text.rope_parameters = params
 

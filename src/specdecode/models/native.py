@@ -1,4 +1,5 @@
-"""Compact PyTorch decoder for the Llama family (Llama, Qwen2, Mistral, SmolLM2).
+"""Compact PyTorch decoder for the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM2,
+Phi-3) and Gemma 3.
 
 The shape follows gpt-fast's ``model.py``: a frozen :class:`ModelArgs`, a preallocated
 :class:`~.kv_cache.KVCache` and a plain forward. What ``transformers`` hides and speculative decoding
@@ -30,12 +31,12 @@ from torch import nn
 
 from . import fused, gguf_file, quant
 from .attention import (SDPA_MIN_TOKENS, Prefixes, _softmax, attend_prefixes, attend_rows, attention_kernel,
-                        cpu_kernels, tree_kernel, tree_slots)
+                        cpu_kernels, tree_kernel, tree_slots, window_prefixes)
 from .base import ForwardOutput
 from .kv_cache import CacheRows, KVCache
 from .self_draft import SelfDraft
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma3_text")
 
 
 def read_json(path: Path) -> dict:
@@ -64,6 +65,14 @@ class ModelArgs:
     ``rope_theta`` / ``rope_scaling`` (Llama 3 ``llama3`` scaling; Phi-3's ``longrope``, its
     short factors and attention factor: the context is then its original one, where those
     hold), ``n_kv_heads < n_heads`` (grouped-query attention).
+
+    Gemma 3's: ``sandwich_norms`` (an RMSNorm after attention and one after the MLP as well
+    as before each), ``activation`` "gelu_tanh" (GeGLU), ``embed_scale`` (the embedding
+    times sqrt(width)), ``attn_scale`` (``query_pre_attn_scalar`` ** -0.5 instead of
+    head_dim ** -0.5), and ``sliding_layers`` that attend to the last ``sliding_window``
+    positions only, with RoPE base ``local_rope_theta`` (the other layers: ``rope_theta`` and
+    ``rope_scaling``, linear on 4B and up). Its RMSNorm weights are stored as llama.cpp's
+    converter stores them, 1 + w (a Hugging Face checkpoint's w gets 1 added when read).
     """
 
     vocab_size: int
@@ -82,6 +91,13 @@ class ModelArgs:
     rotary_dim: int = 0  # 0: head_dim
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
+    sandwich_norms: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    sliding_window: int = 0  # 0: none
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 10000.0
 
     @property
     def rotated(self) -> int:
@@ -95,18 +111,32 @@ class ModelArgs:
                 raise ValueError(f"ModelArgs.{name} must be positive, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelArgs.activation={self.activation!r}; allowed: silu, gelu_tanh")
+        if self.sliding_layers and self.sliding_window <= 0:
+            raise ValueError(f"sliding_layers {list(self.sliding_layers)} need a sliding_window > 0")
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' factor."""
+        return self.attn_scale or self.head_dim ** -0.5
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
-        """Build from a ``config.json`` dict of model_type llama, qwen2, qwen3, mistral or phi3.
+        """Build from a ``config.json`` dict of model_type llama, qwen2, qwen3, mistral, phi3,
+        gemma3_text or gemma3 (its ``text_config``: the text model of 4B and up).
 
-        Raises ValueError for other model types (use the transformers adapter for those).
+        Raises ValueError for other model types (use the transformers adapter for those),
+        and for settings the native decoder does not run (soft-capping, bidirectional
+        attention, other RoPE scalings).
         """
         mt = config.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {mt!r} is not one of the natively supported {SUPPORTED_MODEL_TYPES}; "
                 "load it with backend='transformers'")
+        if mt in ("gemma3", "gemma3_text"):
+            return cls._from_gemma3(config)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -155,15 +185,67 @@ class ModelArgs:
             max_position_embeddings=max_pos,
         )
 
+    @classmethod
+    def _from_gemma3(cls, config: dict) -> "ModelArgs":
+        """Gemma 3's text model (see the class docstring), its config completed with
+        transformers' defaults (the 4B-and-up ``config.json`` names a few fields only)."""
+        from transformers import Gemma3TextConfig
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Rotary inverse frequencies [rotated dims / 2] (fp32), with Llama 3 scaling or Phi-3's
-    LongRoPE short factors when configured (transformers' arithmetic)."""
+        text = config.get("text_config") if config.get("model_type") == "gemma3" else config
+        if not isinstance(text, dict):
+            raise ValueError("a gemma3 config.json needs a text_config object (the text model's "
+                             "settings); fix or re-download the model directory")
+        text = Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if text.get(key):
+                raise ValueError(f"{key}={text[key]} is not run natively; load with backend='transformers'")
+        if text.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention is not run natively; load with "
+                             "backend='transformers'")
+        rope = text["rope_parameters"]
+        full, local = rope["full_attention"], rope["sliding_attention"]
+        scaling = None
+        if full.get("rope_type", "default") == "linear":
+            scaling = (("factor", float(full["factor"])), ("rope_type", "linear"))
+        elif full.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling type {full['rope_type']!r} on gemma3 is not supported "
+                             "natively (supported: default, linear); load with backend='transformers'")
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling type {local['rope_type']!r} on gemma3's sliding layers "
+                             "is not supported natively; load with backend='transformers'")
+        if text.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"hidden_activation {text.get('hidden_activation')!r} on gemma3 is not "
+                             "run natively (gelu_pytorch_tanh is); load with backend='transformers'")
+        dim = text["hidden_size"]
+        return cls(
+            vocab_size=text["vocab_size"], dim=dim, n_layers=text["num_hidden_layers"],
+            n_heads=text["num_attention_heads"], n_kv_heads=text["num_key_value_heads"],
+            head_dim=text["head_dim"], intermediate_size=text["intermediate_size"],
+            norm_eps=text["rms_norm_eps"], rope_theta=float(full["rope_theta"]), rope_scaling=scaling,
+            qkv_bias=bool(text.get("attention_bias")), qk_norm=True,
+            tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
+            max_position_embeddings=text["max_position_embeddings"], sandwich_norms=True,
+            activation="gelu_tanh", embed_scale=dim ** 0.5,
+            attn_scale=text["query_pre_attn_scalar"] ** -0.5,
+            sliding_window=text["sliding_window"] or 0,
+            sliding_layers=tuple(i for i, kind in enumerate(text["layer_types"])
+                                 if kind == "sliding_attention") if text["sliding_window"] else (),
+            local_rope_theta=float(local["rope_theta"]),
+        )
+
+
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies [rotated dims / 2] (fp32), with Llama 3 scaling, Phi-3's
+    LongRoPE short factors or linear scaling when configured (transformers' arithmetic);
+    ``local``: those of the sliding-window layers (base ``local_rope_theta``, unscaled)."""
     d = args.rotated
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if args.rope_scaling is None:
+    base = args.local_rope_theta if local else args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if args.rope_scaling is None or local:
         return inv_freq
     s = dict(args.rope_scaling)
+    if s.get("rope_type", s.get("type")) == "linear":
+        return inv_freq / s["factor"]
     if s.get("rope_type", s.get("type")) == "longrope":
         return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32)
                       * args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -246,9 +328,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
         self.args = args
+        self.window = window  # >0: each query sees the last ``window`` positions only
         hd = args.head_dim
         if args.fused:  # Phi-3: the three in one linear, q rows first, then k, then v
             self.qkv_proj = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=args.qkv_bias)
@@ -263,8 +346,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, where, mask, cache: KVCache):
         """cos, sin: [T, D] or [B, 1, T, D]; where: see :meth:`~.kv_cache.KVCache.update`; mask: None
-        (causal over the new tokens, all cached slots visible), bool [T, end] or
-        [B, 1, T, end], True where a query sees a key, or :class:`~.attention.Prefixes`."""
+        (causal over the new tokens, all cached slots visible, or the last ``window`` of
+        them), bool [T, end] or [B, 1, T, end], True where a query sees a key, or
+        :class:`~.attention.Prefixes` (for a sliding-window layer: already windowed)."""
         b, t, _ = x.shape
         a = self.args
         if a.fused:
@@ -274,27 +358,28 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(b, t, a.n_heads, a.head_dim)
         k = k.reshape(b, t, a.n_kv_heads, a.head_dim)
-        if a.qk_norm:  # Qwen3: each head's query and key normalized, before RoPE
+        if a.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalized, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(where, k, v)
         if isinstance(mask, Prefixes):  # decode / verify rows on the CPU: the C++ kernel
-            y = attend_rows(mask, q, cache)
+            y = attend_rows(mask, q, cache, a.scale)
             return self.o_proj(y.view(b, t, a.n_heads * a.head_dim))
         if t > SDPA_MIN_TOKENS:  # long prefill: the fused kernel
             # in bf16 where the linears of the pass multiply in bf16 (quant.takes_bf16):
             # 4x faster on the tile unit
             dt = torch.bfloat16 if quant.takes_bf16(self.o_proj, x) else q.dtype
             y = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), attn_mask=mask,
-                                               enable_gqa=a.n_kv_heads != a.n_heads).to(q.dtype)
+                                               enable_gqa=a.n_kv_heads != a.n_heads,
+                                               scale=a.scale).to(q.dtype)
         elif mask is None and isinstance(where, int):  # decode / verify of one chain
-            y = attend_prefixes(q, k, v, where)
+            y = attend_prefixes(q, k, v, where, a.scale, self.window)
         else:  # rows of their own lengths, trees: grouped matmuls, no copy of the cache
             g = a.n_heads // a.n_kv_heads
             q = q.reshape(b, a.n_kv_heads, g * t, a.head_dim)
-            scores = (q @ k.transpose(-1, -2)) * (a.head_dim ** -0.5)
+            scores = (q @ k.transpose(-1, -2)) * a.scale
             if mask is not None:  # the g query heads of a group are stacked along the T axis
                 mask = mask.repeat((1,) * (mask.dim() - 2) + (g, 1))
                 scores = scores.masked_fill(~mask, float("-inf"))
@@ -316,6 +401,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.gelu = args.activation == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
         if args.fused:  # Phi-3: gate rows, then up rows, in one linear
             self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
         else:
@@ -328,6 +414,8 @@ class MLP(nn.Module):
             gate, up = (t.contiguous() for t in self.gate_up_proj(x).chunk(2, dim=-1))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         lib = cpu_kernels(gate.device, gate.dtype)
         if lib is None or not (gate.is_contiguous() and up.is_contiguous()):
             return self.down_proj(F.silu(gate) * up)
@@ -337,20 +425,31 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.sliding = index in args.sliding_layers
+        self.self_attn = Attention(args, args.sliding_window if self.sliding else 0)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        # Llama: the MLP's input norm; with sandwich norms (Gemma) the attention output's
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, cos, sin, where, mask, cache, attn: bool = True, mlp: bool = True):
         """attn, mlp: False skips that sublayer, the residual stream passing through it
         (SWIFT, arXiv:2410.06916, skips attention and MLP sublayers separately); a skipped
         attention writes nothing to ``cache``."""
+        sandwich = "pre_feedforward_layernorm" in self._modules
         if attn:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, where, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x)) if mlp else x
+            h = self.self_attn(self.input_layernorm(x), cos, sin, where, mask, cache)
+            x = x + (self.post_attention_layernorm(h) if sandwich else h)
+        if not mlp:
+            return x
+        if sandwich:
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _Body(nn.Module):
@@ -359,7 +458,7 @@ class _Body(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 
@@ -374,6 +473,33 @@ FINAL = -1  # the ``output_hidden`` key of the final norm's output (the lm_head'
 # never drafted, and the verify pass, which has the whole vocabulary, still emits it: the
 # output does not change.
 DRAFT_VOCAB = 32768
+
+
+# where a multimodal checkpoint (Gemma 3 of 4B and up) keeps its text model's weights, by the
+# transformers version that saved it, and the towers the text model does not use
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
+
+
+def hf_text_weights(pairs, config: dict):
+    """A Hugging Face checkpoint's (name, tensor) pairs as the native decoder names and
+    stores them: a multimodal checkpoint's text model under ``model.`` and ``lm_head.`` (its
+    vision tower and projector left out), and Gemma's RMSNorm weights w as 1 + w (Gemma
+    multiplies by 1 + w; llama.cpp's converter stores it so, as the decoder reads it).
+    Other checkpoints pass unchanged."""
+    gemma = config.get("model_type") in ("gemma3", "gemma3_text")
+    for name, t in pairs:
+        if name.startswith(_OTHER_TOWERS):
+            continue
+        for prefix, to in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
+        if gemma and name.endswith("norm.weight"):
+            t = t.float() + 1.0
+        yield name, t
 
 
 def auto_draft_vocab(vocab_size: int) -> int | None:
@@ -424,6 +550,7 @@ class Transformer(CacheRows, nn.Module):
         self.max_len = 0
         self.caches: list[KVCache] = []  # one per layer; not registered, see fork()
         self._cos = self._sin = None
+        self._local_rope = None  # (cos, sin) of the sliding-window layers, when they differ
         self.weight_format = str(torch.get_default_dtype()).removeprefix("torch.")
 
     @property
@@ -455,10 +582,14 @@ class Transformer(CacheRows, nn.Module):
                            for _ in range(a.n_layers)]
             self.max_len = max_len
             pos = torch.arange(max_len, dtype=torch.float32, device=w.device)
-            freqs = torch.outer(pos, rope_inv_freq(a).to(w.device))
-            emb = torch.cat((freqs, freqs), dim=-1)
             scale = rope_scale(a)
-            self._cos, self._sin = (emb.cos() * scale).to(w.dtype), (emb.sin() * scale).to(w.dtype)
+
+            def tables(inv_freq):
+                freqs = torch.outer(pos, inv_freq.to(w.device))
+                emb = torch.cat((freqs, freqs), dim=-1)
+                return (emb.cos() * scale).to(w.dtype), (emb.sin() * scale).to(w.dtype)
+            self._cos, self._sin = tables(rope_inv_freq(a))
+            self._local_rope = tables(rope_inv_freq(a, local=True)) if a.sliding_layers else None
         self.row_lengths, self._layer_lengths = [0] * batch, None
 
     def _apply(self, fn, recurse=True):
@@ -589,6 +720,7 @@ class Transformer(CacheRows, nn.Module):
         # them on the CPU; they go where the weights are
         input_ids = input_ids.to(self.device)
         dev = input_ids.device
+        start_t = valid = None  # rows' starts, non-padding tokens: made where a path needs them
         if attn_mask is not None or position_ids is not None:
             tok = torch.arange(t, device=dev)
             valid = tok < torch.tensor(lens, device=dev)[:, None]
@@ -617,12 +749,19 @@ class Transformer(CacheRows, nn.Module):
             end = max(s + n_ for s, n_ in zip(starts, lens))
             where = (rows, start_t[rows] + toks, toks, end)
         if position_ids is None and same_start:
-            cos, sin = self._cos[s0:s0 + t], self._sin[s0:s0 + t]
+            qpos = torch.arange(s0, s0 + t, device=dev).expand(b, t)
+
+            def rope(cos, sin):
+                return cos[s0:s0 + t], sin[s0:s0 + t]
         else:
             pos = start_t[:, None] + tok if position_ids is None else position_ids
             if ragged:  # padding may run past the RoPE table
                 pos = pos.masked_fill(~valid, 0)
-            cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
+            qpos = pos
+
+            def rope(cos, sin):
+                return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+        cos, sin = rope(self._cos, self._sin)
         kernel = attention_kernel(dev, self.caches[0].k.dtype, self.args) \
             if t <= SDPA_MIN_TOKENS else None
         if attn_mask is not None and tree_kernel(kernel):  # a tree on the decode kernel
@@ -649,8 +788,12 @@ class Transformer(CacheRows, nn.Module):
             sees = tree.expand(b, t, t).gather(2, col)  # [B, T, end]: tree[b, i, slot's offset]
             # padding queries see every slot: never a fully masked (NaN) row
             mask = ((rel < 0)[:, None] | (sees & new[:, None]) | ~valid[:, :, None])[:, None]
+        local = self._windowed(mask, qpos, t, dev, start_t, valid)
+        local_rope = rope(*self._local_rope) if self._local_rope is not None else (cos, sin)
 
         x = self.model.embed_tokens(input_ids)
+        if self.args.embed_scale != 1.0:  # Gemma: times sqrt(width), in the weights' dtype
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         want, hidden = output_hidden, {}
         layer_stack = fused.stack(self) if isinstance(mask, Prefixes) else None
         if layer_stack is not None:  # the same bits in one C call (models/fused.py)
@@ -667,7 +810,10 @@ class Transformer(CacheRows, nn.Module):
             blocks = zip(self.model.layers, self.caches) if layers is None else \
                 ((self.model.layers[i], self.caches[i]) for i in layers)
             for i, (layer, cache) in zip(run, blocks):
-                x = layer(x, cos, sin, where, mask, cache, i not in skip_attn, i not in skip_mlp)
+                if layer.sliding:
+                    x = layer(x, *local_rope, where, local, cache, i not in skip_attn, i not in skip_mlp)
+                else:
+                    x = layer(x, cos, sin, where, mask, cache, i not in skip_attn, i not in skip_mlp)
                 if want and i in want:
                     hidden[i] = x
         if want and FINAL in want:
@@ -685,6 +831,25 @@ class Transformer(CacheRows, nn.Module):
             logits = head(self.model.norm(x)).float()
         # the engine's side of the model boundary is the CPU (no-ops there): see models/base.py
         return ForwardOutput(logits.cpu(), {key: h.cpu() for key, h in hidden.items()})
+
+    def _windowed(self, mask, qpos: torch.Tensor, t: int, dev, start_t, valid):
+        """The mask of the sliding-window layers for a pass whose other layers take ``mask``
+        (forward_rows' forms): each query at position p sees the keys at p-window+1..p of
+        what ``mask`` shows it. qpos: int64 [B, T] the queries' positions; start_t, valid:
+        the rows' starts and non-padding tokens, given with a [B, 1, T, end] mask. None
+        stays None: :func:`~.attention.attend_prefixes` windows itself (``Attention.window``)."""
+        w = self.args.sliding_window
+        if not self.args.sliding_layers or mask is None:
+            return mask
+        if isinstance(mask, Prefixes):
+            return window_prefixes(mask, qpos, w)
+        keys = torch.arange(mask.shape[-1], device=dev)
+        if mask.dim() == 2:  # [T, end]: one chain's prefill
+            return mask & (keys > qpos[0, :, None] - w)
+        rel = keys - start_t[:, None]  # a key's position: its slot's, or its new token's
+        keypos = torch.where((rel >= 0) & (rel < t), qpos.gather(1, rel.clamp(0, t - 1)), keys)
+        sees = (qpos[:, None, :, None] - keypos[:, None, None, :]) < w
+        return (mask & sees) | ~valid[:, None, :, None]
 
     def _chunk(self, t: int, end: int) -> int:
         """The longest pass that a prefill of t tokens a row, ending at slot ``end``, runs as
@@ -836,7 +1001,7 @@ class Transformer(CacheRows, nn.Module):
                 raise FileNotFoundError(f"no *.safetensors weights in {path}")
 
             def weights():
-                return quant.safetensors_weights(sources)
+                return hf_text_weights(quant.safetensors_weights(sources), config)
         if dtype == "q4" and source is None:
             raise ValueError("dtype q4 keeps the Q4_K blocks of a GGUF file: load the .gguf file "
                              "(or a known model); this directory has safetensors weights")
