@@ -185,14 +185,15 @@ def hf_model_dir(tmp_path, name):
 
 
 def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None = None,
-                    chat_template: str | None = None) -> None:
+                    chat_template: str | None = None, metadata: dict | None = None) -> None:
     """Write the tiny HF model in ``src`` (llama or qwen2) as a GGUF file, laid out as
     llama.cpp's converter writes it (its tensor names from gguf's name map, llama's q/k rows
     permuted for its rope layout, metadata keys, tokenizer, merges and chat template).
     Tensors are F32, except: ``q4k``: every linear weight of a shape Q4_K takes (inputs a
     multiple of 256) becomes random Q4_K blocks; ``qtype`` (a GGML type name): every 2-D
     weight whose row fits the type's blocks is stored in it (quantized by the gguf package,
-    or random blocks with bounded fp16 scales for the types it cannot quantize)."""
+    or random blocks with bounded fp16 scales for the types it cannot quantize). ``metadata``:
+    more integer keys (e.g. ``tokenizer.ggml.fim_pre_token_id``)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -247,6 +248,8 @@ def write_tiny_gguf(src: Path, out: Path, q4k: bool = False, qtype: str | None =
     w.add_unk_token_id(0)
     w.add_pad_token_id(EOS)
     w.add_add_bos_token(False)
+    for key, value in (metadata or {}).items():
+        w.add_uint32(key, value)
     template = src / "chat_template.jinja"
     if chat_template or template.is_file():
         w.add_chat_template(chat_template or template.read_text())
@@ -351,3 +354,35 @@ def random_q4k_blocks(rows: int, cols: int, seed: int = 0):
     b[:, :, 0:2] = rng.uniform(0.5e-4, 2e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
     b[:, :, 2:4] = rng.uniform(0.5e-4, 2e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
     return b.reshape(rows, -1)
+
+
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+              "<|file_sep|>"]  # Qwen2.5-Coder's
+
+
+def fim_dirs(root: Path) -> dict[str, Path]:
+    """A random 2-layer Llama target and its noisy draft (as :func:`build_tiny_dirs`'s) whose
+    tokenizer is the test tokenizer plus Qwen2.5-Coder's FIM special tokens."""
+    from transformers import LlamaForCausalLM
+
+    tok = local_tokenizer()
+    tok = type(tok).from_pretrained(_saved(tok, root / "base"))
+    tok.add_special_tokens({"additional_special_tokens": FIM_TOKENS})
+    dirs = {"target": root / "target", "draft": root / "draft"}
+    target = LlamaForCausalLM(_llama_config(len(tok)))
+    _randomize(target, seed=0)
+    target.save_pretrained(dirs["target"])
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    target.save_pretrained(dirs["draft"])
+    for d in dirs.values():
+        tok.save_pretrained(d)
+    return dirs
+
+
+def _saved(tok, path: Path) -> Path:
+    tok.save_pretrained(path)
+    return path

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import jinja2
 
+from . import fim
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
@@ -166,7 +167,7 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
-def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=None,
+def stream(target, prompt=None, *, suffix: str | None = None, input_ids=None, draft=None, assistant_model=None,
            method: str | Method | SpeculativeConfig | None = None, chat: bool = False, max_new_tokens: int = 128,
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
            top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
@@ -184,7 +185,11 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
     target / draft (alias ``assistant_model``): a :class:`LoadedModel` (from
     :func:`specdecode.load`) or anything :func:`load` accepts (name, directory, GGUF, hub id).
     prompt: text, or chat messages [{"role", "content"}]; ``chat=True`` applies the target's
-    chat template to text. input_ids: token ids instead of a prompt. dtype, device: how a
+    chat template to text. suffix: fill in the middle: ``prompt`` is the text before the gap,
+    ``suffix`` the text after it, and the output the middle (the target's FIM tokens and
+    llama.cpp server's layout: :mod:`specdecode.fim`; it ends where the model closes the gap
+    or starts another file; FIMError for a model without FIM tokens). input_ids: token ids
+    instead of a prompt. dtype, device: how a
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "hybrid" (default when a draft is given, else "ar": plain decoding; each round
     suffix matching or the draft, whichever promises more, the draft only while its rounds
@@ -244,7 +249,7 @@ def stream(target, prompt=None, *, input_ids=None, draft=None, assistant_model=N
         max_matching_ngram_size, suffix_cache, **options)
     own_k = isinstance(k, int) and not isinstance(k, bool)  # (the config fills in a default K)
     gen, tgt, params, prompt_ids = _start(
-        target, prompt, input_ids, draft, spec, chat,
+        target, prompt, input_ids, draft, spec, chat, suffix,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
              seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule,
@@ -323,6 +328,9 @@ def generate(target, prompt=None, *, max_batch: int = 8, **kwargs) -> Generation
 def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list[GenerationResult]:
     if kwargs.get("input_ids") is not None:
         raise ValueError("give a list of prompts or input_ids, not both")
+    if kwargs.get("suffix") is not None:
+        raise ValueError("suffix= (fill in the middle) takes one prompt, the text before the gap, "
+                         "not a list of prompts")
     if not (isinstance(max_batch, int) and max_batch >= 1):
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     tgt = _as_model(target, kwargs.get("dtype", DEFAULT_DTYPE), device=kwargs.get("device"))
@@ -384,9 +392,13 @@ def _own_chat_view(proposer, draft: LoadedModel | None, prompt, chat: bool) -> N
         cross.draft_prompt_ids = None
 
 
-def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, sampling: dict,
+def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suffix, sampling: dict,
            dtype, device, debug, batch=None, own_k=False) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
     params = _sampling_params(**sampling)
+    if suffix is not None and (not isinstance(prompt, str) or chat or input_ids is not None
+                               or not isinstance(suffix, str)):
+        raise ValueError("suffix= (fill in the middle) takes text: prompt= the text before the "
+                         "gap, suffix= the text after it; not chat, not input_ids")
     if spec.lossy_typical is not None and params.greedy:
         raise ValueError(f"lossy-typical={spec.lossy_typical} applies to sampled requests (temperature > 0): "
                          "at temperature 0 Medusa's typical acceptance is greedy verification, so it would "
@@ -395,7 +407,14 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, samp
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype, device=device)
     drf = _as_model(draft, dtype, "draft", device) if spec.method.needs_draft_model else None
-    prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
+    if suffix is not None:
+        _check_utf8(prompt, "the prompt")
+        _check_utf8(suffix, "the suffix")
+        prompt_ids = fim.infill_ids(tgt, prompt, suffix, n_predict=params.max_new_tokens)
+        if params.eos_token_ids is None:  # the middle also ends where the model closes the gap
+            params = replace(params, eos_token_ids=tuple(tgt.eos_token_ids) + fim.require_fim(tgt).stops)
+    else:
+        prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
     if batch is None:
         proposer = build_proposer(spec, tgt, drf)

@@ -24,6 +24,7 @@ examples:
   specdecode generate --prompt "Write a Python function that checks for primes." --chat
   specdecode generate --prompt "def quicksort(xs):" --k 6 --compare
   specdecode generate --prompt "Once upon a time" --temperature 0.8 --seed 1 --json
+  specdecode generate --prompt-file before.py --suffix-file after.py   # fill in the middle
 """
 
 
@@ -34,6 +35,13 @@ def add_parser(sub) -> None:
     given.add_argument("--prompt", help="the prompt text ('-' reads standard input)")
     given.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    after = p.add_mutually_exclusive_group()
+    after.add_argument("--suffix", default=None,
+                       help="fill in the middle: the text after the gap (the prompt is the text "
+                            "before it); the output is the middle, in the target's FIM format "
+                            "(llama.cpp server's /infill layout; a code model with FIM tokens)")
+    after.add_argument("--suffix-file", metavar="PATH", default=None,
+                       help="--suffix read from this UTF-8 text file")
     add_model_arguments(p)
     defaults = ", ".join(f"{m.default_k} for {m.name}" for m in METHODS.values() if m.default_k)
     p.add_argument("--k", type=k_argument, default=None,
@@ -135,20 +143,31 @@ def _read_stdin() -> str:
     return raw.read().decode("utf-8", "surrogateescape") if raw is not None else sys.stdin.read()
 
 
+def _read_text_file(path: str, flag: str) -> str:
+    """A UTF-8 text file's text (a byte that is not UTF-8 kept as a lone surrogate, for the
+    text check to name); ValueError naming the flag for an empty path or an unreadable file."""
+    if not path.strip():
+        raise ValueError(f"{flag} is empty: give the path of a text file")
+    try:  # a UTF-8 byte-order mark is not text (it became a token of its own)
+        return Path(path).read_bytes().decode("utf-8", "surrogateescape").removeprefix("\ufeff")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Raises ValueError for bad input, ModelFetchError when a model cannot be fetched."""
     if args.prompt_file is not None:
         where = f"--prompt-file {args.prompt_file}"
-        if not args.prompt_file.strip():
-            raise ValueError("--prompt-file is empty: give the path of a text file")
-        try:  # a UTF-8 byte-order mark is not prompt text (it became a token of its own)
-            prompt = Path(args.prompt_file).read_bytes().decode("utf-8", "surrogateescape").removeprefix("\ufeff")
-        except OSError as e:
-            raise ValueError(f"{where}: {e.strerror or e}") from None
+        prompt = _read_text_file(args.prompt_file, "--prompt-file")
     else:
         prompt = _read_stdin() if args.prompt == "-" else args.prompt
         where = "standard input" if args.prompt == "-" else "--prompt"
     _check_utf8(prompt, where)
+    suffix = args.suffix if args.suffix_file is None else _read_text_file(args.suffix_file, "--suffix-file")
+    if suffix is not None:
+        _check_utf8(suffix, "--suffix-file" if args.suffix_file is not None else "--suffix")
+        if args.chat:
+            raise ValueError("--suffix fills in the middle of plain text: drop --chat")
     method = method_of(args)
     threads = apply_threads(args)
     # check every value before spending seconds on loading models
@@ -167,7 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = speculative_config(args.method, draft_given, args.k, args.max_k or 16, args.draft_p_min,
                               args.max_ngram)
     head_dir_for(spec, args.target)  # a missing head is said before the target loads
-    if not prompt.strip():
+    if not prompt.strip() and not suffix:
         raise ValueError(f"the prompt is empty ({where})")
     t0 = time.perf_counter()
     target, draft = load_models(args, method)
@@ -175,7 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.method = "self"
         method = method_of(args)
     load_s = time.perf_counter() - t0
-    common = dict(chat=args.chat, max_new_tokens=args.max_new_tokens,
+    common = dict(chat=args.chat, suffix=suffix, max_new_tokens=args.max_new_tokens,
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
                   seed=args.seed, stop=args.stop, acceptance_rule=args.acceptance_rule)

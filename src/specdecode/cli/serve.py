@@ -19,8 +19,9 @@ from .common import (EXIT_CODES_HELP, EXIT_INTERRUPTED, add_model_arguments, add
 
 SERVE_HELP = """\
 Serve the target over an OpenAI-compatible HTTP API with speculative decoding:
-POST /v1/completions and /v1/chat/completions (streamed or not; logprobs from the target),
-GET /v1/models, GET /health (503 until the models are loaded), GET /metrics (Prometheus,
+POST /v1/completions and /v1/chat/completions (streamed or not; logprobs from the target;
+fill in the middle with `suffix` on completions), POST /infill (llama.cpp server's FIM
+endpoint, for llama.vscode and llama.vim), GET /v1/models, GET /health (503 until the models are loaded), GET /metrics (Prometheus,
 vLLM's speculation counter names), and at / a page to watch speculation: the answer streams
 with each token shaded by who supplied it (accepted draft or lookup token, the target's
 recovered or bonus token), beside the same prompt with speculation off. Output is the

@@ -28,9 +28,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import api
+from .. import api, fim
 from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, read_files, speculative_config
-from . import protocol
+from . import infill, protocol
 from .protocol import OpenAIError, bad
 from .worker import Ticket, Worker
 
@@ -84,6 +84,26 @@ class _Context:
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         return self._ids(messages, True)
+
+    def infill(self, prefix: str, suffix: str, prompt: str = "", extra=(), n_predict: int = 0,
+               fields=("prompt", "suffix")) -> list[int]:
+        """A fill-in-the-middle prompt's ids (:func:`specdecode.fim.infill_ids`); a 400 naming
+        ``fields`` (the request's names of prefix and suffix) for a model without FIM tokens
+        or text that is not UTF-8."""
+        for text, name in ((prefix, fields[0]), (suffix, fields[1]), (prompt, "prompt")):
+            try:
+                api._check_utf8(text, f"'{name}'")
+            except ValueError as e:
+                raise bad(str(e), name) from None
+        try:
+            return fim.infill_ids(self._target, prefix, suffix, prompt=prompt, extra=extra,
+                                  n_ctx=self.max_context, n_predict=n_predict)
+        except fim.FIMError as e:
+            raise bad(str(e), "input_extra" if str(e).startswith("input_extra") else fields[1]) from None
+
+    def fim_eos(self) -> tuple[int, ...]:
+        """A middle's end tokens: the target's EOS and its FIM stops."""
+        return tuple(self._target.eos_token_ids) + fim.require_fim(self._target).stops
 
 
 # the library's names of request fields (its ValueErrors begin "name=value is invalid") -> OpenAI's
@@ -216,6 +236,30 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
         raw = await _read_body(request, limit)
         # parsing and tokenizing a large body takes seconds: in a thread, not on the event loop
         job = await asyncio.to_thread(lambda: protocol.check_request(protocol.parse_body(raw, kind), kind, ctx))
+        ticket = submit(job, ctx)
+        if job.stream:
+            return StreamingResponse(_events(ticket), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        total = len(job.prompts) * job.n
+        texts, finishes, results = [""] * total, [None] * total, [None] * total
+        tokens, spans, speculation = [[] for _ in range(total)], [[] for _ in range(total)], [None] * total
+        async for piece in _pieces(request, ticket):
+            if piece.kind == "text":
+                texts[piece.index] += piece.text
+                tokens[piece.index] += piece.tokens
+                spans[piece.index] += piece.spans
+                speculation[piece.index] = piece.speculation or speculation[piece.index]
+            else:
+                finishes[piece.index] = piece.finish
+                results[piece.index] = (piece.completion_tokens, piece.stats)
+        if None in finishes:  # the client left: nobody reads it
+            return Response(status_code=499)
+        return protocol.response(job, texts, finishes, protocol.usage(job, results), tokens,
+                                 spans, speculation)
+
+    def submit(job: protocol.Job, ctx: _Context) -> Ticket:
+        """Queue a checked job with the method's served options; OpenAIError 400 for what
+        the library refuses, 429 when the queue is full."""
         job.method = served_method(ctx.served, job.method)  # with the options the server was started with
         try:  # the library's own checks, before anything is queued
             params = api._sampling_params(**job.sampling, do_sample=None, seed=job.seed, eos_token_id=None)
@@ -233,12 +277,13 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
             raise OpenAIError(429, f"the queue is full ({worker.waiting} requests waiting); "
                                    "retry later", type="rate_limit_error",
                               code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-        if job.stream:
-            return StreamingResponse(_events(ticket), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        total = len(job.prompts) * job.n
-        texts, finishes, results = [""] * total, [None] * total, [None] * total
-        tokens, spans, speculation = [[] for _ in range(total)], [[] for _ in range(total)], [None] * total
+        return ticket
+
+    async def _pieces(request: Request, ticket: Ticket):
+        """A non-streamed request's pieces until every choice is done; ends early when its
+        client leaves (seen by asking every DISCONNECT_POLL_S) or when the consumer stops
+        (the worker then drops the ticket). OpenAIError 500 for a failed generation."""
+        total = len(ticket.job.prompts) * ticket.job.n
         try:
             done, asked = 0, time.monotonic()
             while done < total:
@@ -250,25 +295,16 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
                     # a client that leaves is only seen by asking: its row is freed then
                     asked = time.monotonic()
                     if await request.is_disconnected():  # (finally: the worker drops the ticket)
-                        return Response(status_code=499)  # nobody reads it
+                        return
                 if piece is None:
                     continue
                 if piece.kind == "error":
                     raise OpenAIError(500, piece.message, type="server_error",
                                       headers={"x-should-retry": "false"})
-                if piece.kind == "text":
-                    texts[piece.index] += piece.text
-                    tokens[piece.index] += piece.tokens
-                    spans[piece.index] += piece.spans
-                    speculation[piece.index] = piece.speculation or speculation[piece.index]
-                else:
-                    finishes[piece.index] = piece.finish
-                    results[piece.index] = (piece.completion_tokens, piece.stats)
-                    done += 1
+                done += piece.kind == "done"
+                yield piece
         finally:
             ticket.cancelled.set()  # a no-op once done; frees the worker if the client left
-        return protocol.response(job, texts, finishes, protocol.usage(job, results), tokens,
-                                 spans, speculation)
 
     async def _events(ticket: Ticket):
         job = ticket.job
@@ -302,6 +338,59 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, "completions")
+
+    @app.post("/infill")
+    async def infill_endpoint(request: Request):
+        """llama.cpp server's FIM endpoint (:mod:`.infill`)."""
+        check_key(request)
+        ctx = context()
+        raw = await _read_body(request, limit)
+        job, cut, fields = await asyncio.to_thread(
+            lambda: infill.check_infill(protocol.json_object(raw), ctx))
+        ticket = submit(job, ctx)
+        if job.stream:
+            return StreamingResponse(_infill_events(request, ticket, cut, fields),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, end, finish, stats, predicted = "", None, None, None, 0
+        async for piece in _pieces(request, ticket):
+            if piece.kind == "text":
+                text += piece.text
+                predicted += len(piece.tokens)
+                if (end := cut.end(text)) is not None:
+                    break  # (the worker drops the rest)
+            else:
+                finish, stats, predicted = piece.finish, piece.stats, piece.completion_tokens
+        if finish is None and end is None:  # the client left
+            return Response(status_code=499)
+        return infill.select(infill.body(job, text[:end], finish, stats, predicted, end is not None), fields)
+
+    async def _infill_events(request: Request, ticket: Ticket, cut: infill.Cut, fields):
+        """llama.cpp's stream: a {content, stop: false} event per piece, then the response's
+        fields with stop: true (no [DONE], as llama.cpp's /infill)."""
+        text, sent, predicted = "", 0, 0
+        finish, stats, end = None, None, None
+        try:
+            async for piece in _pieces(request, ticket):
+                if piece.kind == "done":
+                    finish, stats, predicted = piece.finish, piece.stats, piece.completion_tokens
+                    continue
+                text += piece.text
+                predicted += len(piece.tokens)
+                end = cut.end(text)
+                delta = text[sent:end]
+                sent += len(delta)
+                if delta:
+                    yield _sse({"index": 0, "content": delta, "tokens": [], "stop": False,
+                                "id_slot": 0, "tokens_predicted": predicted,
+                                "tokens_evaluated": len(ticket.job.prompts[0])})
+                if end is not None:
+                    break
+        except OpenAIError as e:
+            yield _sse(e.body())
+            return
+        last = infill.body(ticket.job, text[:end] if end is not None else text, finish, stats,
+                           predicted, end is not None)
+        yield _sse(infill.select({**last, "content": ""}, fields))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -21,7 +21,7 @@ MAX_N = 8  # choices per request
 ROLES = ("system", "user", "assistant")
 # OpenAI fields this server does not implement: refused with 501, naming the field, rather
 # than silently ignored (a client would get something other than what it asked for)
-NOT_IMPLEMENTED = ("echo", "best_of", "suffix", "logit_bias", "tools",
+NOT_IMPLEMENTED = ("echo", "best_of", "logit_bias", "tools",
                    "tool_choice", "functions", "function_call", "response_format", "prediction",
                    "parallel_tool_calls", "audio", "modalities", "reasoning_effort")
 COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "temperature",
@@ -29,7 +29,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "tem
                  # through the official client's extra_body
                  "top_k", "repetition_penalty", "min_tokens", "acceptance_rule", "method",
                  "num_speculative_tokens", "return_token_sources")
-FIELDS = {"completions": COMMON_FIELDS + ("prompt",),
+FIELDS = {"completions": COMMON_FIELDS + ("prompt", "suffix"),
           "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")}
 
 
@@ -76,20 +76,15 @@ class Job:
     seed: int | None
     logprobs: int | None = None  # alternatives per token (0: the token's own only); None: off
     token_sources: bool = False  # each chunk names who supplied its tokens (the page at /)
+    eos_token_ids: tuple[int, ...] | None = None  # None: the target's (FIM: also its FIM stops)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def parse_body(raw: bytes, kind: str) -> dict:
-    """The JSON object of a request body; OpenAIError 400 for anything else."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:  # the decoder's own limit, not a fault of the server
-        raise bad("the request body nests JSON arrays or objects too deeply") from None
-    if not isinstance(body, dict):
-        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    """The JSON object of a request body whose fields are all ``kind``'s (completions,
+    chat); OpenAIError 400 for anything else, 501 for an OpenAI field not implemented."""
+    body = json_object(raw)
     for name in body:
         if name in NOT_IMPLEMENTED:
             value = body[name]
@@ -99,6 +94,19 @@ def parse_body(raw: bytes, kind: str) -> dict:
                               code="unsupported_parameter")
         if name not in FIELDS[kind]:
             raise bad(f"unrecognized request argument: '{name}'", param=name)
+    return body
+
+
+def json_object(raw: bytes) -> dict:
+    """The JSON object of a request body; OpenAIError 400 for anything else."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder's own limit, not a fault of the server
+        raise bad("the request body nests JSON arrays or objects too deeply") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
@@ -171,6 +179,15 @@ def check_request(body: dict, kind: str, ctx) -> Job:
                 raise bad(f"messages[{i}].role is {m['role']!r}; allowed: {', '.join(ROLES)}", "messages")
             chat.append({"role": m["role"], "content": _text_of(m["content"], i)})
         prompts = [ctx.apply_chat(chat)]
+    elif body.get("suffix") is not None:  # fill in the middle
+        suffix, prompt = body["suffix"], body.get("prompt")
+        if not isinstance(suffix, str):
+            raise bad(f"'suffix' must be a string (the text after the gap), got {json.dumps(suffix)[:80]}",
+                      "suffix")
+        if not isinstance(prompt, str):
+            raise bad("with 'suffix' (fill in the middle) 'prompt' must be one string: the text "
+                      "before the gap", "prompt")
+        prompts = [ctx.infill(prompt, suffix)]
     else:
         prompts = _prompts(body.get("prompt", None), ctx)
 
@@ -227,8 +244,9 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     sources = body.get("return_token_sources", False)
     if not isinstance(sources, bool):
         raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")
+    eos = ctx.fim_eos() if kind == "completions" and body.get("suffix") is not None else None
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
-               _logprobs(body, kind), sources)
+               _logprobs(body, kind), sources, eos)
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

@@ -231,7 +231,8 @@ class Worker:
             self.target, input_ids=job.prompts[choice.index // job.n], method=job.method,
             draft=self.draft if method.needs_draft_model else None,
             num_speculative_tokens=job.num_speculative_tokens, batch=self.engine,
-            seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs, **job.sampling)
+            seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs,
+            eos_token_id=None if job.eos_token_ids is None else list(job.eos_token_ids), **job.sampling)
         return choice
 
     def _tokens(self, choice: _Choice, chunk, eos: set) -> list[Token]:
@@ -257,9 +258,9 @@ class Worker:
     def _round(self) -> None:
         """One chunk of every live choice: one verify pass of the batch (the first choice's
         next() steps it; the others find their block made)."""
-        eos = set(self.target.eos_token_ids)
         for choice in list(self._live):
             ticket = choice.ticket
+            eos = set(ticket.job.eos_token_ids or self.target.eos_token_ids)
             if choice not in self._live:
                 continue  # dropped with its ticket this round
             if ticket.cancelled.is_set():
