@@ -328,7 +328,8 @@ def generate(target, prompt=None, *, max_batch: int = 8, **kwargs) -> Generation
 def _generate_batch(target, prompts: list, max_batch: int, kwargs: dict) -> list[GenerationResult]:
     if kwargs.get("input_ids") is not None:
         raise ValueError("give a list of prompts or input_ids, not both")
-    if kwargs.get("suffix") is not None:
+    fim_suffix = kwargs.get("suffix")  # (fill in the middle's text after the gap)
+    if fim_suffix is not None:
         raise ValueError("suffix= (fill in the middle) takes one prompt, the text before the gap, "
                          "not a list of prompts")
     if not (isinstance(max_batch, int) and max_batch >= 1):

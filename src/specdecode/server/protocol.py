@@ -166,6 +166,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         if not isinstance(include_usage, bool):
             raise bad("'stream_options.include_usage' must be true or false", "stream_options")
 
+    fim_suffix = body.get("suffix")  # fill in the middle: the text after the gap
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -179,15 +180,15 @@ def check_request(body: dict, kind: str, ctx) -> Job:
                 raise bad(f"messages[{i}].role is {m['role']!r}; allowed: {', '.join(ROLES)}", "messages")
             chat.append({"role": m["role"], "content": _text_of(m["content"], i)})
         prompts = [ctx.apply_chat(chat)]
-    elif body.get("suffix") is not None:  # fill in the middle
-        suffix, prompt = body["suffix"], body.get("prompt")
-        if not isinstance(suffix, str):
-            raise bad(f"'suffix' must be a string (the text after the gap), got {json.dumps(suffix)[:80]}",
-                      "suffix")
+    elif fim_suffix is not None:
+        prompt = body.get("prompt")
+        if not isinstance(fim_suffix, str):
+            raise bad(f"'suffix' must be a string (the text after the gap), got "
+                      f"{json.dumps(fim_suffix)[:80]}", "suffix")
         if not isinstance(prompt, str):
             raise bad("with 'suffix' (fill in the middle) 'prompt' must be one string: the text "
                       "before the gap", "prompt")
-        prompts = [ctx.infill(prompt, suffix)]
+        prompts = [ctx.infill(prompt, fim_suffix)]
     else:
         prompts = _prompts(body.get("prompt", None), ctx)
 
@@ -244,7 +245,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     sources = body.get("return_token_sources", False)
     if not isinstance(sources, bool):
         raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")
-    eos = ctx.fim_eos() if kind == "completions" and body.get("suffix") is not None else None
+    eos = ctx.fim_eos() if kind == "completions" and fim_suffix is not None else None
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
                _logprobs(body, kind), sources, eos)
 
