@@ -66,6 +66,12 @@ def test_the_prompt_is_laid_out_as_llama_cpp_lays_out_infill(pair):
     context = ([f.rep] + enc("myproject\n") + [f.sep] + enc("util.py\n") + enc(extra[0]["text"])
                + [f.sep] + enc("filename\n"))
     assert ids == context + [f.pre] + enc(PREFIX) + enc("tot") + [f.suf] + enc(SUFFIX) + [f.mid]
+    # a single file (OpenAI's suffix): no repository context, whatever the room; /infill's
+    # (repo=True): llama.cpp's even without chunks
+    alone = [f.pre] + enc(PREFIX) + [f.suf] + enc(SUFFIX) + [f.mid]
+    assert fim.infill_ids(target, PREFIX, SUFFIX, n_ctx=8192) == alone
+    assert fim.infill_ids(target, PREFIX, SUFFIX, n_ctx=8192, repo=True) == (
+        [f.rep] + enc("myproject\n") + [f.sep] + enc("filename\n") + alone)
     # suffix first (--spm-infill); no room for the context in a small window
     spm = fim.infill_ids(target, PREFIX, SUFFIX, extra=extra, n_ctx=2048, spm=True)
     assert spm == [f.suf] + enc(SUFFIX) + [f.pre] + enc(PREFIX) + [f.mid]
@@ -192,6 +198,16 @@ def test_infill_with_llama_cpp_field_names(server, pair):
         line = lines[shallow]
         keep = "\n".join(lines[:shallow]) + "\n" + line[:len(line) - len(line.lstrip(" \t"))]
         assert cut["content"] == keep and cut["stop_type"] == "limit"
+    if shallow is not None:  # a cut middle still reports its times
+        assert cut["timings"]["prompt_ms"] > 0 and cut["timings"]["predicted_ms"] > 0
+    # a stop string ends it as llama.cpp reports one; no response_fields: all of them
+    word = want.text[3:6]
+    status, _, stopped = server.post("/infill", {**body, "stop": [word], "response_fields": []})
+    assert stopped["content"] == want.text[:want.text.find(word)]
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
+    # the method, as on /v1/completions
+    status, _, plain = server.post("/infill", {**body, "method": "ar"})
+    assert status == 200 and plain["content"] == want.text
     # streamed
     import urllib.request
     req = urllib.request.Request(server.url + "/infill", data=json.dumps({**body, "stream": True}).encode(),
@@ -209,6 +225,12 @@ def test_fim_errors_are_400_naming_the_field(server, tmp_path_factory):
     assert status == 400 and out["error"]["param"] == "input_extra"
     status, _, out = server.post("/infill", {"input_prefix": 3})
     assert status == 400 and out["error"]["param"] == "input_prefix"
+    status, _, out = server.post("/infill", {"input_prefix": "a", "input_extra": [{"filename": "a.py", "text": "\ud800"}]})
+    assert status == 400 and out["error"]["param"] == "input_extra"
+    status, _, out = server.post("/infill", {"input_prefix": "a", "method": "nonsense"})
+    assert status == 400 and out["error"]["param"] == "method"
+    status, _, out = server.post("/infill", {"input_prefix": "a", "prompt": "x = 1\n" * 400})
+    assert status == 400 and out["error"]["param"] == "prompt"
     status, _, out = server.post("/v1/completions", {"model": "tiny", "prompt": "a", "suffix": 3})
     assert status == 400 and out["error"]["param"] == "suffix"
     # a server whose target has no FIM tokens

@@ -97,7 +97,7 @@ def require_fim(target: LoadedModel) -> FIMTokens:
 
 def infill_ids(target: LoadedModel, prefix: str, suffix: str, *, prompt: str = "",
                extra: list[dict] | tuple = (), n_ctx: int | None = None, n_predict: int = 0,
-               spm: bool = False) -> list[int]:
+               spm: bool = False, repo: bool = False) -> list[int]:
     """The token ids of a FIM request's prompt, as llama.cpp's server builds ``/infill``'s.
 
     Args:
@@ -108,11 +108,14 @@ def infill_ids(target: LoadedModel, prefix: str, suffix: str, *, prompt: str = "
         extra: repository-level context, chunks ``{"filename": str, "text": str}`` put
             before the prefix, newest last: as many of the last ones as fit
             ``n_ctx - 2048 - 2 * n_predict`` tokens.
+        repo: lay out the repository context even without ``extra`` (llama.cpp's /infill:
+            ``<|repo_name|>myproject``, the chunks, ``<|file_sep|>filename``); else only
+            with ``extra`` (a single file's FIM, as OpenAI's ``suffix``).
         n_ctx: the context the request runs in (default: the model's).
         n_predict: tokens the middle may take.
         spm: suffix first (``--spm-infill``), for models trained that way.
     Returns:
-        token ids: [extra] [BOS if the tokenizer adds one] PRE prefix[-1536:] prompt SUF
+        token ids: [context] [BOS if the tokenizer adds one] PRE prefix[-1536:] prompt SUF
         suffix[:510 - len(prompt)] MID (PSM order).
     Raises:
         FIMError: the model has no FIM tokens, or ``extra`` is not a list of such chunks.
@@ -128,7 +131,9 @@ def infill_ids(target: LoadedModel, prefix: str, suffix: str, *, prompt: str = "
             and isinstance(c.get("filename", ""), str) for c in extra):
         raise FIMError("input_extra must be a list of {\"filename\": str, \"text\": str} chunks")
     context: list[int] = []
-    if fim.rep is not None:  # llama.cpp names the repository "myproject"
+    if not (repo or extra):
+        pass
+    elif fim.rep is not None:  # llama.cpp names the repository "myproject"
         context += [fim.rep] + enc("myproject\n")
     for chunk in extra:
         if fim.sep is not None:
@@ -136,7 +141,7 @@ def infill_ids(target: LoadedModel, prefix: str, suffix: str, *, prompt: str = "
         else:
             context += enc("\n\n--- snippet ---\n\n")
         context += enc(chunk.get("text", ""))
-    if fim.sep is not None:
+    if (repo or extra) and fim.sep is not None:
         context += [fim.sep] + enc("filename\n")
     pre, suf, cont = enc(prefix), enc(suffix), enc(prompt)
     pre = pre[len(pre) - min(len(pre), 3 * (BATCH // 4)):]

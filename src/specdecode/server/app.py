@@ -86,18 +86,20 @@ class _Context:
         return self._ids(messages, True)
 
     def infill(self, prefix: str, suffix: str, prompt: str = "", extra=(), n_predict: int = 0,
-               fields=("prompt", "suffix")) -> list[int]:
+               fields=("prompt", "suffix"), repo: bool = False) -> list[int]:
         """A fill-in-the-middle prompt's ids (:func:`specdecode.fim.infill_ids`); a 400 naming
         ``fields`` (the request's names of prefix and suffix) for a model without FIM tokens
         or text that is not UTF-8."""
-        for text, name in ((prefix, fields[0]), (suffix, fields[1]), (prompt, "prompt")):
+        chunks = [(v, "input_extra") for c in (extra if isinstance(extra, (list, tuple)) else ())
+                  if isinstance(c, dict) for v in c.values() if isinstance(v, str)]
+        for text, name in ((prefix, fields[0]), (suffix, fields[1]), (prompt, "prompt"), *chunks):
             try:
                 api._check_utf8(text, f"'{name}'")
             except ValueError as e:
                 raise bad(str(e), name) from None
         try:
             return fim.infill_ids(self._target, prefix, suffix, prompt=prompt, extra=extra,
-                                  n_ctx=self.max_context, n_predict=n_predict)
+                                  n_ctx=self.max_context, n_predict=n_predict, repo=repo)
         except fim.FIMError as e:
             raise bad(str(e), "input_extra" if str(e).startswith("input_extra") else fields[1]) from None
 
@@ -351,28 +353,31 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
         if job.stream:
             return StreamingResponse(_infill_events(request, ticket, cut, fields),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, end, finish, stats, predicted = "", None, None, None, 0
+        text, end, finish, stats, predicted, word = "", None, None, None, 0, ""
         async for piece in _pieces(request, ticket):
+            stats = piece.stats or stats
             if piece.kind == "text":
                 text += piece.text
                 predicted += len(piece.tokens)
                 if (end := cut.end(text)) is not None:
                     break  # (the worker drops the rest)
             else:
-                finish, stats, predicted = piece.finish, piece.stats, piece.completion_tokens
+                finish, predicted, word = piece.finish, piece.completion_tokens, piece.stop_word
         if finish is None and end is None:  # the client left
             return Response(status_code=499)
-        return infill.select(infill.body(job, text[:end], finish, stats, predicted, end is not None), fields)
+        return infill.select(infill.body(job, text[:end], finish, stats, predicted, end is not None, word),
+                             fields)
 
     async def _infill_events(request: Request, ticket: Ticket, cut: infill.Cut, fields):
         """llama.cpp's stream: a {content, stop: false} event per piece, then the response's
         fields with stop: true (no [DONE], as llama.cpp's /infill)."""
         text, sent, predicted = "", 0, 0
-        finish, stats, end = None, None, None
+        finish, stats, end, word = None, None, None, ""
         try:
             async for piece in _pieces(request, ticket):
+                stats = piece.stats or stats
                 if piece.kind == "done":
-                    finish, stats, predicted = piece.finish, piece.stats, piece.completion_tokens
+                    finish, predicted, word = piece.finish, piece.completion_tokens, piece.stop_word
                     continue
                 text += piece.text
                 predicted += len(piece.tokens)
@@ -389,7 +394,7 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
             yield _sse(e.body())
             return
         last = infill.body(ticket.job, text[:end] if end is not None else text, finish, stats,
-                           predicted, end is not None)
+                           predicted, end is not None, word)
         yield _sse(infill.select({**last, "content": ""}, fields))
 
     @app.post("/v1/chat/completions")

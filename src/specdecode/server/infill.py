@@ -2,7 +2,8 @@
 (llama.vscode, llama.vim) send it and read it: request fields ``input_prefix``,
 ``input_suffix``, ``input_extra`` ([{"filename", "text"}] repository context), ``prompt``
 (text continuing the prefix), ``n_predict``, ``n_indent``, ``t_max_predict_ms``,
-``response_fields``, ``stream``, and its sampling fields; response fields ``content``,
+``response_fields``, ``stream``, and its sampling fields (and specdecode's ``method``, as on
+/v1/completions); response fields ``content``,
 ``tokens_predicted``, ``tokens_evaluated``, ``stop_type``, ``truncated``, ``timings``.
 The prompt is laid out as llama.cpp lays it out (:func:`specdecode.fim.infill_ids`).
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 
-from .protocol import Job, _number, bad
+from .protocol import Job, _number, bad, method_of
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}  # llama.cpp server's
 # llama.cpp fields that change the output and are not implemented here: value when neutral
@@ -78,12 +79,13 @@ def check_infill(body: dict, ctx) -> tuple[Job, Cut, list[str] | None]:
         raise bad("'response_fields' must be a list of field names (\"timings/prompt_n\" for a "
                   "nested one)", "response_fields")
     n_predict = _number(body, "n_predict", -1, -1, (1 << 31) - 1, integer=True)
+    method = method_of(body, ctx)
     ids = ctx.infill(strings["input_prefix"], strings["input_suffix"], strings["prompt"], extra,
-                     max(n_predict, 0), fields=("input_prefix", "input_suffix"))
+                     max(n_predict, 0), fields=("input_prefix", "input_suffix"), repo=True)
     room = ctx.max_context - len(ids)
-    if room < 1:
+    if room < 1:  # (the prefix and suffix are cut to fit; the prompt is not)
         raise bad(f"the infill prompt has {len(ids)} tokens: no room is left in the server's "
-                  f"{ctx.max_context} positions a request", "input_prefix")
+                  f"{ctx.max_context} positions a request", "prompt" if strings["prompt"] else "input_prefix")
     cap = room if n_predict in (-1, 0) else n_predict
     if cap > room:
         raise bad(f"the infill prompt ({len(ids)} tokens) plus n_predict={n_predict} is more than "
@@ -100,24 +102,27 @@ def check_infill(body: dict, ctx) -> tuple[Job, Cut, list[str] | None]:
     cut = Cut(_number(body, "n_indent", 0, 0, 1 << 20, integer=True),
               _number(body, "t_max_predict_ms", 0, 0, 1 << 40, integer=True))
     _number(body, "t_max_prompt_ms", 0, -1, 1 << 40, integer=True)  # accepted, as llama.cpp's
-    job = Job("infill", ctx.model_name, [ids], 1, stream, False, sampling, ctx.default_method, None,
+    job = Job("infill", ctx.model_name, [ids], 1, stream, False, sampling, method, None,
               None if seed == -1 else seed, None, False, ctx.fim_eos())
     return job, cut, fields
 
 
-def body(job: Job, text: str, finish: str, stats, predicted: int, cut: bool) -> dict:
-    """The response (or a stream's last event): llama.cpp server's fields."""
+def body(job: Job, text: str, finish: str, stats, predicted: int, cut: bool, word: str = "") -> dict:
+    """The response (or a stream's last event): llama.cpp server's fields. stats: the
+    generation's so far (a cut middle's are those of its last piece); word: the stop string
+    that ended it, if one did."""
     prompt_n = len(job.prompts[0])
     prompt_ms = (stats.prefill_s if stats else 0.0) * 1000
-    predicted_ms = ((stats.total_s - stats.prefill_s) if stats else 0.0) * 1000
-    stop_type = "limit" if cut or finish == "length" else "eos"  # (a stop string's end: "eos" too)
+    # (a middle cut before its end has no total yet: its passes' times)
+    predicted_ms = (max(stats.total_s - stats.prefill_s, stats.draft_s + stats.verify_s) if stats else 0.0) * 1000
+    stop_type = "limit" if cut or finish == "length" else "word" if word else "eos"
 
     def rate(n, ms):
         return n / ms * 1000 if ms > 0 else 0.0
     return {"index": 0, "content": text, "tokens": [], "id_slot": 0, "stop": True,
             "model": job.model, "tokens_predicted": predicted, "tokens_evaluated": prompt_n,
             "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
-            "stopping_word": "", "tokens_cached": 0,
+            "stopping_word": word, "tokens_cached": 0,
             "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
                         "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
                         "prompt_per_second": rate(prompt_n, prompt_ms),
@@ -128,8 +133,8 @@ def body(job: Job, text: str, finish: str, stats, predicted: int, cut: bool) -> 
 
 def select(obj: dict, fields: list[str] | None) -> dict:
     """``obj`` reduced to ``response_fields`` as llama.cpp does: each path ("timings/prompt_n")
-    a key of its own; paths it lacks left out. None: all of it."""
-    if fields is None:
+    a key of its own; paths it lacks left out. None or []: all of it (as llama.cpp)."""
+    if not fields:
         return obj
     out = {}
     for path in fields:

@@ -217,15 +217,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("'stop' must be a non-empty string or a list of them", "stop")
-    method = body.get("method", ctx.default_method)
-    if method not in ctx.methods:
-        why = ctx.unavailable.get(method) if isinstance(method, str) else None
-        hint = (" (the methods with a draft model need one loaded: start the server with --draft "
-                "NAME or --method draft|hybrid)" if isinstance(method, str) and method in METHODS and METHODS[method].needs_draft_model
-                else f" ({method} cannot run here: {why})" if why
-                else " (a request names a method only; its options are the server's: start it with "
-                     "--method NAME:KEY=VALUE)" if isinstance(method, str) and ":" in method else "")
-        raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}{hint}", "method")
+    method = method_of(body, ctx)
     k = body.get("num_speculative_tokens")
     if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64):
         raise bad(f"'num_speculative_tokens' must be an integer 1..64, got {k!r}", "num_speculative_tokens")
@@ -248,6 +240,21 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     eos = ctx.fim_eos() if kind == "completions" and fim_suffix is not None else None
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
                _logprobs(body, kind), sources, eos)
+
+
+def method_of(body: dict, ctx) -> str:
+    """The request's ``method`` (default: the server's), or OpenAIError 400 naming what this
+    server runs and why the asked one is not among them."""
+    method = body.get("method", ctx.default_method)
+    if method not in ctx.methods:
+        why = ctx.unavailable.get(method) if isinstance(method, str) else None
+        hint = (" (the methods with a draft model need one loaded: start the server with --draft "
+                "NAME or --method draft|hybrid)" if isinstance(method, str) and method in METHODS and METHODS[method].needs_draft_model
+                else f" ({method} cannot run here: {why})" if why
+                else " (a request names a method only; its options are the server's: start it with "
+                     "--method NAME:KEY=VALUE)" if isinstance(method, str) and ":" in method else "")
+        raise bad(f"'method' is {method!r}; this server runs {', '.join(ctx.methods)}{hint}", "method")
+    return method
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

@@ -45,6 +45,7 @@ class Piece:
     tokens: list = field(default_factory=list)
     spans: list = field(default_factory=list)
     speculation: dict | None = None
+    stop_word: str = ""  # the stop string that ended the choice (kind "done"), if one did
 
 
 @dataclass
@@ -248,6 +249,15 @@ class Worker:
             choice.offset += len(text)
         return out
 
+    def _stop_word(self, job, result, eos: set) -> str:
+        """The stop string that ended a result, or "" (an EOS, the length cap)."""
+        stops = job.sampling.get("stop") or ()
+        ids = result.token_ids
+        if result.finish_reason != "stop" or not stops or (ids and ids[-1] in eos):
+            return ""
+        full = api._decode(self.target.tokenizer, ids)
+        return next((s for s in stops if full.startswith(s, len(result.text))), "")
+
     def _drop(self, ticket: Ticket) -> None:
         """Close every choice of a ticket (its client left, or one of them failed)."""
         for c in [c for c in self._live if c.ticket is ticket]:
@@ -284,7 +294,7 @@ class Worker:
                 choice.stats = chunk.stats or choice.stats
                 ticket.put(Piece("text", choice.index, chunk.text, tokens=tokens,
                                  spans=[(t, i.kind, i.proposer) for t, i in chunk.spans],
-                                 speculation=spec))
+                                 speculation=spec, stats=chunk.stats))
             if chunk.result is not None:
                 r = chunk.result
                 ids = r.token_ids  # an EOS that ended the request is not text
@@ -294,6 +304,6 @@ class Worker:
                 self.metrics.observe(r, n, choice.prompt_tokens if first_of_prompt else 0,
                                      ticket.arrived, choice.first)
                 ticket.put(Piece("done", choice.index, finish=r.finish_reason,
-                                 completion_tokens=n, stats=r.stats))
+                                 completion_tokens=n, stats=r.stats, stop_word=self._stop_word(ticket.job, r, eos)))
                 choice.chunks.close()
                 self._live.remove(choice)
