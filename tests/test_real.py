@@ -36,16 +36,17 @@ def test_smollm2_plain_decoding_equals_transformers_generate():
 
 
 def test_gemma3_past_its_sliding_window():
-    """Gemma 3 (the transformers adapter) past its 512-token window: plain decoding in fp32
-    equals transformers' own generate (the window was not applied before), and the lookup
-    methods, whose rollbacks crashed on the sliding cache, equal plain decoding in int8."""
+    """Gemma 3 (the native runtime) past its 512-token window: plain decoding in fp32 equals
+    transformers' own generate on the file's fp32 conversion, and the lookup methods, whose
+    rollbacks cross the window, equal plain decoding on the quantized model."""
     text = "".join(f"Item {i}: the {'red' if i % 3 else 'blue'} box holds {i * 7 % 13} apples.\n"
                    for i in range(90))
     fp32 = specdecode.load("gemma3-270m", dtype="float32")
     ids = fp32.tokenizer.encode(text)
     assert len(ids) > 700
     ours = specdecode.generate(fp32, input_ids=ids, method="ar", max_new_tokens=24, eos_token_id=[])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(fp32.path, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(float_model_path("gemma3-270m"),
+                                                           dtype=torch.float32)
     out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                       pad_token_id=0)
     assert ours.token_ids == out[0, len(ids):].tolist()
