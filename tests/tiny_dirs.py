@@ -28,6 +28,15 @@ def _randomize(model, seed: int, std: float = 0.3, final_norm: float = 4.0) -> N
         model.model.norm.weight.fill_(final_norm)
 
 
+def _add_noise(model, seed: int = 1, std: float = 0.01) -> None:
+    """A draft of a target: its weights plus N(0, std) noise (norms kept), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * std)
+
+
 def _llama_config(vocab_size: int, hidden: int = 32):
     from transformers import LlamaConfig
 
@@ -84,11 +93,7 @@ def build_tiny_dirs(root: Path) -> dict[str, Path]:
 
     draft = LlamaForCausalLM(_llama_config(VOCAB))
     draft.load_state_dict(target.state_dict())
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    _add_noise(draft)
     draft.save_pretrained(dirs["draft"])
 
     wide = LlamaForCausalLM(_llama_config(WIDE_VOCAB))
@@ -372,11 +377,7 @@ def fim_dirs(root: Path) -> dict[str, Path]:
     target = LlamaForCausalLM(_llama_config(len(tok)))
     _randomize(target, seed=0)
     target.save_pretrained(dirs["target"])
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    _add_noise(target)
     target.save_pretrained(dirs["draft"])
     for d in dirs.values():
         tok.save_pretrained(d)
