@@ -131,18 +131,17 @@ def infill_ids(target: LoadedModel, prefix: str, suffix: str, *, prompt: str = "
             and isinstance(c.get("filename", ""), str) for c in extra):
         raise FIMError("input_extra must be a list of {\"filename\": str, \"text\": str} chunks")
     context: list[int] = []
-    if not (repo or extra):
-        pass
-    elif fim.rep is not None:  # llama.cpp names the repository "myproject"
-        context += [fim.rep] + enc("myproject\n")
-    for chunk in extra:
+    if repo or extra:
+        if fim.rep is not None:  # llama.cpp names the repository "myproject"
+            context += [fim.rep] + enc("myproject\n")
+        for chunk in extra:
+            if fim.sep is not None:
+                context += [fim.sep] + enc(chunk.get("filename", "tmp") + "\n")
+            else:
+                context += enc("\n\n--- snippet ---\n\n")
+            context += enc(chunk.get("text", ""))
         if fim.sep is not None:
-            context += [fim.sep] + enc(chunk.get("filename", "tmp") + "\n")
-        else:
-            context += enc("\n\n--- snippet ---\n\n")
-        context += enc(chunk.get("text", ""))
-    if (repo or extra) and fim.sep is not None:
-        context += [fim.sep] + enc("filename\n")
+            context += [fim.sep] + enc("filename\n")
     pre, suf, cont = enc(prefix), enc(suffix), enc(prompt)
     pre = pre[len(pre) - min(len(pre), 3 * (BATCH // 4)):]
     suf = suf[:max(0, BATCH // 4 - (2 + len(cont)))]
