@@ -29,6 +29,9 @@ CASES = [
     ("vllm-hybrid-auto", "vllm", "target", "draft", Method.HYBRID, "auto"),
     ("sglang-draft-cut", "sglang", "target", "wide_draft", Method.DRAFT, None),
     ("sglang-prompt-lookup", "sglang", "target", None, Method.PROMPT_LOOKUP, None),
+    # a parallel draft: vLLM's parallel_drafting; SGLang drafts a token a step (a note)
+    ("vllm-pard", "vllm", "wide", "pard", Method.DRAFT, 4),
+    ("sglang-pard", "sglang", "wide", "pard", Method.DRAFT, None),
 ]
 
 
@@ -63,6 +66,10 @@ def test_exported_settings_equal_the_golden_files(tmp_path, dirs, case, engine, 
     if r.config is not None:
         assert json.loads((out / "speculative_config.json").read_text()) == r.config
     assert ("draft" in written) == (draft is not None)
+    if draft is not None:  # a parallel draft's mask token travels in its config (vLLM reads it there)
+        mask = json.loads((dirs[draft] / "config.json").read_text()).get("pard_token")
+        assert json.loads((out / "draft" / "config.json").read_text()).get("pard_token") == mask
+        assert (mask is not None) == (case == "vllm-pard" or case == "sglang-pard")
 
 
 @pytest.mark.parametrize("draft,rows", [("draft", "padded"), ("wide_draft", "cut")])

@@ -133,3 +133,146 @@ def test_train_pard_end_to_end_writes_a_draft_that_names_its_mask_token(tmp_path
     assert spec.token_ids == plain.token_ids
     assert main(args[:4] + ["--draft", str(dirs["draft"]), "--out", str(tmp_path / "f")] + args[8:]) == 2
     assert "spare row" in capsys.readouterr().err and not (tmp_path / "f" / "features").exists()
+
+
+# --- the parallel draft at inference (DraftModelProposer with a mask token) ---------------
+
+V, MASK_ID = 50, 49  # a counting target emits 0..48: the mask row is never a token
+
+
+def _counting(tokens):
+    """The target: the next token is the last one + 1 (mod 49), surely."""
+    out = torch.zeros(V)
+    out[(tokens[-1] + 1) % MASK_ID] = 5.0
+    return out
+
+
+def _parallel_counting(wrong_at: int | None = None):
+    """A parallel draft of the counting target: after m masks it predicts the token m + 1
+    ahead of the last real one; with ``wrong_at`` = j, the mask rows j and later are unsure
+    (flat logits)."""
+    def fn(tokens):
+        m = 0
+        while tokens[-1 - m] == MASK_ID:
+            m += 1
+        out = torch.zeros(V)
+        if wrong_at is None or m < wrong_at:
+            out[(tokens[-1 - m] + 1 + m) % MASK_ID] = 5.0
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("tree", [1, 2])
+def test_a_parallel_draft_proposes_a_round_in_one_pass(tree):
+    """Each round is one draft pass over the tokens the last round committed and K - 1
+    masks; every token is kept (the draft is right), the output is plain decoding's, and
+    the draft's cache never keeps a mask (checked after every round in debug mode: it holds
+    a prefix of the committed tokens). Also as a draft tree (siblings from the same rows)."""
+    from helpers import MockLM, TreeMockLM
+    from specdecode.config import SamplingParams
+    from specdecode.engine import Engine
+    from specdecode.proposers import DraftModelProposer
+
+    params = SamplingParams(max_new_tokens=41)
+    draft = MockLM(V, _parallel_counting())
+    proposer = DraftModelProposer(draft, mask_id=MASK_ID, tree_width=tree)
+    assert proposer.parallel and not DraftModelProposer(draft).parallel
+    gen = Engine(TreeMockLM(V, _counting), proposer, 4, debug=True).generate([3, 4, 5], params).run()
+    assert gen.token_ids == [(6 + i) % MASK_ID for i in range(41)]
+    # 5 tokens a round (a tree's siblings are verified too, never kept here)
+    assert gen.stats.num_accepted_tokens == 32 and gen.stats.num_verify_passes == 9
+    assert (gen.stats.num_draft_tokens == 32) == (tree == 1)
+    # the prompt's first tokens, then one pass a round: 1 fed + 3 masks, then 5 fed + 3
+    # masks (the last round has one token left to make: no draft)
+    assert draft.forward_sizes == [2, 4] + [8] * 7
+    assert MASK_ID not in draft.tokens
+
+
+def test_a_parallel_draft_stops_where_it_is_unsure_and_reads_a_guess():
+    """p_min applies per row (the proposal ends before the first unsure mask); a guess the
+    draft backs is kept and the masks after it draft on; where the draft first differs from
+    the guess, its own token there ends the proposal. One pass each; afterwards the cache
+    holds the committed tokens and the guess tokens it backs, no mask."""
+    from helpers import MockLM
+    from specdecode.config import SamplingParams
+    from specdecode.proposers import DraftModelProposer, RequestState
+
+    def fresh(fn, p_min=None):
+        drafter = DraftModelProposer(MockLM(V, fn), p_min=p_min, mask_id=MASK_ID)
+        state = RequestState([3, 4, 5], 0, SamplingParams(), (), None, V)
+        drafter.reset(state, 100)
+        drafter.draft.forward_sizes.clear()
+        return drafter, state
+
+    drafter, state = fresh(_parallel_counting(wrong_at=2), p_min=0.5)
+    assert drafter.propose(state, 6).token_ids[0].tolist() == [6, 7]  # masks 2.. unsure
+    assert drafter.draft.forward_sizes == [6] and drafter.draft.tokens == [3, 4, 5]
+    drafter, state = fresh(_parallel_counting())
+    out = drafter.propose_with_guess(state, 6, [6, 7, 8])
+    assert out.token_ids[0].tolist() == [6, 7, 8, 9, 10, 11]  # the guess, its next, 2 masks
+    assert drafter.draft.forward_sizes == [1 + 3 + 2] and drafter.draft.tokens == [3, 4, 5, 6, 7, 8]
+    drafter, state = fresh(_parallel_counting())
+    out = drafter.propose_with_guess(state, 6, [6, 9, 10])
+    assert out.token_ids[0].tolist() == [6, 7]  # backs 6, differs at 9: its own 7 ends it
+    assert drafter.draft.tokens == [3, 4, 5, 6]
+    with pytest.raises(ValueError, match="mask_id"):
+        DraftModelProposer(MockLM(V, _counting), mask_id=V)
+
+
+def test_the_hybrid_prices_a_parallel_draft_by_its_one_pass():
+    """With a draft step at 0.6 of a target pass, a draft of one token a pass pays for one
+    token at most; a parallel draft's proposal costs one pass over more rows, so the hybrid
+    gives it a longer one (same draft, same acceptance prior)."""
+    from helpers import MockLM
+    from specdecode.config import SamplingParams
+    from specdecode.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, RequestState
+
+    lengths = {}
+    for mask in (None, MASK_ID):
+        member = HybridProposer.draft_for(MockLM(V, _parallel_counting()), mask_id=mask)
+        hybrid = HybridProposer(PromptLookupProposer(), member, draft_cost=0.6,
+                                draft_pass_cost=[1.0 + 0.05 * i for i in range(8)])
+        state = RequestState([3, 4, 5, 6], 1, SamplingParams(), (), None, V)
+        hybrid.reset(state, 100)
+        lengths[mask] = hybrid.propose(state, 6).token_ids.shape[1]
+    assert 1 <= lengths[None] < lengths[MASK_ID]
+    with pytest.raises(ValueError, match="draft_pass_cost"):
+        HybridProposer(PromptLookupProposer(), DraftModelProposer(MockLM(V, _counting)), draft_pass_cost=[0.0])
+
+
+def test_a_parallel_draft_directory_drafts_in_one_pass_and_keeps_the_output(tmp_path_factory, tmp_path):
+    """A model directory whose config names ``pard_token`` loads as a parallel draft; with
+    it the draft method (chain and tree), the hybrid and a batch give plain decoding's
+    tokens, greedy and seeded sampled; a pard_token that is not a row of the model is
+    refused at load, naming it."""
+    import json
+    import shutil
+
+    import specdecode
+    from specdecode.batch import BatchEngine
+    from tiny_dirs import VOCAB, tiny_dirs_in
+
+    dirs = tiny_dirs_in(tmp_path_factory)
+    target = specdecode.load(dirs["target"])
+    draft = specdecode.load(dirs["pard"], role="draft")
+    assert draft.pard_token == VOCAB and specdecode.load(dirs["wide"], role="draft").pard_token is None
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
+    for params in ({}, {"temperature": 0.8, "seed": 3}):
+        plain = specdecode.generate(target, prompt, method="ar", max_new_tokens=24, **params).token_ids
+        for method in ("draft", "draft:tree=2", "hybrid"):
+            out = specdecode.generate(target, prompt, method=method, draft=draft, max_new_tokens=24, **params)
+            assert out.token_ids == plain, (method, params)
+            assert out.stats.num_draft_tokens > 0 or method == "hybrid"
+        batch = BatchEngine(target.lm, 2, 256)
+        try:
+            out = specdecode.generate(target, prompt, method="draft", draft=draft, max_new_tokens=24,
+                                      batch=batch, **params)
+            assert out.token_ids == plain and out.stats.num_draft_tokens > 0
+        finally:
+            batch.close()
+    bad = tmp_path / "bad"
+    shutil.copytree(dirs["pard"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "pard_token": config["vocab_size"]}))
+    with pytest.raises(ValueError, match="pard_token"):
+        specdecode.load(bad, role="draft")

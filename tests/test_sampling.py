@@ -440,18 +440,24 @@ def test_power_top_k_ignored_by_target_is_detected():
 # The same, end to end: Engine + DraftModelProposer over mock models
 # ----------------------------------------------------------------------------------------
 
+T2_TOP_K = SamplingParams(max_new_tokens=3, temperature=2.0, top_k=5, repetition_penalty=1.3)
+T06_TOP_P = SamplingParams(max_new_tokens=3, temperature=0.6, top_p=0.9)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["rejection", "gumbel"])
-@pytest.mark.parametrize("params,draft_vocab", [
-    (SamplingParams(max_new_tokens=3, temperature=2.0, top_k=5, repetition_penalty=1.3), EV),
-    (SamplingParams(max_new_tokens=3, temperature=0.6, top_p=0.9), EV - 1),
-], ids=["T2-top_k5-rep1.3", "T0.6-top_p0.9-draft-vocab-5"])
-def test_engine_output_follows_target(params, draft_vocab, rule):
+@pytest.mark.parametrize("params,draft_vocab,rule,mask_id", [
+    (T2_TOP_K, EV, "rejection", None), (T2_TOP_K, EV, "gumbel", None),
+    (T06_TOP_P, EV - 1, "rejection", None), (T06_TOP_P, EV - 1, "gumbel", None),
+    (T2_TOP_K, EV, "rejection", EV - 1),
+], ids=["T2-top_k5-rep1.3-rejection", "T2-top_k5-rep1.3-gumbel", "T0.6-top_p0.9-draft-vocab-5-rejection",
+        "T0.6-top_p0.9-draft-vocab-5-gumbel", "T2-top_k5-rep1.3-rejection-parallel-draft"])
+def test_engine_output_follows_target(params, draft_vocab, rule, mask_id):
     """20k seeded requests (3 tokens, K = 2; the first two are counted) through the engine with a different draft model: the
     joint of the two tokens is the target's (the verify pass must process the target's logits
-    exactly as the request says and the draft must report the distribution it sampled from)."""
+    exactly as the request says and the draft must report the distribution it sampled from:
+    for a parallel draft, the mask row's, from which its second token is drawn in the same pass)."""
     target, draft = mock_target(), mock_draft(draft_vocab)
-    engine = Engine(target, DraftModelProposer(draft), 2, debug=True)
+    engine = Engine(target, DraftModelProposer(draft, mask_id=mask_id), 2, debug=True)
     counts = torch.zeros(EV * EV, dtype=torch.long)
     proposed = 0
     for seed in range(N_RUNS):

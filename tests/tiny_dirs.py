@@ -80,13 +80,15 @@ def build_tiny_dirs(root: Path) -> dict[str, Path]:
         each block, so blocks end at varying positions and rollback is exercised.
     wide: the target's weights with 128 extra (zero) embedding rows: same tokenizer.
     wide_draft: the same with large random extra rows (they dominate the draft's raw logits).
+    pard: ``wide`` as a parallel draft: its config names its first spare row (VOCAB) as the
+        mask token ``pard_token`` (untrained: a zero embedding).
     gpt2: a GPT-2 (not a native architecture), the same tokenizer.
     foreign: a different tokenizer (and vocabulary size).
     """
     from transformers import LlamaForCausalLM
 
     tok = local_tokenizer()
-    dirs = {name: root / name for name in ("target", "draft", "wide", "wide_draft", "gpt2", "foreign")}
+    dirs = {name: root / name for name in ("target", "draft", "wide", "wide_draft", "pard", "gpt2", "foreign")}
     target = LlamaForCausalLM(_llama_config(VOCAB))
     _randomize(target, seed=0)
     target.save_pretrained(dirs["target"])
@@ -103,6 +105,9 @@ def build_tiny_dirs(root: Path) -> dict[str, Path]:
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     wide.load_state_dict(state)
     wide.save_pretrained(dirs["wide"])
+    wide.config.pard_token = VOCAB
+    wide.save_pretrained(dirs["pard"])
+    del wide.config.pard_token
 
     # as a draft: the same, but its extra rows would win every argmax if the draft's logits
     # were not cut to the target's width
@@ -111,7 +116,7 @@ def build_tiny_dirs(root: Path) -> dict[str, Path]:
     wide.load_state_dict(state)
     wide.save_pretrained(dirs["wide_draft"])
 
-    for name in ("target", "draft", "wide", "wide_draft"):
+    for name in ("target", "draft", "wide", "wide_draft", "pard"):
         tok.save_pretrained(dirs[name])
 
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -13,6 +13,11 @@ Vocabulary sizes: vLLM refuses a draft whose vocabulary size differs from the ta
 fewer rows is padded with zero rows (those ids score 0 in the draft, and no token of the
 tokenizer has one); a draft with more rows is cut to the target's when its tokenizer has no
 id beyond them; otherwise the export is refused.
+
+A parallel draft (PARD, arXiv:2504.18583: a ``pard_token`` in its config.json, as
+``specdecode train pard`` writes it) is exported with vLLM's ``"parallel_drafting": true``
+beside ``"method": "draft_model"`` (vLLM reads the mask token from the draft's config);
+SGLang has no parallel drafting, so there it drafts one token a step.
 """
 
 from __future__ import annotations
@@ -157,7 +162,8 @@ def export(engine: str, out: str | Path, target: Path, draft: Path | None, metho
     target / draft: model directories in transformers layout (draft None for the lookup
     methods). with_target: also write the target as ``target/`` (bf16), so that the launch
     script serves the very pair measured here. Raises ValueError for an unknown engine, an
-    exported method that needs a draft without one, or vocabulary sizes that cannot match.
+    exported method that needs a draft without one, vocabulary sizes that cannot match, or a
+    parallel draft's mask token beyond the target's rows.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is unknown; allowed: {', '.join(ENGINES)}")
@@ -171,9 +177,20 @@ def export(engine: str, out: str | Path, target: Path, draft: Path | None, metho
         _check_same_tokenizer(target, draft)
     draft_dir = out / "draft" if uses_draft else None
     name, config, flags, notes = engine_settings(engine, method, k, draft_dir, max_ngram, min_ngram)
+    target_vocab = _config(target).get("vocab_size")
+    mask = _config(draft).get("pard_token") if uses_draft else None
+    if mask is not None:
+        if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < (target_vocab or mask + 1):
+            raise ValueError(f"the draft's pard_token {mask!r} is not a row of the target's vocabulary "
+                             f"(0..{target_vocab - 1}): vLLM's draft must have the target's rows")
+        if config is not None:
+            config["parallel_drafting"] = True
+        else:
+            notes.append(f"the draft is a parallel draft (mask token {mask}); SGLang has no parallel "
+                         "drafting, so it drafts one token a step there (what it proposes changes, "
+                         "not the output's distribution).")
     out.mkdir(parents=True, exist_ok=True)
     vocab = "same"
-    target_vocab = _config(target).get("vocab_size")
     if uses_draft:
         vocab = write_hf_dir(draft, draft_dir, target_vocab, progress=progress)
         if vocab != "same":

@@ -138,6 +138,16 @@ def verify_profile(model: LoadedModel, max_k: int = 16) -> list[float]:
     return times
 
 
+PARALLEL_DRAFT_ROWS = 8  # a parallel draft's pass: ~2 fed tokens and up to K - 1 = 5 masks, and room
+
+
+def draft_profile(model: LoadedModel) -> list[float]:
+    """A draft model's forward times in seconds, measured once as :func:`verify_profile`
+    does: T(1) (a draft step), and for a parallel draft (``model.pard_token``, whose one pass
+    reads many rows) T(1..``PARALLEL_DRAFT_ROWS``)."""
+    return verify_profile(model, PARALLEL_DRAFT_ROWS - 1 if model.pard_token is not None else 0)
+
+
 PREFILL_TOKENS = 64  # a short prompt's feed: the hybrid's draft is fed prompts and answers so far
 
 

@@ -188,10 +188,10 @@ def _train_draft(args: argparse.Namespace, recipe: HeadRecipe) -> int:
     _print_result(f"{args.draft}'s top {args.layers} layers on {result['examples']} sequences", result, tau,
                   f" ({before:.2f} before)" if before is not None else "")
     if parallel:
-        print(f"wrote {out}: the held-out share of chains right in their first j tokens is in "
-              f"{out}/pard.json (training.history); no method drafts with it yet")
-    else:
-        print(f"wrote {out}; use it: specdecode generate --target {args.target} --draft {out}")
+        print(f"the held-out share of chains right in their first j tokens is in {out}/pard.json "
+              "(training.history)")
+    print(f"wrote {out}; use it: specdecode generate --target {args.target} --draft {out}"
+          + (" (it drafts a round in one pass)" if parallel else ""))
     return 0
 
 

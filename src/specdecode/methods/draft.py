@@ -53,7 +53,9 @@ def own_draft(target: LoadedModel, draft: LoadedModel):
 def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None = None,
                    hybrid: bool = False, tree_width: int = 1) -> Proposer:
     """The draft model's proposer for this pair: token ids straight through when the two
-    share a tokenizer, through text when they do not (:func:`check_compatible`'s mode).
+    share a tokenizer, through text when they do not (:func:`check_compatible`'s mode). A
+    parallel draft (``draft.pard_token``) of the target's tokenizer proposes in one pass; of
+    another tokenizer it drafts one token a pass, as any draft.
 
     Args:
         hybrid: as the hybrid's member (:meth:`HybridProposer.draft_for`'s settings).
@@ -63,8 +65,8 @@ def draft_proposer(target: LoadedModel, draft: LoadedModel, p_min: float | None 
     """
     lm = own_draft(target, draft)
     if check_compatible(target, draft) == "same":
-        return HybridProposer.draft_for(lm, p_min) if hybrid else \
-            DraftModelProposer(lm, p_min=p_min, tree_width=tree_width)
+        return HybridProposer.draft_for(lm, p_min, draft.pard_token) if hybrid else \
+            DraftModelProposer(lm, p_min=p_min, tree_width=tree_width, mask_id=draft.pard_token)
     if tree_width > 1:
         raise ValueError("draft trees need a draft of the target's tokenizer; this pair's "
                          "tokenizers differ (see `specdecode check-pair`): use tree=1")

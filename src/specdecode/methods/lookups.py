@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..models.loading import LoadedModel
-from ..profile import prefill_profile, verify_profile
+from ..profile import draft_profile, prefill_profile, verify_profile
 from ..proposers import HybridProposer, PromptLookupProposer, SuffixProposer
 from ..proposers.hybrid import HybridTuning
 from .draft import DRAFT, DRAFT_P_MIN, draft_proposer
@@ -56,16 +56,18 @@ def suffix_proposer(config, target: LoadedModel) -> SuffixProposer:
 def _hybrid(config, target: LoadedModel, draft: LoadedModel) -> HybridProposer:
     # relative costs from the two models' forward-time profiles (measured once, cached)
     times = verify_profile(target, config.max_speculative_tokens)
-    return HybridProposer(suffix_proposer(config, target),
-                          draft_proposer(target, draft, config.draft_p_min, hybrid=True),
-                          verify_cost=[t / times[0] for t in times],
-                          draft_cost=verify_profile(draft, 0)[0] / times[0],
-                          draft_prefill_cost=prefill_profile(draft) / times[0])
+    member = draft_proposer(target, draft, config.draft_p_min, hybrid=True)
+    own = draft_profile(draft)  # a parallel draft's proposal is one pass over more rows: T_d(n)
+    return HybridProposer(suffix_proposer(config, target), member,
+                          verify_cost=[t / times[0] for t in times], draft_cost=own[0] / times[0],
+                          draft_prefill_cost=prefill_profile(draft) / times[0],
+                          draft_pass_cost=[t / own[0] for t in own] if member.parallel else None)
 
 
 def _measure_draft_prefill(config, target: LoadedModel, draft: LoadedModel | None = None) -> None:
     # the draft's feed cost, measured on the model itself before a batch holds a row of it
     if draft is not None:
+        draft_profile(draft)
         prefill_profile(draft)
 
 

@@ -47,6 +47,9 @@ class LoadedModel:
     by kind, directory and file time; ``rows_exact``: for a model off the CPU, whether its
     verify rows equal its one-token passes (:func:`~.base.rows_exact`, probed at load; None
     on the CPU, where the integer formats' kernels are proven by tests).
+    ``pard_token``: a parallel draft's mask token (PARD, arXiv:2504.18583; the ``pard_token``
+    of its config.json, as vLLM reads it): as a draft it proposes K tokens in one pass
+    (:class:`~specdecode.proposers.DraftModelProposer`); None for an ordinary model.
     Compared by identity (two loads of the same files are two models, with two KV caches).
     """
 
@@ -61,6 +64,7 @@ class LoadedModel:
     self_drafts: dict[str, object] = field(default_factory=dict, repr=False)
     heads: dict[tuple, object] = field(default_factory=dict, repr=False)
     rows_exact: bool | None = field(default=None, repr=False)
+    pard_token: int | None = None
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
@@ -269,7 +273,8 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
             "The files may be missing, truncated or corrupt: re-copy them (for a known model, "
             "delete that directory and run `specdecode models fetch NAME`)") from e
     loaded = LoadedModel(lm=lm, tokenizer=tok, name=str(name_or_path),
-                         eos_token_ids=_default_eos(path, tok), path=path)
+                         eos_token_ids=_default_eos(path, tok), path=path,
+                         pard_token=_pard_token(config, lm.vocab_size, path))
     if dev.type != "cpu":
         loaded.rows_exact = rows_exact(lm)
         if not loaded.rows_exact:
@@ -279,6 +284,18 @@ def load(name_or_path: str | Path, *, dtype: str | torch.dtype = DEFAULT_DTYPE,
                           "rounding, as with float weights on the CPU; the int8, q4 and int4 "
                           "formats on the CPU are exact", stacklevel=2)
     return loaded
+
+
+def _pard_token(config: dict, rows: int, path: Path) -> int | None:
+    """config.json's ``pard_token`` (None without one). Raises ValueError when it is not an
+    embedding row of the model (0 .. rows - 1)."""
+    token = config.get("pard_token")
+    if token is None:
+        return None
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < rows:
+        raise ValueError(f"{path / 'config.json'}: pard_token = {token!r} is invalid; allowed: an "
+                         f"embedding row of the model, 0..{rows - 1} (the parallel draft's mask token)")
+    return token
 
 
 def _load_llamacpp(name_or_path, dtype, tokenizer: bool) -> LoadedModel:

@@ -140,6 +140,12 @@ class Proposer(ABC):
         return False
 
     @property
+    def parallel(self) -> bool:
+        """Whether one pass of its model proposes all of a round's tokens (a parallel draft),
+        so that a proposal's cost hardly grows with its length. Default: False."""
+        return False
+
+    @property
     def active(self) -> bool:
         """False once the proposer can propose nothing more in this request (a draft model
         whose context is full, or that met a token outside its vocabulary)."""

@@ -41,7 +41,15 @@ class DraftModelProposer(Proposer):
     bonus after it. They come from the logits the chain's draft steps computed anyway (no
     extra draft pass); the verify pass has 1 + w * (drafted tokens) rows. Sampled requests of
     the rejection rule get the chain. 1 (default): no tree.
-    Raises ValueError for p_min outside [0, 1) or a tree_width outside 1..8.
+    mask_id: a parallel draft's mask token (PARD, arXiv:2504.18583; vLLM's ``pard_token``):
+    the draft then proposes in one pass over the committed tokens it has not seen followed
+    by k − 1 mask tokens, the row of the last committed token giving the first draft token
+    and the mask at each next position the token after it (greedy: argmax; sampled: drawn from
+    that row's processed distribution, which is returned; Gumbel rule: with the target's noise
+    of that position; p_min and trees as above, per row). The masks' cache entries are rolled
+    back after the pass. None (default): one pass per draft token.
+    Raises ValueError for p_min outside [0, 1), a tree_width outside 1..8 or a mask_id outside
+    the draft's embedding rows.
     """
 
     name = "draft"
@@ -49,13 +57,18 @@ class DraftModelProposer(Proposer):
     reads_guess = True
 
     def __init__(self, draft: CausalLM, p_min: float | None = None, lazy_prefill: bool = False,
-                 tree_width: int = 1):
+                 tree_width: int = 1, mask_id: int | None = None):
         if p_min is not None and not (isinstance(p_min, (int, float)) and 0 <= p_min < 1):
             raise ValueError(f"draft p_min={p_min!r} is invalid; allowed: a number in [0, 1), or None")
         if isinstance(tree_width, bool) or not isinstance(tree_width, int) or not 1 <= tree_width <= 8:
             raise ValueError(f"draft tree_width={tree_width!r} is invalid; allowed: an integer in "
                              "1..8 (1: no tree)")
+        if mask_id is not None and (isinstance(mask_id, bool) or not isinstance(mask_id, int)
+                                    or not 0 <= mask_id < draft.vocab_size):
+            raise ValueError(f"draft mask_id={mask_id!r} is invalid; allowed: an embedding row of the "
+                             f"draft, 0..{draft.vocab_size - 1}, or None (not a parallel draft)")
         self.draft = draft
+        self.mask_id = mask_id
         self.p_min = p_min
         self.tree_width = tree_width
         self._proposed_at, self._chain = 0, []  # the last proposal: len(tokens) then, its ids
@@ -79,6 +92,11 @@ class DraftModelProposer(Proposer):
     @property
     def makes_trees(self) -> bool:
         return self.tree_width > 1
+
+    @property
+    def parallel(self) -> bool:
+        """Whether one pass proposes all the tokens (a parallel draft: ``mask_id``)."""
+        return self.mask_id is not None
 
     @property
     def active(self) -> bool:
@@ -130,9 +148,13 @@ class DraftModelProposer(Proposer):
         if max(new + guess) >= self.draft.vocab_size:
             self.enabled = False
             return DraftOutput.empty()
-        if len(new) > 2 or (len(new) == 2 and self.draft.seq_len == 0):  # see the class docstring
+        # see the class docstring; a parallel draft reads what it has not seen in its one pass
+        first = self.draft.seq_len == 0 and len(new) > 1
+        if first or (len(new) > 2 and not self.parallel):
             yield self.draft, torch.tensor([new[:-1]]), 0
             new = new[-1:]
+        if self.parallel:
+            return (yield from self._parallel(state, k, guess, new))
         context = torch.tensor([state.tokens + guess])
         ids, dists, alts = [], [], {}  # alts: depth -> the tree's other candidates there
         if guess:
@@ -157,27 +179,66 @@ class DraftModelProposer(Proposer):
         feed = torch.tensor([new])
         for i in range(len(ids), k):
             logits = (yield self.draft, feed, 1)[..., :v]
-            logits = process_logits(logits, params, context, None, state.num_generated + i,
-                                    state.eos_token_ids)[:, 0]
-            # noise exists for sampled requests of the gumbel rule only (never greedy)
-            probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
-            if self._unsure(logits, probs):
+            tok = self._own_token(state, logits, context, i, ids, dists, alts)
+            if tok is None:
                 break
-            if state.noise is not None:  # the target's noise at position n + i
-                scored = logits + state.noise.rows(n + i, 1, logits.device)[..., :logits.shape[-1]]
-                tok = scored.argmax(-1)  # gumbel_sample's token
-            elif probs is None:
-                scored = logits
-                tok = logits.argmax(-1)
-            else:
-                tok = sample(probs, state.generator)
-                dists.append(probs)
-            if probs is None and self.tree_width > 1:
-                top = scored[0].topk(min(self.tree_width, scored.shape[-1])).indices.tolist()
-                alts[i] = [t for t in top if t != int(tok)][:self.tree_width - 1]
-            ids.append(tok)
             feed = tok[:, None]
             context = torch.cat([context, feed], 1)
+        return self._output(ids, dists, alts)
+
+    def _own_token(self, state: RequestState, logits: torch.Tensor, context: torch.Tensor, i: int,
+                   ids: list, dists: list, alts: dict) -> torch.Tensor | None:
+        """The draft's own token [1] at draft position i (after ``context`` [1, n + i]) from
+        its logits [1, 1, V] there, appended to ``ids`` (its distribution to ``dists`` when
+        sampled, a tree's other candidates to ``alts``); None where it is unsure (p_min)."""
+        params, n = state.params, len(state.tokens)
+        logits = process_logits(logits, params, context, None, state.num_generated + i,
+                                state.eos_token_ids)[:, 0]
+        # noise exists for sampled requests of the gumbel rule only (never greedy)
+        probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
+        if self._unsure(logits, probs):
+            return None
+        if state.noise is not None:  # the target's noise at position n + i
+            scored = logits + state.noise.rows(n + i, 1, logits.device)[..., :logits.shape[-1]]
+            tok = scored.argmax(-1)  # gumbel_sample's token
+        elif probs is None:
+            scored = logits
+            tok = logits.argmax(-1)
+        else:
+            tok = sample(probs, state.generator)
+            dists.append(probs)
+        if probs is None and self.tree_width > 1:
+            top = scored[0].topk(min(self.tree_width, scored.shape[-1])).indices.tolist()
+            alts[i] = [t for t in top if t != int(tok)][:self.tree_width - 1]
+        ids.append(tok)
+        return tok
+
+    def _parallel(self, state: RequestState, k: int, guess: list[int], new: list[int]) -> Steps:
+        """A parallel draft's proposal (see the class docstring): one pass over ``new`` (the
+        committed tokens the draft has not seen), the guess and k − 1 − len(guess) masks.
+        Where the draft backs the whole guess, the masks after it draft on; where it first
+        differs, its own token there ends the proposal (the masks read the guess)."""
+        n, v = len(state.tokens), state.target_vocab_size
+        masks = max(0, k - 1 - len(guess))
+        logits = yield self.draft, torch.tensor([new + guess + [self.mask_id] * masks]), len(guess) + 1 + masks
+        context = torch.tensor([state.tokens + guess])
+        ids, dists, alts = [], [], {}
+        for i in range(len(guess) + 1 + masks):
+            row = logits[:, i:i + 1, :v]
+            if i < len(guess):
+                tok = process_logits(row, state.params, context[:, :n + i], None, state.num_generated + i,
+                                     state.eos_token_ids)[:, 0].argmax(-1)
+                if int(tok) == guess[i]:
+                    ids.append(tok)  # both expect it: kept however sure the draft is
+                    continue
+                self._own_token(state, row, context[:, :n + i], i, ids, dists, alts)
+                break
+            tok = self._own_token(state, row, context, i, ids, dists, alts)
+            if tok is None:
+                break
+            context = torch.cat([context, tok[:, None]], 1)
+        kept = next((i for i, t in enumerate(guess) if i >= len(ids) or int(ids[i]) != t), len(guess))
+        self.draft.rollback(n + kept)  # the committed tokens and the guess it backs; no mask
         return self._output(ids, dists, alts)
 
     def _unsure(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> bool:

@@ -113,7 +113,10 @@ class HybridProposer(Proposer):
     default :func:`~specdecode.costmodel.relative_cost`'s), ``draft_cost`` = one draft step /
     T(1), ``draft_prefill_cost`` = the draft's prefill per token / T(1) (the methods pass
     the two models' measured ones: :func:`~specdecode.profile.prefill_profile`; the defaults
-    are those of the 0.5B draft for the 1.5B target measured here). Choices depend only
+    are those of the 0.5B draft for the 1.5B target measured here). A parallel draft
+    (:attr:`Proposer.parallel`) pays one pass for D tokens: D·c_draft above becomes c_draft ×
+    ``draft_pass_cost``'s T_d(D+1)/T_d(1) (the draft's own profile; default
+    :func:`~specdecode.costmodel.relative_cost`'s), also where it stops. Choices depend only
     on the request's tokens, these costs and the times :meth:`observe` reports (none for a
     seeded request of the rejection rule, which is so reproducible with the same costs).
     The members are used as given: build the draft member with :meth:`draft_for` for the settings the hybrid was tuned with.
@@ -127,7 +130,8 @@ class HybridProposer(Proposer):
 
     def __init__(self, *members: Proposer, verify_cost: list[float] | None = None,
                  draft_cost: float = 0.12, draft_k: int = DraftModelProposer.default_k,
-                 draft_prefill_cost: float = 0.04, tuning: HybridTuning = HybridTuning()):
+                 draft_prefill_cost: float = 0.04, tuning: HybridTuning = HybridTuning(),
+                 draft_pass_cost: list[float] | None = None):
         lookups = [m for m in members if isinstance(m, Proposer) and m.free]
         drafts = [m for m in members if isinstance(m, Proposer) and not m.free]
         if len(drafts) != 1 or not lookups or len(lookups) + len(drafts) != len(members):
@@ -146,9 +150,14 @@ class HybridProposer(Proposer):
                              "for n = 1, 2, ..., all > 0")
         if not (isinstance(draft_cost, (int, float)) and draft_cost >= 0):
             raise ValueError(f"hybrid draft_cost={draft_cost!r} is invalid; allowed: a number >= 0")
+        if draft_pass_cost is not None and not (isinstance(draft_pass_cost, (list, tuple)) and draft_pass_cost
+                                                and all(isinstance(c, (int, float)) and c > 0
+                                                        for c in draft_pass_cost)):
+            raise ValueError(f"hybrid draft_pass_cost={draft_pass_cost!r} is invalid; allowed: the "
+                             "draft's T(n)/T(1) for n = 1, 2, ..., all > 0")
         self.lookups = [_LookupArm(m) for m in lookups]
         self.drafter = drafts[0]
-        self.verify_cost, self.draft_cost = verify_cost, draft_cost
+        self.verify_cost, self.draft_cost, self.draft_pass_cost = verify_cost, draft_cost, draft_pass_cost
         self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
         self.tuning = tuning
         self._max_total_len = self._prompt_len = 0
@@ -160,12 +169,12 @@ class HybridProposer(Proposer):
         self._ledger = _DraftLedger(tuning.measured_decay)
 
     @staticmethod
-    def draft_for(lm: CausalLM, p_min: float | None = None) -> DraftModelProposer:
+    def draft_for(lm: CausalLM, p_min: float | None = None, mask_id: int | None = None) -> DraftModelProposer:
         """The draft-model member as the hybrid was tuned with it: prefilled only once it is
         first chosen (``lazy_prefill``), stopping below ``HybridTuning.draft_p_min`` unless
-        ``p_min`` is given (0 = never stop)."""
+        ``p_min`` is given (0 = never stop); a parallel draft with ``mask_id``."""
         return DraftModelProposer(lm, p_min=HybridTuning.draft_p_min if p_min is None else p_min,
-                                  lazy_prefill=True)
+                                  lazy_prefill=True, mask_id=mask_id)
 
     def models(self) -> tuple[CausalLM, ...]:
         return tuple(lm for m in self._members() for lm in m.models())
@@ -253,7 +262,11 @@ class HybridProposer(Proposer):
         for d in range(1, min(k, self.draft_k) + 1):
             expected = q * expected_tokens(alpha, d) + 1 - q
             catch_up = behind * self.draft_prefill_cost * self._rows / max(1.0, horizon / expected)
-            cost = q * (d * self.draft_cost + self._t(d + 1)) + (1 - q) * (self.draft_cost + 1.0)
+            if self.drafter.parallel:  # one pass over ~2 fed tokens and d - 1 masks, stop or not
+                step = stop = self.draft_cost * relative_cost(self.draft_pass_cost, d + 1)
+            else:
+                step, stop = d * self.draft_cost, self.draft_cost
+            cost = q * (step + self._t(d + 1)) + (1 - q) * (stop + 1.0)
             rates.append((d, expected / (cost + catch_up)))
         if not rates:
             return 0, 0.0

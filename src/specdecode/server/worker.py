@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .. import api
 from ..batch import BatchEngine
 from ..models.base import BatchLM
-from ..profile import prefill_profile, verify_profile
+from ..profile import draft_profile, prefill_profile, verify_profile
 from ..stats import SpecDecodingStats
 from .protocol import Job, Token
 
@@ -186,7 +186,7 @@ class Worker:
                                           min(self.max_len, self.target.lm.max_context),
                                           forward_seconds=times)
             if self.draft is not None:  # its step and feed costs, measured before any request
-                verify_profile(self.draft, 0)
+                draft_profile(self.draft)
                 prefill_profile(self.draft)
         except Exception as e:  # noqa: BLE001 (any failure is reported by /health)
             self.error = f"{type(e).__name__}: {e}"
