@@ -29,7 +29,8 @@ from .models.base import BatchLM, MeasuredDraft, lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
 from .profile import verify_profile
 from .stats import SpecDecodingStats
-from .proposers import CrossTokenizerProposer
+from .proposers import CrossTokenizerProposer, PredictionProposer, prediction_usage
+from .schedule import FixedK
 from .text import IncrementalDetokenizer, TokenSpans
 
 
@@ -39,7 +40,9 @@ class GenerationResult:
     token_ids: generated ids (an EOS that ended generation included); finish_reason: "stop"
     or "length"; prompt_token_ids: the prompt as the target saw it; token_info: one
     :class:`~specdecode.engine.TokenInfo` per generated id (who supplied it, its logprobs
-    when asked for)."""
+    when asked for); accepted_prediction_tokens / rejected_prediction_tokens: with a
+    prediction, its tokens that appear in the output in order, and the rest (OpenAI's
+    usage fields, :func:`~specdecode.proposers.prediction_usage`); 0 without one."""
 
     text: str
     token_ids: list[int]
@@ -47,10 +50,13 @@ class GenerationResult:
     stats: SpecDecodingStats
     prompt_token_ids: list[int] = field(default_factory=list)
     token_info: list[TokenInfo] = field(default_factory=list)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+                "stats": self.stats.to_dict(), "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.rejected_prediction_tokens}
 
 
 @dataclass
@@ -167,7 +173,8 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
-def stream(target, prompt=None, *, suffix: str | None = None, input_ids=None, draft=None, assistant_model=None,
+def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | None = None, input_ids=None,
+           draft=None, assistant_model=None,
            method: str | Method | SpeculativeConfig | None = None, chat: bool = False, max_new_tokens: int = 128,
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
            top_k: int | None = 0, top_p: float | None = 1.0, repetition_penalty: float | None = 1.0,
@@ -188,7 +195,11 @@ def stream(target, prompt=None, *, suffix: str | None = None, input_ids=None, dr
     chat template to text. suffix: fill in the middle: ``prompt`` is the text before the gap,
     ``suffix`` the text after it, and the output the middle (the target's FIM tokens and
     llama.cpp server's layout: :mod:`specdecode.fim`; it ends where the model closes the gap
-    or starts another file; FIMError for a model without FIM tokens). input_ids: token ids
+    or starts another file; FIMError for a model without FIM tokens). prediction: text the
+    output is expected to repeat for the most part (OpenAI's Predicted Outputs: a file to
+    rewrite), proposed for free where the output follows it
+    (:class:`~specdecode.proposers.PredictionProposer`), with any method; the output is the
+    method's all the same. input_ids: token ids
     instead of a prompt. dtype, device: how a
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "hybrid" (default when a draft is given, else "ar": plain decoding; each round
@@ -248,8 +259,8 @@ def stream(target, prompt=None, *, suffix: str | None = None, input_ids=None, dr
                "assistant_confidence_threshold"),
         max_matching_ngram_size, suffix_cache, **options)
     own_k = isinstance(k, int) and not isinstance(k, bool)  # (the config fills in a default K)
-    gen, tgt, params, prompt_ids = _start(
-        target, prompt, input_ids, draft, spec, chat, suffix,
+    gen, tgt, params, prompt_ids, predicted = _start(
+        target, prompt, input_ids, draft, spec, chat, suffix, prediction,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
              seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule,
@@ -296,6 +307,9 @@ def stream(target, prompt=None, *, suffix: str | None = None, input_ids=None, dr
     text = "" if tok is None else final if final is not None else completion()
     result = GenerationResult(text, gen.token_ids, gen.finish_reason, gen.stats, prompt_ids,
                               gen.token_info[:len(gen.token_ids)])
+    if predicted is not None:
+        result.accepted_prediction_tokens, result.rejected_prediction_tokens = prediction_usage(
+            predicted, gen.token_ids)
     yield StreamChunk(text[sent:], [], result, spans=spans.split(text[sent:], sent) if spans else [],
                       stats=gen.stats)
 
@@ -393,9 +407,37 @@ def _own_chat_view(proposer, draft: LoadedModel | None, prompt, chat: bool) -> N
         cross.draft_prompt_ids = None
 
 
-def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suffix, sampling: dict,
-           dtype, device, debug, batch=None, own_k=False) -> tuple[Generation, LoadedModel, SamplingParams, list[int]]:
+def _prediction_ids(target: LoadedModel, prediction: str | None, prompt_len: int) -> list[int] | None:
+    """The prediction's token ids, as the output would be tokenized (None without one).
+    Raises ValueError for a model without a tokenizer, text that is not UTF-8, or a
+    prediction that does not fit the target's context after the prompt."""
+    if prediction is None:
+        return None
+    if target.tokenizer is None:
+        raise ValueError("prediction= needs the target's tokenizer (loaded with tokenizer=False)")
+    _check_utf8(prediction, "the prediction")
+    ids = target.tokenizer.encode(prediction, add_special_tokens=False)
+    room = target.lm.max_context - prompt_len
+    if len(ids) > room:
+        raise ValueError(f"the prediction has {len(ids)} tokens, more than the {room} the target's "
+                         f"context ({target.lm.max_context}) leaves after the prompt ({prompt_len})")
+    return ids
+
+
+def _with_prediction(predicted: list[int] | None, proposer, schedule):
+    """The request's proposer and K schedule with a prediction proposed first (plain
+    decoding's none: K 16 each round, as the lookups')."""
+    if predicted is None:
+        return proposer, schedule
+    return PredictionProposer(predicted, proposer), schedule or FixedK(PredictionProposer.default_k)
+
+
+def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suffix, prediction, sampling: dict,
+           dtype, device, debug, batch=None, own_k=False
+           ) -> tuple[Generation, LoadedModel, SamplingParams, list[int], list[int] | None]:
     params = _sampling_params(**sampling)
+    if prediction is not None and not isinstance(prediction, str):
+        raise ValueError(f"prediction must be text (the output expected), not {type(prediction).__name__}")
     if suffix is not None and (not isinstance(prompt, str) or chat or input_ids is not None
                                or not isinstance(suffix, str)):
         raise ValueError("suffix= (fill in the middle) takes text: prompt= the text before the "
@@ -417,11 +459,14 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
     else:
         prompt_ids = _prompt_ids(tgt, prompt, input_ids, chat)
     decode = (lambda ids: _decode(tgt.tokenizer, ids)) if tgt.tokenizer is not None else None
+    predicted = _prediction_ids(tgt, prediction, len(prompt_ids))
     if batch is None:
         proposer = build_proposer(spec, tgt, drf)
         _own_chat_view(proposer, drf, prompt, chat)
-        engine = Engine(tgt.lm, proposer, build_schedule(spec, tgt, drf, proposer), debug=debug)
-        return engine.generate(prompt_ids, params, tgt.eos_token_ids, decode), tgt, params, prompt_ids
+        schedule = build_schedule(spec, tgt, drf, proposer)
+        proposer, schedule = _with_prediction(predicted, proposer, schedule)
+        engine = Engine(tgt.lm, proposer, schedule, debug=debug)
+        return engine.generate(prompt_ids, params, tgt.eos_token_ids, decode), tgt, params, prompt_ids, predicted
     if batch.target is not tgt.lm:
         raise ValueError("batch= is a BatchEngine over another model than this target's")
     if spec.suffix_cache == "session":
@@ -444,5 +489,6 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
         # a self-draft's cost: its share of the target's T(1)
         costs = [m.cost for m in proposer.models() if isinstance(m, MeasuredDraft)]
         draft_s = batch.forward_seconds[0] * costs[0] if costs else None
+    proposer, schedule = _with_prediction(predicted, proposer, schedule)
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
-    return gen, tgt, params, prompt_ids
+    return gen, tgt, params, prompt_ids, predicted

@@ -25,6 +25,7 @@ examples:
   specdecode generate --prompt "def quicksort(xs):" --k 6 --compare
   specdecode generate --prompt "Once upon a time" --temperature 0.8 --seed 1 --json
   specdecode generate --prompt-file before.py --suffix-file after.py   # fill in the middle
+  specdecode generate --prompt-file ask.txt --chat --prediction-file old.py   # a predicted output
 """
 
 
@@ -42,6 +43,11 @@ def add_parser(sub) -> None:
                             "(llama.cpp server's /infill layout; a code model with FIM tokens)")
     after.add_argument("--suffix-file", metavar="PATH", default=None,
                        help="--suffix read from this UTF-8 text file")
+    p.add_argument("--prediction-file", metavar="PATH", default=None,
+                   help="a predicted output (OpenAI's Predicted Outputs): text the output is "
+                        "expected to repeat for the most part, such as the file a request asks to "
+                        "edit; proposed for free where the output follows it, with any --method "
+                        "(the output is the method's all the same)")
     add_model_arguments(p)
     defaults = ", ".join(f"{m.default_k} for {m.name}" for m in METHODS.values() if m.default_k)
     p.add_argument("--k", type=k_argument, default=None,
@@ -168,6 +174,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _check_utf8(suffix, "--suffix-file" if args.suffix_file is not None else "--suffix")
         if args.chat:
             raise ValueError("--suffix fills in the middle of plain text: drop --chat")
+    prediction = None
+    if args.prediction_file is not None:
+        prediction = _read_text_file(args.prediction_file, "--prediction-file")
+        _check_utf8(prediction, "--prediction-file")
     method = method_of(args)
     threads = apply_threads(args)
     # check every value before spending seconds on loading models
@@ -198,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
                   seed=args.seed, stop=args.stop, acceptance_rule=args.acceptance_rule)
-    chunks = stream(target, prompt, draft=draft, method=args.method, **spec_args, **common)
+    chunks = stream(target, prompt, draft=draft, method=args.method, prediction=prediction, **spec_args, **common)
     info = sys.stderr if args.json else sys.stdout
     if not args.json:
         print(f"# loaded {target.name} ({target.lm.weight_format})"
@@ -215,11 +225,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("colours: " + "  ".join(f"{code} {name} \033[0m" for name, code in COLORS.items())
               + "  uncoloured: target (no draft that round)", file=info)
     _print_stats(method.value, result.stats.to_dict(), result.finish_reason, info)
+    if prediction is not None:
+        print(f"prediction: {result.accepted_prediction_tokens} of its "
+              f"{result.accepted_prediction_tokens + result.rejected_prediction_tokens} tokens are in "
+              "the output", file=info)
     out = result.to_dict()
     out["threads"] = threads
     out["weights"] = {"target": target.lm.weight_format,
                       "draft": draft.lm.weight_format if draft else None}
-    if args.compare and not method.spec.speculates:
+    if args.compare and not method.spec.speculates and prediction is None:
         print("--compare: method ar is plain decoding itself; nothing to compare", file=info)
     elif args.compare:
         ar = None

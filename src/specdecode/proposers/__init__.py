@@ -11,8 +11,10 @@ from .draft_model import DraftModelProposer
 from .eagle3 import Eagle3Proposer
 from .hybrid import HybridProposer, HybridTuning
 from .medusa import MedusaProposer
+from .prediction import PredictionProposer, prediction_usage
 from .prompt_lookup import PromptLookupProposer
 from .suffix import ContinuationCounts, SuffixProposer
 
 __all__ = ["ContinuationCounts", "CrossTokenizerProposer", "DraftModelProposer", "DraftOutput", "Eagle3Proposer", "Forecast", "HybridProposer",
-           "HybridTuning", "MedusaProposer", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer"]
+           "HybridTuning", "MedusaProposer", "PredictionProposer", "PromptLookupProposer", "Proposer", "RequestState", "SuffixProposer",
+           "prediction_usage"]
