@@ -154,3 +154,51 @@ def test_generate_prediction_file_on_the_command_line(pair, tmp_path):
     assert (out["accepted_prediction_tokens"], out["rejected_prediction_tokens"]) == prediction_usage(ids, plain.token_ids)
     assert out["accepted_prediction_tokens"] > len(ids) // 2
     assert "tokens are in the output" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_server import Server, load_pair
+
+    served = load_pair(tmp_path_factory)  # (its batch holds them)
+    s = Server(lambda: served, method="hybrid").start()
+    yield s
+    s.stop()
+
+
+def test_prediction_through_the_openai_client(server, pair):
+    """``prediction`` on chat completions (and completions): the text of the same request
+    without it, streamed and not, n = 2; usage: OpenAI's counts of the prediction, the
+    draft tokens in ``usage.speculation``; a malformed or oversized prediction is a 400
+    naming the field."""
+    import openai
+
+    target, draft, _ = pair
+    client = server.client()
+    messages = [{"role": "user", "content": "Write add(a, b) in Python."}]
+    want = specdecode.generate(target, messages, max_new_tokens=32, method="hybrid", draft=draft)
+    prediction = want.text[:20] + "zz" + want.text[20:]
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=32, temperature=0, n=2,
+                                         prediction={"type": "content", "content": prediction})
+    assert [c.message.content for c in got.choices] == [want.text] * 2
+    details = got.usage.completion_tokens_details
+    ids = target.tokenizer.encode(prediction, add_special_tokens=False)
+    accepted, rejected = prediction_usage(ids, want.token_ids[:-1] if want.finish_reason == "stop" else want.token_ids)
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (2 * accepted, 2 * rejected)
+    assert got.usage.model_extra["speculation"]["num_accepted_tokens"] > 0
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=32, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        prediction={"type": "content", "content": [{"type": "text", "text": prediction}]})
+    events = list(stream)
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == want.text
+    assert events[-1].usage.completion_tokens_details.accepted_prediction_tokens == accepted
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
+                                      extra_body={"prediction": {"type": "content", "content": "    return a + b\n"}})
+    assert plain.choices[0].text == specdecode.generate(target, PROMPT, max_new_tokens=16, method="hybrid",
+                                                        draft=draft).text
+    for bad in ({"type": "text", "content": "x"}, {"type": "content", "content": 3}, "x",
+                {"type": "content", "content": "x " * 600}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, prediction=bad)
+        assert e.value.body["param"] == "prediction"

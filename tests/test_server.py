@@ -138,12 +138,12 @@ def test_greedy_completion_equals_the_solo_run(server, alone, method):
     assert r.usage.completion_tokens == n <= 24
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    # the batch's K policy chooses other lengths than a request alone: other counts, same text
-    details = r.usage.completion_tokens_details
-    assert 0 <= details.accepted_prediction_tokens <= r.usage.completion_tokens
-    assert details.rejected_prediction_tokens >= 0
-    if method == "ar":
-        assert details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
+    # the batch's K policy chooses other lengths than a request alone: other counts, same
+    # text; speculation in the server's own field, OpenAI's prediction counts 0 (no prediction)
+    details, spec = r.usage.completion_tokens_details, r.usage.model_extra["speculation"]
+    assert details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
+    assert 0 <= spec["num_accepted_tokens"] <= min(r.usage.completion_tokens, spec["num_draft_tokens"])
+    assert (spec["num_draft_tokens"] == 0) == (method == "ar")
 
 
 def test_chat_completion_streamed_equals_non_streamed_and_the_solo_run(server, alone):
@@ -788,7 +788,8 @@ def test_token_sources_name_who_supplied_the_text(server, alone):
     kinds = {s["kind"] for s in runs}
     assert "accepted" in kinds and kinds <= {"accepted", "recovered", "bonus", "target"}
     assert {s["proposer"] for s in runs if s["kind"] == "accepted"} == {"draft"}
-    assert spec["num_accepted_tokens"] == usage["completion_tokens_details"]["accepted_prediction_tokens"]
+    assert spec["num_accepted_tokens"] == usage["speculation"]["num_accepted_tokens"]
+    assert spec["num_draft_tokens"] == usage["speculation"]["num_draft_tokens"]
     assert spec["num_generated_tokens"] >= usage["completion_tokens"]
     assert text == solo(alone, PROMPT * 3, "draft", max_new_tokens=30).text
 

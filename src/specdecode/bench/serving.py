@@ -70,10 +70,10 @@ def request(url: str, model: str, messages: list[dict], method: str, max_tokens:
             usage = event["usage"]
     end = time.perf_counter()
     conn.close()
-    details = usage.get("completion_tokens_details") or {}
-    return Sample(method, 0, (first or end) - t0, end - t0, usage["completion_tokens"],
-                  details.get("accepted_prediction_tokens", 0),
-                  details.get("rejected_prediction_tokens", 0), "".join(text))
+    spec = usage.get("speculation") or {}  # the server's draft tokens proposed and accepted
+    accepted = spec.get("num_accepted_tokens", 0)
+    return Sample(method, 0, (first or end) - t0, end - t0, usage["completion_tokens"], accepted,
+                  spec.get("num_draft_tokens", 0) - accepted, "".join(text))
 
 
 def run_level(url: str, model: str, prompts: list[list[dict]], method: str, concurrency: int,

@@ -253,7 +253,7 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
                 speculation[piece.index] = piece.speculation or speculation[piece.index]
             else:
                 finishes[piece.index] = piece.finish
-                results[piece.index] = (piece.completion_tokens, piece.stats)
+                results[piece.index] = (piece.completion_tokens, piece.stats, piece.prediction)
         if None in finishes:  # the client left: nobody reads it
             return Response(status_code=499)
         return protocol.response(job, texts, finishes, protocol.usage(job, results), tokens,
@@ -327,7 +327,7 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
                         job, piece.index, piece.text, None, tokens=piece.tokens, spans=piece.spans,
                         speculation=piece.speculation)]))
                     continue
-                results[piece.index] = (piece.completion_tokens, piece.stats)
+                results[piece.index] = (piece.completion_tokens, piece.stats, piece.prediction)
                 done += 1
                 yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, None, piece.finish)]))
             else:

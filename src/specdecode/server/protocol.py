@@ -22,13 +22,13 @@ ROLES = ("system", "user", "assistant")
 # OpenAI fields this server does not implement: refused with 501, naming the field, rather
 # than silently ignored (a client would get something other than what it asked for)
 NOT_IMPLEMENTED = ("echo", "best_of", "logit_bias", "tools",
-                   "tool_choice", "functions", "function_call", "response_format", "prediction",
+                   "tool_choice", "functions", "function_call", "response_format",
                    "parallel_tool_calls", "audio", "modalities", "reasoning_effort")
 COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "temperature",
                  "top_p", "seed", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
                  # through the official client's extra_body
                  "top_k", "repetition_penalty", "min_tokens", "acceptance_rule", "method",
-                 "num_speculative_tokens", "return_token_sources")
+                 "num_speculative_tokens", "return_token_sources", "prediction")
 FIELDS = {"completions": COMMON_FIELDS + ("prompt", "suffix"),
           "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")}
 
@@ -77,6 +77,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token (0: the token's own only); None: off
     token_sources: bool = False  # each chunk names who supplied its tokens (the page at /)
     eos_token_ids: tuple[int, ...] | None = None  # None: the target's (FIM: also its FIM stops)
+    prediction: str | None = None  # a predicted output's text (OpenAI's Predicted Outputs)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -136,6 +137,24 @@ def _text_of(content, i: int) -> str:
                                        f"type {p.get('type')!r}", param="messages")
         return "".join(p["text"] for p in content)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _prediction(value) -> str | None:
+    """OpenAI's Predicted Outputs field: ``{"type": "content", "content": text or text
+    parts}``; its text, None when absent. Raises OpenAIError 400 naming 'prediction'."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise bad("'prediction' must be {\"type\": \"content\", \"content\": text or text parts}, got "
+                  f"{json.dumps(value)[:80]}", "prediction")
+    content = value.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad("'prediction.content' must be a string or a list of text parts "
+              "[{\"type\": \"text\", \"text\": ...}]", "prediction")
 
 
 def check_request(body: dict, kind: str, ctx) -> Job:
@@ -232,6 +251,12 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         top_k=_number(body, "top_k", 0, -1, 1 << 31, integer=True),  # -1: off, as vLLM
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 1e9),
         stop=stop, acceptance_rule=rule)
+    prediction = _prediction(body.get("prediction"))
+    if prediction is not None:
+        predicted = len(ctx.encode(prediction))
+        if predicted > room:
+            raise bad(f"the prediction has {predicted} tokens, more than the {room} the server's "
+                      f"{ctx.max_context} positions leave after the prompt", "prediction")
     # choice i samples with seed + i: every one of them must be a valid seed
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - n, integer=True)
     sources = body.get("return_token_sources", False)
@@ -239,7 +264,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")
     eos = ctx.fim_eos() if kind == "completions" and fim_suffix is not None else None
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
-               _logprobs(body, kind), sources, eos)
+               _logprobs(body, kind), sources, eos, prediction)
 
 
 def method_of(body: dict, ctx) -> str:
@@ -304,17 +329,19 @@ def _prompts(prompt, ctx) -> list[list[int]]:
 
 
 def usage(job: Job, results: list) -> dict:
-    """OpenAI's usage, speculation in its Predicted Outputs fields (as SGLang reports it):
-    accepted_prediction_tokens = draft tokens the target accepted, rejected = the others.
-    results: one (completion_tokens, stats) per choice."""
+    """OpenAI's usage. ``completion_tokens_details``: the prediction's tokens that appear in
+    the output in order and the rest (OpenAI's Predicted Outputs; 0 without a prediction);
+    ``speculation`` (this server's own field): draft tokens proposed and accepted by the
+    target. results: one (completion_tokens, stats, (accepted, rejected) prediction tokens)
+    per choice."""
     prompt_tokens = sum(len(p) for p in job.prompts)  # once per prompt, whatever n
     completion = sum(r[0] for r in results)
-    accepted = sum(r[1].num_accepted_tokens for r in results)
-    drafted = sum(r[1].num_draft_tokens for r in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": drafted - accepted}}
+            "completion_tokens_details": {"accepted_prediction_tokens": sum(r[2][0] for r in results),
+                                          "rejected_prediction_tokens": sum(r[2][1] for r in results)},
+            "speculation": {"num_draft_tokens": sum(r[1].num_draft_tokens for r in results),
+                            "num_accepted_tokens": sum(r[1].num_accepted_tokens for r in results)}}
 
 
 def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> dict:

@@ -46,6 +46,7 @@ class Piece:
     spans: list = field(default_factory=list)
     speculation: dict | None = None
     stop_word: str = ""  # the stop string that ended the choice (kind "done"), if one did
+    prediction: tuple[int, int] = (0, 0)  # (kind "done") accepted and rejected prediction tokens
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Worker:
             self.target, input_ids=job.prompts[choice.index // job.n], method=job.method,
             draft=self.draft if method.needs_draft_model else None,
             num_speculative_tokens=job.num_speculative_tokens, batch=self.engine,
-            seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs,
+            seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs, prediction=job.prediction,
             eos_token_id=None if job.eos_token_ids is None else list(job.eos_token_ids), **job.sampling)
         return choice
 
@@ -304,6 +305,7 @@ class Worker:
                 self.metrics.observe(r, n, choice.prompt_tokens if first_of_prompt else 0,
                                      ticket.arrived, choice.first)
                 ticket.put(Piece("done", choice.index, finish=r.finish_reason,
-                                 completion_tokens=n, stats=r.stats, stop_word=self._stop_word(ticket.job, r, eos)))
+                                 completion_tokens=n, stats=r.stats, stop_word=self._stop_word(ticket.job, r, eos),
+                                 prediction=(r.accepted_prediction_tokens, r.rejected_prediction_tokens)))
                 choice.chunks.close()
                 self._live.remove(choice)
