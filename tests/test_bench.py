@@ -36,7 +36,7 @@ def three_tokens(ids):
 
 
 def fake_runner(log, label, tokens_per_second, output=three_tokens):
-    def run(prompt_ids, max_new_tokens):
+    def run(prompt_ids, max_new_tokens, prediction=None):
         log.append((label, tuple(prompt_ids)))
         ids = output(prompt_ids)
         return Output(ids, len(ids) / tokens_per_second,
@@ -116,7 +116,7 @@ def test_repeats_alternate_the_order_and_keep_the_median_run():
             return Output([7, 8], t, {"prefill_s": t / 10})
         return run
     runners = {"ar": (timed("ar"), None), "draft": (timed("draft"), "ar")}
-    records = run.run_bench(TASKS[:1], {k: (lambda ids, n, f=f: f(ids), ref) for k, (f, ref) in runners.items()},
+    records = run.run_bench(TASKS[:1], {k: (lambda ids, n, pred, f=f: f(ids), ref) for k, (f, ref) in runners.items()},
                             FakeTokenizer(), 16, progress=False, repeats=3)
     assert log == ["ar", "draft", "draft", "ar", "ar", "draft"]
     by = {r.method: r for r in records}
@@ -126,7 +126,7 @@ def test_repeats_alternate_the_order_and_keep_the_median_run():
     assert (by["draft"].seconds, by["draft"].prefill_s) == (2.0, 0.2) and by["draft"].identical
     flaky = iter([[1], [2]])
     with pytest.raises(RuntimeError, match="not reproducible"):
-        run.run_bench(TASKS[:1], {"ar": (lambda ids, n: Output(next(flaky), 1.0), None)},
+        run.run_bench(TASKS[:1], {"ar": (lambda ids, n, pred: Output(next(flaky), 1.0), None)},
                       FakeTokenizer(), 16, progress=False, repeats=2)
     with pytest.raises(ValueError, match="repeats=0"):
         run.run_bench(TASKS[:1], runners, FakeTokenizer(), 16, progress=False, repeats=0)
@@ -153,7 +153,7 @@ def test_first_difference():
 def test_interrupt_keeps_results_so_far():
     log = []
 
-    def interrupting(prompt_ids, max_new_tokens):
+    def interrupting(prompt_ids, max_new_tokens, prediction):
         if len(log) >= 2:
             raise KeyboardInterrupt
         log.append(1)
@@ -190,7 +190,7 @@ def test_interrupted_resume_keeps_finished_tasks_after_the_interruption():
     runners = {"ar": (fake_runner(log, "ar", 2.0), None)}
     done = run.run_bench(TASKS[2:], runners, FakeTokenizer(), 16, progress=False)  # humaneval only
 
-    def interrupting(prompt_ids, max_new_tokens):
+    def interrupting(prompt_ids, max_new_tokens, prediction):
         raise KeyboardInterrupt
 
     again = run.run_bench(TASKS, {"ar": (interrupting, None)}, FakeTokenizer(), 16,
@@ -208,7 +208,7 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_finished_prompts():
     log = []
     ok = fake_runner(log, "ar", 2.0)
 
-    def terminated_on_third_prompt(prompt_ids, max_new_tokens):
+    def terminated_on_third_prompt(prompt_ids, max_new_tokens, prediction):
         if len(log) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return ok(prompt_ids, max_new_tokens)
@@ -305,6 +305,25 @@ def test_code_edit_workload():
     assert first["prompt"] + first["canonical_solution"] in task.turns[0]
     assert "type hints" in task.turns[0]
     assert workloads.load_code_edit(5, seed=2) == workloads.load_code_edit(5, seed=2)
+    # its predicted output: the code as the prompt quotes it
+    assert task.prediction == f"```python\n{first['prompt']}{first['canonical_solution']}```"
+    assert task.turns[0].endswith(task.prediction)
+
+
+def test_a_row_with_prediction_on_reads_the_tasks_prediction(tmp_path_factory, tmp_path, capsys):
+    """ar:prediction=on proposes code-edit's original code (every draft token of that row
+    is the prediction's) and keeps plain decoding's tokens; rows without it ignore it."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--methods",
+                     "ar,ar:prediction=on", "--workloads", "code-edit", "--limit", "2",
+                     "--max-new-tokens", "12", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    by = {r["method"]: r for r in records}
+    assert by["ar:prediction=on"]["num_draft_tokens"] > 0 and by["ar"]["num_draft_tokens"] == 0
+    with pytest.raises(ValueError, match="prediction='yes' is invalid; allowed: on, off"):
+        runners.check_rows(runners.parse_methods("ar:prediction=yes"))
 
 
 def test_spec_bench_subtasks_limit_and_seed(tmp_path):
@@ -652,7 +671,7 @@ def test_every_listed_row_option_is_taken(temperature):
         for key in runners.row_options(name, temperature):
             value = {"k": "2", "max_k": "4", "p_min": "0.5", "ngram": "1-3", "cache": "request",
                      "dtype": "int8", "backend": "native", "rule": "gumbel", "tree": "2",
-                     "nodes": "8", "layers": "3", "layer": "2"}.get(key, "x")
+                     "nodes": "8", "layers": "3", "layer": "2", "prediction": "on"}.get(key, "x")
             try:
                 runners.check_rows(runners.parse_methods(f"{name}:{key}={value}"), temperature)
             except ValueError as e:

@@ -24,13 +24,12 @@ from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
 from .methods import (KEYWORD_OPTIONS, Method, SpeculativeConfig, build_proposer, build_schedule, prepare, prompt_lookup_method,
-                      speculative_config)
+                      speculative_config, with_prediction)
 from .models.base import BatchLM, MeasuredDraft, lm_device
 from .models.loading import DEFAULT_DTYPE, LoadedModel, check_compatible, load, parse_device
 from .profile import verify_profile
 from .stats import SpecDecodingStats
-from .proposers import CrossTokenizerProposer, PredictionProposer, prediction_usage
-from .schedule import FixedK
+from .proposers import CrossTokenizerProposer, prediction_usage
 from .text import IncrementalDetokenizer, TokenSpans
 
 
@@ -424,14 +423,6 @@ def _prediction_ids(target: LoadedModel, prediction: str | None, prompt_len: int
     return ids
 
 
-def _with_prediction(predicted: list[int] | None, proposer, schedule):
-    """The request's proposer and K schedule with a prediction proposed first (plain
-    decoding's none: K 16 each round, as the lookups')."""
-    if predicted is None:
-        return proposer, schedule
-    return PredictionProposer(predicted, proposer), schedule or FixedK(PredictionProposer.default_k)
-
-
 def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suffix, prediction, sampling: dict,
            dtype, device, debug, batch=None, own_k=False
            ) -> tuple[Generation, LoadedModel, SamplingParams, list[int], list[int] | None]:
@@ -464,7 +455,7 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
         proposer = build_proposer(spec, tgt, drf)
         _own_chat_view(proposer, drf, prompt, chat)
         schedule = build_schedule(spec, tgt, drf, proposer)
-        proposer, schedule = _with_prediction(predicted, proposer, schedule)
+        proposer, schedule = with_prediction(predicted, proposer, schedule)
         engine = Engine(tgt.lm, proposer, schedule, debug=debug)
         return engine.generate(prompt_ids, params, tgt.eos_token_ids, decode), tgt, params, prompt_ids, predicted
     if batch.target is not tgt.lm:
@@ -489,6 +480,6 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
         # a self-draft's cost: its share of the target's T(1)
         costs = [m.cost for m in proposer.models() if isinstance(m, MeasuredDraft)]
         draft_s = batch.forward_seconds[0] * costs[0] if costs else None
-    proposer, schedule = _with_prediction(predicted, proposer, schedule)
+    proposer, schedule = with_prediction(predicted, proposer, schedule)
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids, predicted

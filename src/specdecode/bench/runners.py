@@ -16,7 +16,7 @@ import torch
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
 from ..methods import (METHOD_OPTIONS, METHODS, PLAIN, SpeculativeConfig, build_proposer, build_schedule,
-                       method_options, name_and_options)
+                       method_options, name_and_options, with_prediction)
 from ..models import llamacpp
 from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, check_model_name,
                               default_eos_token_ids, float_model_path, load,
@@ -84,7 +84,9 @@ class BenchModels:
             self.target_name, torch.get_num_threads(), prompt_lookup))
 
 
-Runner = Callable[[list[int], int], Output]
+# (prompt ids, max new tokens, the task's predicted output or None) -> Output; the rows that
+# take no prediction ignore it
+Runner = Callable[[list[int], int, str | None], Output]
 
 
 def _int(opts: dict, key: str, default: int) -> int:
@@ -178,12 +180,16 @@ def is_lossy(name: str, options: dict) -> bool:
     return is_ours(name) and any(key in options for key in LOSSY_KEYS)
 
 
-def _row_config(name: str, opts: dict, temperature: float) -> tuple[str, SpeculativeConfig, str | None, dict]:
+def _row_config(name: str, opts: dict, temperature: float
+                ) -> tuple[str, SpeculativeConfig, str | None, dict, bool]:
     """One of our rows' options, consumed from ``opts`` without loading anything: (the
     registry method, its SpeculativeConfig, the sampled run's acceptance rule or None, the
-    draft model's options ``dtype=``, ``backend=``, ``model=`` where it has one). Raises
-    ValueError naming a bad option, or ``lossy-typical=`` in a greedy run (it would change
-    nothing there)."""
+    draft model's options ``dtype=``, ``backend=``, ``model=`` where it has one, whether the
+    row reads the tasks' predicted outputs, ``prediction=on|off``). Raises ValueError naming
+    a bad option, or ``lossy-typical=`` in a greedy run (it would change nothing there)."""
+    predicted = opts.pop("prediction", "off")
+    if predicted not in ("on", "off"):
+        raise ValueError(f"option prediction={predicted!r} is invalid; allowed: on, off")
     rule = sampled_rule(opts, temperature)
     name = CROSS_ROWS.get(name, name)
     spec = speculative_config(name, opts) if METHODS[name].proposer is not None else SpeculativeConfig(name)
@@ -197,7 +203,7 @@ def _row_config(name: str, opts: dict, temperature: float) -> tuple[str, Specula
         for key, allowed in (("dtype", DTYPE_NAMES), ("backend", BACKENDS)):
             if draft_opts.get(key, allowed[0]) not in allowed:
                 raise ValueError(f"option {key}={draft_opts[key]!r} is invalid; allowed: {', '.join(allowed)}")
-    return name, spec, rule, draft_opts
+    return name, spec, rule, draft_opts, predicted == "on"
 
 
 def row_options(name: str, temperature: float = 0.0) -> list[str]:
@@ -205,7 +211,7 @@ def row_options(name: str, temperature: float = 0.0) -> list[str]:
     if not is_ours(name):
         return sorted(PEERS[name].options)
     method = METHODS[CROSS_ROWS.get(name, name)]
-    keys = set()
+    keys = {"prediction"}
     if method.proposer is not None:
         keys |= {"k", "max_k"}
         keys |= {key for key, (option, _, _) in OPTION_PARSERS.items() if option in method.option_names}
@@ -252,11 +258,12 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     ``dtype=`` and ``backend=`` the draft's, default auto: see
     :func:`specdecode.models.loading.load`; ``model=`` another draft than the run's
     ``--draft`` (e.g. a distilled one, beside the original in the same run); ``rule=`` the acceptance rule when
-    ``temperature`` > 0, see :func:`sampled_rule`). Sampled runs seed each prompt with
-    :func:`prompt_seed`."""
+    ``temperature`` > 0, see :func:`sampled_rule`; ``prediction=on``: a task's predicted
+    output is proposed first, :func:`~specdecode.methods.with_prediction`). Sampled runs
+    seed each prompt with :func:`prompt_seed`."""
     target = models.target()
     row = name
-    name, spec, rule, draft_opts = _row_config(name, opts, temperature)
+    name, spec, rule, draft_opts, predicted = _row_config(name, opts, temperature)
     draft = None
     if spec.method.needs_draft_model:
         draft_name = draft_opts.get("model") or models.draft_name
@@ -265,13 +272,18 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
             raise ValueError(f"{row} runs a draft of another tokenizer than the target's; "
                              f"{draft_name} has the target's: use {name}")
     proposer = build_proposer(spec, target, draft)
-    engine = Engine(target.lm, proposer, build_schedule(spec, target, draft, proposer))
+    schedule = build_schedule(spec, target, draft, proposer)
+    engine = Engine(target.lm, proposer, schedule)
 
-    def run(prompt_ids, max_new_tokens):
+    def run(prompt_ids, max_new_tokens, prediction=None):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                 seed=prompt_seed(prompt_ids) if rule else None, acceptance_rule=rule)
         t0 = time.perf_counter()
-        gen = engine.generate(prompt_ids, params, target.eos_token_ids).run()
+        own = engine
+        if predicted and prediction is not None:  # (tokenizing it is part of the request's time)
+            ids = target.tokenizer.encode(prediction, add_special_tokens=False)
+            own = Engine(target.lm, *with_prediction(ids, proposer, schedule))
+        gen = own.generate(prompt_ids, params, target.eos_token_ids).run()
         return Output(gen.token_ids, time.perf_counter() - t0, gen.stats.to_dict())
     return run
 
@@ -280,7 +292,7 @@ def _hf(models: BenchModels, **generate_kwargs) -> Runner:
     hf = models.hf("target")
     eos = list(models.eos_token_ids())
 
-    def run(prompt_ids, max_new_tokens):
+    def run(prompt_ids, max_new_tokens, prediction=None):
         ids = torch.tensor([prompt_ids], device=hf.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -315,7 +327,7 @@ def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
     llm = models.llama(prompt_lookup)
     eos = models.eos_token_ids()
 
-    def run(prompt_ids, max_new_tokens):
+    def run(prompt_ids, max_new_tokens, prediction=None):
         t0 = time.perf_counter()
         ids = llamacpp.generate_greedy(llm, prompt_ids, max_new_tokens, eos)
         return Output(ids, time.perf_counter() - t0)

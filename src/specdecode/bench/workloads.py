@@ -21,12 +21,15 @@ DEFAULT_WORKLOADS = ("humaneval", "spec-bench")
 @dataclass(frozen=True)
 class Task:
     """One benchmark prompt: ``turns`` are user turns (the second is asked after the
-    method's own first answer); ``chat`` applies the chat template, else raw completion."""
+    method's own first answer); ``chat`` applies the chat template, else raw completion;
+    ``prediction``: the first answer's predicted output (OpenAI's Predicted Outputs: a code
+    edit's original code), read by the rows that take it (``prediction=on``)."""
 
     subtask: str
     prompt_id: str
     turns: tuple[str, ...]
     chat: bool = True
+    prediction: str | None = None
 
 
 def _choose(items: list, limit: int | None, rng: random.Random) -> list:
@@ -94,10 +97,11 @@ CODE_EDIT_INSTRUCTION = ("Rewrite this Python function: add type hints to every 
 def load_code_edit(limit: int | None = None, seed: int = 0) -> list[Task]:
     """Code editing: a HumanEval problem with its canonical solution, asked (chat template)
     to be rewritten with type hints and a docstring — an answer that repeats most of the
-    prompt, as code edits do."""
-    tasks = [Task("code_edit", p["task_id"],
-                  (f"{CODE_EDIT_INSTRUCTION}\n\n```python\n{p['prompt']}{p['canonical_solution']}```",))
-             for p in _humaneval_problems()]
+    prompt, as code edits do. Its prediction is the original code, as the prompt quotes it."""
+    tasks = []
+    for p in _humaneval_problems():
+        code = f"```python\n{p['prompt']}{p['canonical_solution']}```"
+        tasks.append(Task("code_edit", p["task_id"], (f"{CODE_EDIT_INSTRUCTION}\n\n{code}",), prediction=code))
     return _choose(tasks, limit, random.Random(seed))
 
 

@@ -42,7 +42,9 @@ proposer.
 methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=float32):
 {ours}
   (every one takes rule=gumbel|rejection, its acceptance rule, in a sampled run
-  (--temperature); each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
+  (--temperature), and prediction=on, a task's predicted output proposed first (code-edit's
+  original code: OpenAI's Predicted Outputs), e.g. ar,hybrid,hybrid:prediction=on;
+  each speculative one also takes k=N|heuristic|auto and max_k=N; those with a draft
   model dtype={"|".join(DTYPE_NAMES)}, the draft's dtype, default auto (int4 on an x86 CPU with
   AVX512-VNNI or AVX2, else int8),
   backend={"|".join(BACKENDS)}, whose forward passes run the draft, e.g.
@@ -52,7 +54,8 @@ methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=
 
 workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,
 math_reasoning, rag), humaneval (code completion), code-edit (a HumanEval solution to
-rewrite with type hints and a docstring: the answer repeats much of the prompt).
+rewrite with type hints and a docstring: the answer repeats much of the prompt; its original
+code is the rows' prediction with prediction=on).
 
 example:
   specdecode bench --limit 5 --methods ar,hf-ar,hf-assisted,draft:k=6 --out bench-out

@@ -11,7 +11,7 @@ from ..config import KSchedule
 from ..models.base import MeasuredDraft, lm_device
 from ..models.loading import LoadedModel, check_compatible
 from ..profile import verify_profile
-from ..proposers import Proposer
+from ..proposers import PredictionProposer, Proposer
 from ..schedule import AutoK, FixedK, HeuristicK, Schedule
 from .config import SpeculativeConfig
 from .registry import OPTIONS
@@ -109,3 +109,13 @@ def build_schedule(config: SpeculativeConfig, target: LoadedModel, draft: Loaded
             draft_s = times[0] * costs[0] if costs else 0.0
         return AutoK(times, config.max_speculative_tokens, draft_seconds_per_token=draft_s, lookahead=lookahead)
     return FixedK(k)
+
+
+def with_prediction(predicted: list[int] | None, proposer: Proposer | None,
+                    schedule: Schedule | None) -> tuple[Proposer | None, Schedule | None]:
+    """A request's proposer and K schedule with a predicted output's token ids proposed
+    first (:class:`~specdecode.proposers.PredictionProposer`; plain decoding, which has no
+    schedule, gets K 16 each round, as the lookups); unchanged without a prediction."""
+    if predicted is None:
+        return proposer, schedule
+    return PredictionProposer(predicted, proposer), schedule or FixedK(PredictionProposer.default_k)
