@@ -2,6 +2,8 @@
 transformers' own reading of the file, is converted a slice of rows at a time, keeps verify
 rows equal to one-token passes, and a damaged file is said as such."""
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -167,14 +169,14 @@ def test_weights_are_converted_a_slice_of_rows_at_a_time(sources, tmp_path, monk
     seen = []
     real_raw, real_dequantize = gguf_file.GGUFTensor.raw, gguf_file.GGUFTensor.dequantize
 
-    def raw(self, start=0, stop=None):
-        out = real_raw(self, start, stop)
-        seen.append(out.shape[0])
-        return out
+    def raw(self, start=0, stop=None, out=None):
+        rows = real_raw(self, start, stop, out)
+        seen.append(rows.shape[0])
+        return rows
 
-    def dequantize(self, raw):
+    def dequantize(self, raw, out=None):
         seen.append(raw.shape[0])
-        return real_dequantize(self, raw)
+        return real_dequantize(self, raw, out)
 
     monkeypatch.setattr(gguf_file.GGUFTensor, "raw", raw)
     monkeypatch.setattr(gguf_file.GGUFTensor, "dequantize", dequantize)
@@ -246,3 +248,20 @@ def test_a_known_models_metadata_moves_with_its_cache(sources, tmp_path):
     cache.rename(moved)
     assert gguf_file.source_of(moved / "models" / "m") == moved / "gguf" / "m.gguf"
     assert load(moved / "models" / "m", tokenizer=False).lm.vocab_size > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_torch_dequantization_is_the_gguf_packages_bit_for_bit(qtype):
+    """Q4_K and Q6_K rows dequantized in torch equal the gguf package's numpy arithmetic
+    bit for bit (random blocks with finite fp16 scales)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (48, 3 * size), dtype=np.uint8)
+    blocks = raw.reshape(48, 3, size)
+    for at in ((0, 2) if qtype == "Q4_K" else (size - 2,)):  # d (and dmin): finite fp16
+        blocks[..., at:at + 2] = rng.normal(0, 0.05, (48, 3)).astype(np.float16)[..., None].view(np.uint8)
+    fn = gguf_file.dequantize_q4k if qtype == "Q4_K" else gguf_file.dequantize_q6k
+    got = fn(torch.from_numpy(raw), torch.empty(48, 3 * 256))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+    assert torch.equal(got, want)

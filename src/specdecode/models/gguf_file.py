@@ -61,20 +61,39 @@ class GGUFTensor:
     def dim(self) -> int:
         return len(self.shape)
 
-    def raw(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+    @property
+    def nbytes(self) -> int:
+        """The size of the tensor's data in the file, in bytes."""
+        return self._bytes
+
+    def raw(self, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop of the tensor's bytes, uint8 [rows, bytes per row] (1-D tensors:
         one row), read from the file (not mapped: no page of it is held once this array is
         dropped). Only those rows are read, except for llama's q and k (small), read whole to
-        undo their row order."""
+        undo their row order.
+
+        Args:
+            start: the first row.
+            stop: the row after the last (None: to the end).
+            out: a flat uint8 array of at least that many bytes to read into (a buffer kept
+                for the slices of a tensor: no new memory a slice); the result is a view of it.
+
+        Returns:
+            uint8 [stop - start, bytes per row].
+
+        Raises:
+            GGUFError: the file is cut short within these rows.
+        """
         rows = self.shape[0] if self.dim() == 2 else 1
         stop = rows if stop is None else stop
         whole = bool(self.row_heads)
         per_row = self._bytes // rows
         first, count = (0, rows) if whole else (start, stop - start)
+        data = np.empty(count * per_row, np.uint8) if out is None or whole else out[:count * per_row]
         with open(self.file.path, "rb") as fh:
             fh.seek(self._offset + first * per_row)
-            data = np.fromfile(fh, dtype=np.uint8, count=count * per_row)
-        if data.size != count * per_row:
+            got = fh.readinto(memoryview(data))
+        if got != count * per_row:
             raise GGUFError(f"{self.file.path}: tensor {self.name} is cut short: the file is "
                             "truncated; download it again")
         data = data.reshape(count, per_row)
@@ -83,15 +102,104 @@ class GGUFTensor:
             data = data.reshape(h, rows // h // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1)[start:stop]
         return data
 
-    def dequantize(self, raw: np.ndarray) -> torch.Tensor:
-        """Rows of :meth:`raw` dequantized (the gguf package's arithmetic, as transformers
-        reads GGUF files): fp32 [rows, columns]."""
-        return torch.from_numpy(np.ascontiguousarray(
-            gguf.quants.dequantize(raw, self.type), dtype=np.float32)).reshape(raw.shape[0], -1)
+    def dequantize(self, raw: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of :meth:`raw` dequantized with the gguf package's arithmetic (as transformers
+        reads GGUF files), bit for bit: Q4_K and Q6_K by :func:`dequantize_q4k` and
+        :func:`dequantize_q6k` (the same float steps in torch, on every thread), the other
+        types by the gguf package itself.
+
+        Args:
+            raw: uint8 [rows, bytes per row] of this tensor.
+            out: fp32 of at least rows x columns values to write into (a buffer kept for the
+                slices of a tensor); the result is a view of it. None: a new tensor.
+
+        Returns:
+            fp32 [rows, columns].
+        """
+        n, cols = raw.shape[0], raw.shape[1] // gguf.GGML_QUANT_SIZES[self.type][1] * \
+            gguf.GGML_QUANT_SIZES[self.type][0]
+        w = torch.empty(n * cols) if out is None else out.view(-1)[:n * cols]
+        w = w.view(n, cols)
+        if self.type == T.Q4_K:
+            return dequantize_q4k(torch.from_numpy(raw), w)
+        if self.type == T.Q6_K:
+            return dequantize_q6k(torch.from_numpy(raw), w)
+        return w.copy_(torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.dequantize(raw, self.type), dtype=np.float32)).view(n, cols))
 
     def float(self) -> torch.Tensor:
         """The whole tensor dequantized, fp32 in ``shape`` (a float copy: 4 bytes a value)."""
         return self.dequantize(self.raw()).reshape(self.shape)
+
+
+def q4k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit scales and mins of Q4_K blocks (llama.cpp's ``get_scale_min_k4``, the gguf
+    package's ``Q4_K.get_scale_min``), four bytes at a time as int32 (each byte's bits stay
+    in that byte).
+
+    Args:
+        scales: uint8 [..., 12], the blocks' packed scales (rows of bytes at offsets and
+            strides that are multiples of 4, as in a block's bytes 4..15).
+
+    Returns:
+        (sc, mn) uint8 [..., 8], the eight 32-input groups' scales and mins.
+    """
+    d, m, md = scales.view(torch.int32).unbind(-1)
+    sc = torch.stack((d & 0x3F3F3F3F, (md & 0x0F0F0F0F) | ((d >> 2) & 0x30303030)), -1)
+    mn = torch.stack((m & 0x3F3F3F3F, ((md >> 4) & 0x0F0F0F0F) | ((m >> 2) & 0x30303030)), -1)
+    return sc.view(torch.uint8), mn.view(torch.uint8)
+
+
+def dequantize_q4k(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows dequantized into ``out``, the gguf package's float steps bit for bit:
+    (d * sc) * q - dmin * m.
+
+    Args:
+        raw: uint8 [rows, blocks * 144] (llama.cpp's ``block_q4_K``).
+        out: fp32 [rows, blocks * 256], written.
+
+    Returns:
+        ``out``.
+    """
+    n, nb = raw.shape[0], raw.shape[1] // 144
+    b = raw.view(n, nb, 144)
+    sc, mn = q4k_scale_min(b[..., 4:16])
+    a = b[..., 0:2].view(torch.float16).float() * sc.float()  # [n, nb, 8]
+    c = b[..., 2:4].view(torch.float16).float() * mn.float()
+    qs = b[..., 16:].view(n, nb, 4, 32)
+    w = out.view(n, nb, 4, 2, 32)  # per 64 inputs: the low nibbles, then the high ones
+    w[..., 0, :] = qs & 0x0F
+    w[..., 1, :] = qs >> 4
+    w = w.view(n, nb, 8, 32)
+    w.mul_(a[..., None]).sub_(c[..., None])
+    return out
+
+
+def dequantize_q6k(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows dequantized into ``out``, the gguf package's float steps bit for bit:
+    (d * scale) * (q - 32).
+
+    Args:
+        raw: uint8 [rows, blocks * 210] (llama.cpp's ``block_q6_K``).
+        out: fp32 [rows, blocks * 256], written.
+
+    Returns:
+        ``out``.
+    """
+    n, nb = raw.shape[0], raw.shape[1] // 210
+    b = raw.view(n, nb, 210)
+    scale = b[..., 208:210].view(torch.float16).float() * b[..., 192:208].view(torch.int8).float()
+    ql = b[..., :128].view(n, nb, 2, 1, 64)
+    qh = b[..., 128:192].view(n, nb, 2, 1, 32)
+    q = torch.empty((n, nb, 2, 2, 64), dtype=torch.uint8)  # per 128 inputs: ql's low, high nibbles
+    q[..., 0:1, :] = ql & 0x0F
+    q[..., 1:2, :] = ql >> 4
+    q = q.view(n, nb, 2, 4, 32)
+    for i in range(4):  # qh's four 2-bit fields: the high bits
+        q[..., i:i + 1, :] |= ((qh >> 2 * i) & 0x03) << 4
+    w = out.view(n, nb, 16, 16)
+    w.copy_(q.view(n, nb, 16, 16)).sub_(32).mul_(scale[..., None])
+    return out
 
 
 class GGUFFile:

@@ -338,16 +338,30 @@ def pack(q: torch.Tensor, layout: str) -> torch.Tensor:
     return u.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization with one scale per row.
 
-    w: float [N, K]. Returns (q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None];
-    an all-zero row gets scale 1 (its q is 0).
+    Args:
+        w: float [N, K].
+        out: (q int8 [N, K], scale fp32 [N]) to write into; then ``w`` (fp32) is used as
+            scratch and overwritten (no new memory for a slice of a large weight).
+
+    Returns:
+        (q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None]; an all-zero row gets
+        scale 1 (its q is 0).
     """
-    w = w.float()
-    amax = w.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    if out is None:
+        w = w.float()
+        out = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])
+        x = torch.empty_like(w)  # w is the caller's
+    else:
+        x = w
+    amax = torch.maximum(w.amax(-1), w.amin(-1).neg())  # max |w| without a tensor of |w|
+    q, scale = out
+    torch.where(amax > 0, amax / QMAX, torch.ones_like(amax), out=scale)
+    torch.div(w, scale[:, None], out=x).round_().clamp_(-QMAX, QMAX)
+    q.copy_(x)
     return q, scale
 
 
@@ -591,18 +605,45 @@ def q4k_fits(in_features: int, out_features: int) -> bool:
     return in_features % 256 == 0 and out_features % 16 == 0
 
 
-def q4k_buffers(raw) -> dict[str, torch.Tensor]:
-    """A :class:`Q4KLinear`'s buffers (without bias) from the rows of a GGUF Q4_K tensor:
-    raw uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs); out % 16 == 0."""
-    n, k = raw.shape[0], raw.shape[1] // 144 * 256
-    b = raw.reshape(n, k // 256, 144)
-    sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, :, 4:16].reshape(-1, 12))
-    # 64 inputs per 32 bytes: the low nibbles are the first 32, the high ones the next 32
-    qs = b[:, :, 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    t = torch.from_numpy
-    return _q4k_pack(t((qs & 0x0F).reshape(n, k)), t(b[:, :, 0:2].copy().view(np.int16)).view(n, -1),
-                     t(b[:, :, 2:4].copy().view(np.int16)).view(n, -1),
-                     t(np.ascontiguousarray(sc)).view(n, -1), t(np.ascontiguousarray(mn)).view(n, -1))
+_NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of an int32
+
+
+def q4k_buffers(raw, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A :class:`Q4KLinear`'s buffers (without bias) from the rows of a GGUF Q4_K tensor, the
+    same blocks rearranged (:func:`_q4k_pack`'s layout), byte for byte from the file's bytes.
+
+    Args:
+        raw: uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs), numpy or
+            torch; out % 16 == 0.
+        out: the buffers to write into (e.g. views of a whole weight's for these rows);
+            None: new tensors.
+
+    Returns:
+        ``qweight``, ``d``, ``dmin``, ``sc``, ``mn`` as :class:`Q4KLinear` holds them.
+    """
+    raw = torch.as_tensor(raw)
+    n, nb = raw.shape[0], raw.shape[1] // 144
+    if out is None:
+        out = {k: torch.empty(shape, dtype=dtype) for k, shape, dtype in (
+            ("qweight", (n // 16, nb * 8, 4, 16, 4), torch.uint8),
+            ("d", (n // 16, nb, 16), torch.int16), ("dmin", (n // 16, nb, 16), torch.int16),
+            ("sc", (n // 16, nb * 8, 16), torch.uint8), ("mn", (n // 16, nb * 8, 16), torch.uint8))}
+    b = raw.view(n // 16, 16, nb, 144)  # [block of rows, row, superblock, byte]
+    for k, at in (("d", 0), ("dmin", 2)):
+        out[k].permute(0, 2, 1).copy_(b[..., at:at + 2].view(torch.int16).squeeze(-1))
+    for k, v in zip(("sc", "mn"), gguf_file.q4k_scale_min(b[..., 4:16])):
+        out[k].view(n // 16, nb, 8, 16).permute(0, 3, 1, 2).copy_(v)
+    # a superblock's 128 bytes: 4 x 32, byte j of the i-th holding inputs 64i + j (low nibble)
+    # and 64i + 32 + j (high); a qweight byte of group g holds its inputs 8c + e (low nibble)
+    # and 8c + 4 + e (high), c, e in 0..3: from bytes 8c + e and 8c + 4 + e, the same nibble.
+    # The four bytes e = 0..3 move together, as one int32.
+    qs = b[..., 16:].view(torch.int32).view(n // 16, 16, nb, 4, 4, 2)  # [.., row, superblock, i, c, half]
+    lo, hi = qs[..., 0], qs[..., 1]
+    q = out["qweight"].view(torch.int32).view(n // 16, nb, 4, 2, 4, 16).permute(0, 5, 1, 2, 3, 4)
+    low, high = q[..., 0, :], q[..., 1, :]  # groups 8s + 2i (the low nibbles), 8s + 2i + 1
+    torch.bitwise_and(lo, _NIBBLES, out=low).bitwise_or_((hi << 4) & ~_NIBBLES)
+    torch.bitwise_right_shift(lo, 4, out=high).bitwise_and_(_NIBBLES).bitwise_or_(hi & ~_NIBBLES)
+    return out
 
 
 def _q4k_pack(q, d, dmin, sc, mn) -> dict[str, torch.Tensor]:
@@ -703,30 +744,42 @@ def quantize_linears(model: nn.Module, layout: str = "nk") -> nn.Module:
     return model
 
 
-SLICE_VALUES = 1 << 22  # weights converted at a time (16 MiB in fp32; the gguf package's
-# dequantization makes a few temporaries of that size)
+SLICE_VALUES = 1 << 22  # weights converted at a time (16 MiB in fp32)
 
 
 def _by_slices(t, convert, raw: bool = False) -> dict[str, torch.Tensor]:
     """``convert`` of each slice of about ``SLICE_VALUES`` weights (whole rows, a multiple
     of 16 of them) of the weight ``t`` (a torch tensor, or a lazily read GGUF tensor),
-    written into tensors allocated once: the float
-    weight (``raw``: the GGUF tensor's bytes) is never whole in memory. ``convert`` maps rows
-    (fp32 [r, in], or raw bytes) to a dict of tensors whose first dimension is r or r / 16
-    (every conversion here is row by row)."""
-    n, out = t.shape[0], {}
+    written into tensors allocated once: the float weight (``raw``: the GGUF tensor's bytes)
+    is never whole in memory, and each slice is read (and dequantized) into the same
+    buffers. ``convert(rows, out)`` maps rows (fp32 [r, in], a scratch tensor it may
+    overwrite; or raw bytes) to a dict of tensors whose first dimension is r or r / 16
+    (every conversion here is row by row): ``out`` is None for the first slice, then the
+    outputs' views for the slice's rows, which ``convert`` may fill and return (else what it
+    returns is copied there)."""
+    n, out, per = t.shape[0], {}, {}
     step = max(16, SLICE_VALUES // t.shape[1] // 16 * 16)
+    buf = None
     for a in range(0, n, step):
         b = min(a + step, n)
         if isinstance(t, torch.Tensor):
-            rows = t[a:b].float()
+            buf = torch.empty(min(step, n), t.shape[1]) if buf is None else buf
+            rows = buf[:b - a].copy_(t[a:b])
+        elif raw:
+            buf = np.empty(min(step, n) * (t.nbytes // n), np.uint8) if buf is None else buf
+            rows = t.raw(a, b, out=buf)
         else:
-            rows = t.raw(a, b) if raw else t.dequantize(t.raw(a, b))
-        for k, v in convert(rows).items():
+            if buf is None:
+                buf = (np.empty(min(step, n) * (t.nbytes // n), np.uint8), torch.empty(min(step, n), t.shape[1]))
+            rows = t.dequantize(t.raw(a, b, out=buf[0]), out=buf[1])
+        views = {k: v[a // per[k]:b // per[k]] for k, v in out.items()} if out else None
+        for k, v in convert(rows, views).items():
             if k not in out:
-                out[k] = torch.empty((n * v.shape[0] // (b - a), *v.shape[1:]), dtype=v.dtype)
-            start = a * v.shape[0] // (b - a)
-            out[k][start:start + v.shape[0]] = v
+                per[k] = (b - a) // v.shape[0]
+                out[k] = torch.empty((n // per[k], *v.shape[1:]), dtype=v.dtype)
+                views = {**(views or {}), k: out[k][a // per[k]:b // per[k]]}
+            if v is not views[k]:
+                views[k].copy_(v)
     return out
 
 
@@ -766,7 +819,7 @@ def quantize_state(tensors: Iterable[tuple[str, object]], layout: str, tie_embed
         if embedding and not tie_embeddings:
             pass  # the table itself is int8; only a tied lm_head takes blocks
         elif int4 and t.shape[0] % 16 == 0:
-            blocks = _by_slices(t, q4k_quantize)
+            blocks = _by_slices(t, lambda w, out: q4k_quantize(w))
         elif keep_q4k and _is_q4k(t):
             blocks = _by_slices(t, q4k_buffers, raw=True)
         if embedding:
@@ -774,7 +827,8 @@ def quantize_state(tensors: Iterable[tuple[str, object]], layout: str, tie_embed
         elif blocks is not None:
             state.update({f"{base}.{k}": v for k, v in blocks.items()})
             continue
-        q, state[base + ".wscale"] = _by_slices(t, lambda w: dict(zip("qs", quantize_rows(w)))).values()
+        q, state[base + ".wscale"] = _by_slices(t, lambda w, out: dict(zip("qs", quantize_rows(
+            w, out and (out["q"], out["s"]))))).values()
         state[base + ".qweight"] = q if embedding else pack(q, layout_for(layout, *reversed(q.shape)))
     if tied_blocks is not None:
         state.update({f"lm_head.{k}": v for k, v in tied_blocks.items()})
