@@ -455,7 +455,8 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
         proposer = build_proposer(spec, tgt, drf)
         _own_chat_view(proposer, drf, prompt, chat)
         schedule = build_schedule(spec, tgt, drf, proposer)
-        proposer, schedule = with_prediction(predicted, proposer, schedule)
+        times = verify_profile(tgt) if predicted is not None else None  # (measured once, cached)
+        proposer, schedule = with_prediction(predicted, proposer, schedule, times)
         engine = Engine(tgt.lm, proposer, schedule, debug=debug)
         return engine.generate(prompt_ids, params, tgt.eos_token_ids, decode), tgt, params, prompt_ids, predicted
     if batch.target is not tgt.lm:
@@ -480,6 +481,6 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
         # a self-draft's cost: its share of the target's T(1)
         costs = [m.cost for m in proposer.models() if isinstance(m, MeasuredDraft)]
         draft_s = batch.forward_seconds[0] * costs[0] if costs else None
-    proposer, schedule = with_prediction(predicted, proposer, schedule)
+    proposer, schedule = with_prediction(predicted, proposer, schedule, batch.forward_seconds)
     gen = batch.add(prompt_ids, params, tgt.eos_token_ids, decode, proposer, schedule, draft_s, own_k)
     return gen, tgt, params, prompt_ids, predicted

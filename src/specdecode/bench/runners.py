@@ -21,6 +21,7 @@ from ..models import llamacpp
 from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatible, check_model_name,
                               default_eos_token_ids, float_model_path, load,
                               resolve_model_path)
+from ..profile import verify_profile
 
 
 @dataclass
@@ -274,6 +275,7 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     proposer = build_proposer(spec, target, draft)
     schedule = build_schedule(spec, target, draft, proposer)
     engine = Engine(target.lm, proposer, schedule)
+    times = verify_profile(target) if predicted else None  # (the run's profile, measured before)
 
     def run(prompt_ids, max_new_tokens, prediction=None):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
@@ -282,7 +284,7 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
         own = engine
         if predicted and prediction is not None:  # (tokenizing it is part of the request's time)
             ids = target.tokenizer.encode(prediction, add_special_tokens=False)
-            own = Engine(target.lm, *with_prediction(ids, proposer, schedule))
+            own = Engine(target.lm, *with_prediction(ids, proposer, schedule, times))
         gen = own.generate(prompt_ids, params, target.eos_token_ids).run()
         return Output(gen.token_ids, time.perf_counter() - t0, gen.stats.to_dict())
     return run

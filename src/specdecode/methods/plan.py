@@ -111,11 +111,13 @@ def build_schedule(config: SpeculativeConfig, target: LoadedModel, draft: Loaded
     return FixedK(k)
 
 
-def with_prediction(predicted: list[int] | None, proposer: Proposer | None,
-                    schedule: Schedule | None) -> tuple[Proposer | None, Schedule | None]:
+def with_prediction(predicted: list[int] | None, proposer: Proposer | None, schedule: Schedule | None,
+                    forward_seconds: list[float] | None = None) -> tuple[Proposer | None, Schedule | None]:
     """A request's proposer and K schedule with a predicted output's token ids proposed
-    first (:class:`~specdecode.proposers.PredictionProposer`; plain decoding, which has no
-    schedule, gets K 16 each round, as the lookups); unchanged without a prediction."""
+    first (:class:`~specdecode.proposers.PredictionProposer`, which sizes its proposals from
+    the target's measured T(1..n), ``forward_seconds``, where given; plain decoding, which has
+    no schedule, gets K 16 each round, as the lookups); unchanged without a prediction."""
     if predicted is None:
         return proposer, schedule
-    return PredictionProposer(predicted, proposer), schedule or FixedK(PredictionProposer.default_k)
+    cost = [t / forward_seconds[0] for t in forward_seconds] if forward_seconds else None
+    return PredictionProposer(predicted, proposer, cost), schedule or FixedK(PredictionProposer.default_k)

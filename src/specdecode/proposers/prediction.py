@@ -3,6 +3,7 @@ expects most of the output to repeat (a file an editor asks to rewrite), propose
 
 from __future__ import annotations
 
+from ..costmodel import chained_acceptance, expected_tokens, relative_cost
 from ..models.base import CausalLM
 from .base import DraftOutput, Proposer, RequestState, Steps, run_alone
 
@@ -17,9 +18,15 @@ class PredictionProposer(Proposer):
     other loses it. While it is lost, after each round the output's last tokens are looked
     for in the prediction (the longest of 4, 3, 2 or 1 tokens that occurs; of its places,
     the first at or after where the pointer was lost, else the last before it), so that an
-    edit inside a file keeps the rest of the file proposable. A proposal is the prediction's
-    next k tokens from the pointer; past its end, or while lost, ``inner`` proposes (or
-    nothing without one).
+    edit inside a file keeps the rest of the file proposable. Past the prediction's end, or
+    while lost, ``inner`` proposes (or nothing without one).
+
+    Length: the prediction's next L ≤ k tokens from the pointer, L maximising E(L) / T(L+1)
+    (E from the acceptance α_i at each position i, learned in this request; T(n)/T(1) the
+    target's ``verify_cost``; Leviathan et al., arXiv:2211.17192 §3.1, as the hybrid sizes a
+    draft), learned apart for a pointer that re-joined in the last ``fresh`` committed
+    tokens (an edit may go on) and one that has followed longer: a round where the output
+    leaves the prediction costs a verify pass over L + 1 tokens, several times T(1) on a CPU.
 
     Only what is proposed changes: the acceptance rule and so the output are the method's.
 
@@ -27,15 +34,22 @@ class PredictionProposer(Proposer):
         prediction: the prediction's token ids, tokenized as the output would be.
         inner: the method's own proposer, or None (plain decoding where the prediction has
             nothing to offer).
+        verify_cost: the target's T(n)/T(1) for n = 1, 2, ... (None:
+            :func:`~specdecode.costmodel.relative_cost`'s default).
     """
 
     name = "prediction"
     default_k = 16
     longest_match = 4  # output tokens matched to re-join the prediction
+    fresh = 4  # a pointer that re-joined within this many committed tokens is a fresh one
+    prior_alpha = 0.9  # α before this request has measured any (a prediction is mostly right)
+    prior_weight = 2.0  # its weight, in rounds
 
-    def __init__(self, prediction: list[int], inner: Proposer | None = None):
+    def __init__(self, prediction: list[int], inner: Proposer | None = None,
+                 verify_cost: list[float] | None = None):
         self.prediction = list(prediction)
         self.inner = inner
+        self.verify_cost = verify_cost
         # the engine reads these of the request's proposer: the inner method's
         self.hidden_keys = inner.hidden_keys if inner is not None else ()
         self.lossy_typical = inner.lossy_typical if inner is not None else None
@@ -45,10 +59,18 @@ class PredictionProposer(Proposer):
         self._start = self._seen = 0
         self._at: int | None = 0  # the prediction's index of the next output token; None: lost
         self._lost_at = 0
+        self._run = 0  # committed tokens the pointer has followed since it (re-)joined
+        self._counts = self._new_counts()
+        self._proposed: tuple[int, list[int], int] | None = None  # (at, tokens, kind) in flight
+
+    def _new_counts(self) -> list[tuple[list[float], list[float]]]:
+        """Per kind of pointer (0: fresh, 1: followed longer), per position: (reached, accepted)."""
+        return [([0.0] * self.default_k, [0.0] * self.default_k) for _ in range(2)]
 
     def reset(self, state: RequestState, max_total_len: int) -> None:
         self._start = self._seen = len(state.tokens)
-        self._at, self._lost_at = 0, 0
+        self._at, self._lost_at, self._run = 0, 0, self.fresh  # the output starts where it does
+        self._counts, self._proposed = self._new_counts(), None
         if self.inner is not None:
             self.inner.reset(state, max_total_len)
 
@@ -58,12 +80,21 @@ class PredictionProposer(Proposer):
         for t in tokens[self._seen:]:
             if self._at is not None and self._at < len(p) and p[self._at] == t:
                 self._at += 1
+                self._run += 1
             elif self._at is not None:
                 self._lost_at, self._at = self._at, None
         if self._at is None and len(tokens) > self._seen:
             self._at = self._rejoin(tokens[self._start:])
+            self._run = 0
         self._seen = len(tokens)
         return self._at
+
+    def _length(self, kind: int, k: int) -> int:
+        """L ≤ k maximising E(L) / T(L+1) for this kind of pointer (see the class docstring)."""
+        alpha = chained_acceptance(*self._counts[kind], self.prior_alpha, self.prior_weight)
+        rates = [(expected_tokens(alpha, n) / relative_cost(self.verify_cost, n + 1), n)
+                 for n in range(min(k, self.default_k) + 1)]
+        return max(rates)[1]
 
     def _rejoin(self, out: list[int]) -> int | None:
         """The prediction's index after the longest run of ``out``'s last tokens found in it
@@ -84,13 +115,27 @@ class PredictionProposer(Proposer):
 
     def propose_steps(self, state: RequestState, k: int) -> Steps:
         at = self._follow(state.tokens)
+        self._proposed = None
         if at is not None and at < len(self.prediction):
-            return DraftOutput.point_mass(self.prediction[at:at + k], self.name)
+            kind = int(self._run >= self.fresh)
+            tokens = self.prediction[at:at + self._length(kind, min(k, len(self.prediction) - at))]
+            if tokens:
+                self._proposed = (len(state.tokens), tokens, kind)
+                return DraftOutput.point_mass(tokens, self.name)
         if self.inner is None:
             return DraftOutput.empty()
         return (yield from self.inner.propose_steps(state, k))
 
     def on_accept(self, state: RequestState) -> None:
+        if self._proposed is not None:
+            n, tokens, kind = self._proposed
+            got = state.tokens[n:n + len(tokens)]
+            accepted = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), len(got))
+            reached, acc = self._counts[kind]
+            for i in range(min(len(tokens), accepted + 1)):  # the accepted, and the first rejected
+                reached[i] += 1
+                acc[i] += i < accepted
+            self._proposed = None
         if self.inner is not None:
             self.inner.on_accept(state)
 
