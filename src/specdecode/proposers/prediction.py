@@ -61,7 +61,7 @@ class PredictionProposer(Proposer):
         self._lost_at = 0
         self._run = 0  # committed tokens the pointer has followed since it (re-)joined
         self._counts = self._new_counts()
-        self._proposed: tuple[int, list[int], int] | None = None  # (at, tokens, kind) in flight
+        self._proposed: tuple[int, list[int], int] | None = None  # (committed then, tokens, kind) in flight
 
     def _new_counts(self) -> list[tuple[list[float], list[float]]]:
         """Per kind of pointer (0: fresh, 1: followed longer), per position: (reached, accepted)."""
