@@ -203,6 +203,11 @@ def test_prediction_through_the_openai_client(server, pair):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, prediction=bad)
         assert e.value.body["param"] == "prediction"
+    # text that is not UTF-8 (a lone surrogate, as JSON can carry it) is the prediction's fault
+    status, _, out = server.post("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", '
+                                 b'"content": "x"}], "max_tokens": 3, "prediction": {"type": "content", '
+                                 b'"content": "ab\\udc80"}}')
+    assert status == 400 and out["error"]["param"] == "prediction" and "U+DC80" in out["error"]["message"]
 
 
 def test_a_prediction_that_keeps_missing_proposes_less():

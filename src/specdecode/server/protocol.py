@@ -253,6 +253,11 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         stop=stop, acceptance_rule=rule)
     prediction = _prediction(body.get("prediction"))
     if prediction is not None:
+        try:
+            prediction.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad(f"'prediction' is not valid UTF-8 text: character {e.start} is "
+                      f"U+{ord(prediction[e.start]):04X}, a lone surrogate", "prediction") from None
         predicted = len(ctx.encode(prediction))
         if predicted > room:
             raise bad(f"the prediction has {predicted} tokens, more than the {room} the server's "
