@@ -105,10 +105,15 @@ def test_a_methods_options_as_keyword_arguments_are_its_method_strings(setup):
     for method, kwargs, text in (("layer-skip", dict(skip_layers=[3, 5]), "layer-skip:layers=3+5"),
                                  ("early-exit", dict(exit_layer=4), "early-exit:layer=4"),
                                  ("medusa", dict(head_dir=head, draft_tree_width=2), texts["medusa"])):
-        by_keyword = specdecode.generate(target, PROMPTS[0], method=method, max_new_tokens=16, **kwargs)
-        by_text = specdecode.generate(target, PROMPTS[0], method=text, max_new_tokens=16)
+        # an integer K: the default schedule prices K from measured pass times, so the number
+        # of draft tokens would vary between two runs of the same options
+        by_keyword = specdecode.generate(target, PROMPTS[0], method=method, max_new_tokens=16,
+                                         num_speculative_tokens=3, **kwargs)
+        by_text = specdecode.generate(target, PROMPTS[0], method=text, max_new_tokens=16,
+                                      num_speculative_tokens=3)
         assert by_keyword.token_ids == by_text.token_ids == plain
         assert by_keyword.stats.num_draft_tokens == by_text.stats.num_draft_tokens > 0
+        assert by_keyword.stats.accepted_per_position == by_text.stats.accepted_per_position
     with pytest.raises(TypeError, match="'skip_layer'; a method's own options are .*skip_layers"):
         specdecode.generate(target, PROMPTS[0], method="layer-skip", skip_layer=[3])
     with pytest.raises(ValueError, match="given both"):
