@@ -23,6 +23,7 @@ from . import fim
 from .batch import BatchEngine
 from .config import SamplingParams
 from .engine import Engine, Generation, TokenInfo
+from .grammar import Grammar
 from .methods import (KEYWORD_OPTIONS, Method, SpeculativeConfig, build_proposer, build_schedule, prepare, prompt_lookup_method,
                       speculative_config, with_prediction)
 from .models.base import BatchLM, MeasuredDraft, lm_device
@@ -172,7 +173,8 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
-def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | None = None, input_ids=None,
+def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | None = None,
+           response_format: dict | None = None, input_ids=None,
            draft=None, assistant_model=None,
            method: str | Method | SpeculativeConfig | None = None, chat: bool = False, max_new_tokens: int = 128,
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
@@ -198,7 +200,11 @@ def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | 
     output is expected to repeat for the most part (OpenAI's Predicted Outputs: a file to
     rewrite), proposed for free where the output follows it
     (:class:`~specdecode.proposers.PredictionProposer`), with any method; the output is the
-    method's all the same. input_ids: token ids
+    method's all the same. response_format: OpenAI's ``{"type": "json_object"}`` or ``{"type":
+    "json_schema", "json_schema": {"schema": {...}}}``: the output is plain constrained
+    decoding of the target under that schema's grammar, whatever the method
+    (:mod:`specdecode.grammar`; GrammarError for a schema that cannot be compiled).
+    input_ids: token ids
     instead of a prompt. dtype, device: how a
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).
     method: "hybrid" (default when a draft is given, else "ar": plain decoding; each round
@@ -259,7 +265,7 @@ def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | 
         max_matching_ngram_size, suffix_cache, **options)
     own_k = isinstance(k, int) and not isinstance(k, bool)  # (the config fills in a default K)
     gen, tgt, params, prompt_ids, predicted = _start(
-        target, prompt, input_ids, draft, spec, chat, suffix, prediction,
+        target, prompt, input_ids, draft, spec, chat, suffix, prediction, response_format,
         dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
              do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
              seed=seed, stop=stop, eos_token_id=eos_token_id, acceptance_rule=acceptance_rule,
@@ -423,7 +429,8 @@ def _prediction_ids(target: LoadedModel, prediction: str | None, prompt_len: int
     return ids
 
 
-def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suffix, prediction, sampling: dict,
+def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suffix, prediction, response_format,
+           sampling: dict,
            dtype, device, debug, batch=None, own_k=False
            ) -> tuple[Generation, LoadedModel, SamplingParams, list[int], list[int] | None]:
     params = _sampling_params(**sampling)
@@ -441,6 +448,9 @@ def _start(target, prompt, input_ids, draft, spec: SpeculativeConfig, chat, suff
         raise ValueError(f"method {spec.method.value!r} needs a draft model (draft= or assistant_model=)")
     tgt = _as_model(target, dtype, device=device)
     drf = _as_model(draft, dtype, "draft", device) if spec.method.needs_draft_model else None
+    grammar = Grammar.for_model(tgt, response_format)
+    if grammar is not None:
+        params = replace(params, grammar=grammar)  # (SamplingParams refuses min_new_tokens with it)
     if suffix is not None:
         _check_utf8(prompt, "the prompt")
         _check_utf8(suffix, "the suffix")

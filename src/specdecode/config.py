@@ -46,6 +46,8 @@ class SamplingParams:
     ``logprobs``: None, or return each generated token's log-probability under the target
     plus the ``logprobs`` most likely alternatives (0..20), from the target's raw logits
     before temperature and filters (vLLM's default ``raw_logprobs``).
+    ``grammar``: a :class:`~specdecode.grammar.Grammar` the output follows (structured
+    output: tokens it refuses are masked before sampling at every position), or None.
     """
 
     max_new_tokens: int = 128
@@ -59,6 +61,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] | None = None
     acceptance_rule: str | None = None
     logprobs: int | None = None
+    grammar: object | None = None
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -110,6 +113,11 @@ class SamplingParams:
                 "seeded, else rejection)")
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"None, or an integer from 0 to {MAX_LOGPROBS} (the alternatives per token)")
+        if self.grammar is not None and not callable(getattr(self.grammar, "start", None)):
+            bad("grammar", "None or a specdecode.grammar.Grammar")
+        if self.grammar is not None and self.min_new_tokens:
+            bad("min_new_tokens", "0 with a response format (its grammar decides where the output "
+                "ends; masking EOS could leave no token allowed)")
 
     @property
     def greedy(self) -> bool:

@@ -24,7 +24,7 @@ from .config import SamplingParams, check_k
 from .heads import check_heads_target
 from .models.base import CausalLM, busy_lock
 from .proposers import Proposer, RequestState
-from .proposers.base import run_alone
+from .proposers.base import DraftOutput, run_alone
 from .sampling import GumbelNoise, process_logits, to_probs
 from .schedule import FixedK, Schedule
 from .stats import SpecDecodingStats
@@ -35,6 +35,7 @@ from .verify import (greedy_verify, greedy_verify_tree, gumbel_verify, rejection
 
 
 TOKEN_KINDS = ("accepted", "recovered", "bonus", "target")
+GRAMMAR_SOURCE = "grammar"  # the proposer named for tokens the grammar forces
 
 
 @dataclass
@@ -275,9 +276,12 @@ class RequestRun:
         self.typical = proposer.lossy_typical if proposer is not None and not params.greedy else None
         stats.lossy = stats.lossy or self.typical is not None
         self.limit = min(target.max_context, len(prompt) + params.max_new_tokens)
+        # the request's place in its response format's grammar (structured output)
+        self.grammar = params.grammar.start(tuple(sorted(eos))) if params.grammar is not None else None
         self.state = RequestState(list(prompt), 0, params, tuple(sorted(eos)), generator,
-                                  target.vocab_size, self.noise)
+                                  target.vocab_size, self.noise, self.grammar)
         self.stopper = StopStrings(params.stop, decode) if params.stop else None
+        self._forced = False  # this round's drafts are the tokens the grammar forces
         # a seeded request of the rejection rule must not let the clock choose K (its draws
         # depend on K); greedy and gumbel outputs do not
         self.clocked = params.rule != "rejection" or params.seed is None
@@ -309,11 +313,22 @@ class RequestRun:
         (:meth:`~specdecode.proposers.Proposer.propose_steps`); returns the draft tokens."""
         state, schedule, proposer = self.state, self.schedule, self.proposer
         t1, wanted = time.perf_counter(), k
-        draft = (yield from proposer.propose_steps(state, k)) if k > 0 else None
+        # what the grammar forces is proposed for free, with any method (plain decoding, no
+        # proposer, stays plain constrained decoding)
+        forced = self.grammar.forced(self.limit - len(state.tokens) - 1) \
+            if self.grammar is not None and proposer is not None else []
+        self._forced = bool(forced)
+        if forced:
+            draft, wanted = DraftOutput.point_mass(forced, GRAMMAR_SOURCE), len(forced)
+        else:
+            draft = (yield from proposer.propose_steps(state, k)) if k > 0 else None
         drafts = draft.token_ids if draft is not None else torch.empty(1, 0, dtype=torch.long)
-        if draft is not None and draft.free and drafts.shape[1]:
+        if draft is not None and draft.free and drafts.shape[1] and not forced:
             k = schedule.trim(drafts.shape[1])  # a lookup's K is chosen once it is seen
             drafts = drafts[:, :k]
+        if self.grammar is not None and draft is not None and draft.probs is None and draft.tree is None:
+            # a point-mass token the grammar refuses is never accepted: propose up to it
+            drafts = drafts[:, :self.grammar.valid_prefix(drafts[0].tolist())]
         self._t1, self._t2 = t1, time.perf_counter()
         k = drafts.shape[1]
         if proposer is not None:
@@ -350,6 +365,9 @@ class RequestRun:
         state, params, stats, gen = self.state, self.params, self.stats, self.gen
         draft, drafts, noise = self._draft, self._drafts, self.noise
         n, k = len(state.tokens), drafts.shape[1]
+        raw = logits
+        if self.grammar is not None:
+            logits = self._constrain(logits)
         if self.tree is not None:
             block, rows = self._finish_tree(logits)
             accepted = len(block) - 1
@@ -371,7 +389,7 @@ class RequestRun:
         t1, t2, t3 = self._t1, self._t2, time.perf_counter()
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
-        if self.proposer is not None:  # a tree's K is its depth: the longest path it offered
+        if self.proposer is not None and not self._forced:  # a tree's K is its depth: the longest path it offered
             depth = k if self.tree is None else self.tree.depth
             if self.clocked:
                 self.schedule.update(depth, accepted, t2 - t1, t3 - t2)
@@ -388,6 +406,8 @@ class RequestRun:
             if tok in self.eos or (self.stopper is not None and self.stopper.hit(tok)):
                 gen.finish_reason = "stop"
                 break
+        if self.grammar is not None:
+            self.grammar.commit(emitted)
         source = (draft.source or self.proposer.name) if k else ""
         if k == 0:
             last = "target"
@@ -395,13 +415,28 @@ class RequestRun:
             last = "recovered" if self.tree.children(rows[-1]) else "bonus"
         else:
             last = "recovered" if accepted < k else "bonus"
-        self.gen.token_info += self._info(logits[:, rows], emitted, accepted, source, last)
+        self.gen.token_info += self._info(raw[:, rows], emitted, accepted, source, last)
         stats.record_round(k, min(accepted, len(emitted)), source,
                            None if self.tree is None else self.tree.depth)
         stats.num_generated_tokens += len(emitted)
         if gen.finish_reason is None and len(state.tokens) >= self.limit:
             gen.finish_reason = "length"
         return emitted
+
+    def _constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """The verify pass's logits [1, R, V] with each row's tokens the grammar refuses at
+        its position set to -inf (a chain's row i: after the committed tokens and drafts[:i];
+        a tree's row: after its node's path)."""
+        if self.tree is not None:
+            tokens = self.tree.token_ids.tolist()
+            paths = [[tokens[i] for i in self.tree.path(r - 1)] for r in range(logits.shape[1])]
+        else:
+            drafts = self._drafts[0].tolist()
+            paths = [drafts[:i] for i in range(logits.shape[1])]
+        allowed = self.grammar.allowed(paths).to(logits.device)
+        if allowed.shape[-1] < logits.shape[-1]:  # logit rows past the model's vocabulary
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]))
+        return logits.masked_fill(~allowed[None, :, :logits.shape[-1]], float("-inf"))
 
     def _finish_tree(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """The block a tree pass commits (accepted path + recovered or bonus token) and the

@@ -61,6 +61,9 @@ class RequestState:
     noise: the request's Gumbel noise under the gumbel acceptance rule, else None: a draft
         model proposes ``argmax(its processed logits + noise of that position)`` to agree
         with the target's sample there as often as it can.
+    grammar: the request's :class:`~specdecode.grammar.GrammarState` (structured output),
+        else None: a draft model masks its own logits with it, so that it proposes only
+        tokens the target's masked rows can accept.
     """
 
     tokens: list[int]
@@ -70,6 +73,7 @@ class RequestState:
     generator: torch.Generator | None
     target_vocab_size: int
     noise: GumbelNoise | None = None
+    grammar: object | None = None
 
 
 @dataclass(frozen=True)

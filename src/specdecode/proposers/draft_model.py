@@ -194,6 +194,9 @@ class DraftModelProposer(Proposer):
         params, n = state.params, len(state.tokens)
         logits = process_logits(logits, params, context, None, state.num_generated + i,
                                 state.eos_token_ids)[:, 0]
+        if state.grammar is not None:  # only what the grammar allows after the drafts so far
+            allowed = state.grammar.allowed([[int(t) for t in ids]])[:, :logits.shape[-1]]
+            logits = logits.masked_fill(~allowed, float("-inf"))
         # noise exists for sampled requests of the gumbel rule only (never greedy)
         probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
         if self._unsure(logits, probs):
@@ -209,7 +212,7 @@ class DraftModelProposer(Proposer):
             dists.append(probs)
         if probs is None and self.tree_width > 1:
             top = scored[0].topk(min(self.tree_width, scored.shape[-1])).indices.tolist()
-            alts[i] = [t for t in top if t != int(tok)][:self.tree_width - 1]
+            alts[i] = [t for t in top if t != int(tok) and scored[0, t] > float("-inf")][:self.tree_width - 1]
         ids.append(tok)
         return tok
 

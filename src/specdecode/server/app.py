@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api, fim
+from ..grammar import Grammar, GrammarError
 from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, read_files, speculative_config
 from . import infill, protocol
 from .protocol import OpenAIError, bad
@@ -102,6 +103,14 @@ class _Context:
                                   n_ctx=self.max_context, n_predict=n_predict, repo=repo)
         except fim.FIMError as e:
             raise bad(str(e), "input_extra" if str(e).startswith("input_extra") else fields[1]) from None
+
+    def check_response_format(self, response_format) -> None:
+        """A 400 naming 'response_format' for one that cannot be served (a bad shape, a
+        schema the grammar library cannot compile; :class:`specdecode.grammar.Grammar`)."""
+        try:
+            Grammar.for_model(self._target, response_format)
+        except GrammarError as e:
+            raise bad(str(e), "response_format") from None
 
     def fim_eos(self) -> tuple[int, ...]:
         """A middle's end tokens: the target's EOS and its FIM stops."""

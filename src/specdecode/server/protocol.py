@@ -22,13 +22,13 @@ ROLES = ("system", "user", "assistant")
 # OpenAI fields this server does not implement: refused with 501, naming the field, rather
 # than silently ignored (a client would get something other than what it asked for)
 NOT_IMPLEMENTED = ("echo", "best_of", "logit_bias", "tools",
-                   "tool_choice", "functions", "function_call", "response_format",
+                   "tool_choice", "functions", "function_call",
                    "parallel_tool_calls", "audio", "modalities", "reasoning_effort")
 COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "temperature",
                  "top_p", "seed", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
                  # through the official client's extra_body
                  "top_k", "repetition_penalty", "min_tokens", "acceptance_rule", "method",
-                 "num_speculative_tokens", "return_token_sources", "prediction")
+                 "num_speculative_tokens", "return_token_sources", "prediction", "response_format")
 FIELDS = {"completions": COMMON_FIELDS + ("prompt", "suffix"),
           "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")}
 
@@ -78,6 +78,7 @@ class Job:
     token_sources: bool = False  # each chunk names who supplied its tokens (the page at /)
     eos_token_ids: tuple[int, ...] | None = None  # None: the target's (FIM: also its FIM stops)
     prediction: str | None = None  # a predicted output's text (OpenAI's Predicted Outputs)
+    response_format: dict | None = None  # OpenAI's structured output (json_object, json_schema)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -262,6 +263,12 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         if predicted > room:
             raise bad(f"the prediction has {predicted} tokens, more than the {room} the server's "
                       f"{ctx.max_context} positions leave after the prompt", "prediction")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        ctx.check_response_format(response_format)
+        if sampling["min_new_tokens"]:
+            raise bad("'min_tokens' cannot be given with 'response_format': the schema decides "
+                      "where the output ends", "min_tokens")
     # choice i samples with seed + i: every one of them must be a valid seed
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - n, integer=True)
     sources = body.get("return_token_sources", False)
@@ -269,7 +276,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
         raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")
     eos = ctx.fim_eos() if kind == "completions" and fim_suffix is not None else None
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
-               _logprobs(body, kind), sources, eos, prediction)
+               _logprobs(body, kind), sources, eos, prediction, response_format)
 
 
 def method_of(body: dict, ctx) -> str:

@@ -234,6 +234,7 @@ class Worker:
             draft=self.draft if method.needs_draft_model else None,
             num_speculative_tokens=job.num_speculative_tokens, batch=self.engine,
             seed=None if job.seed is None else job.seed + c, logprobs=job.logprobs, prediction=job.prediction,
+            response_format=job.response_format,
             eos_token_id=None if job.eos_token_ids is None else list(job.eos_token_ids), **job.sampling)
         return choice
 

@@ -1,0 +1,230 @@
+"""Structured output (response_format): the output is plain constrained decoding of the
+target (checked against a loop written on llguidance's own mask functions), whatever the
+method, greedy and seeded sampling, alone, in a batch and streamed; always valid against the
+schema; the grammar's forced tokens proposed for free and drafts cut where the grammar
+refuses them; the errors."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import pytest
+import torch
+
+import specdecode
+from specdecode.config import SamplingParams
+from specdecode.engine import GRAMMAR_SOURCE, Engine
+from specdecode.grammar import JSON_LAYOUT, Grammar, GrammarError, response_format_grammar
+from specdecode.proposers import DraftModelProposer, Proposer, RequestState
+from specdecode.proposers.base import DraftOutput
+from specdecode.sampling import GumbelNoise
+from tiny_dirs import tiny_dirs_in
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "kind": {"enum": ["function", "method", "class"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["name", "kind", "count", "tags"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+PROMPT = "def add(a, b):\n    return a + b\n\n"
+N = 60
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    dirs = tiny_dirs_in(tmp_path_factory)
+    return specdecode.load(dirs["target"]), specdecode.load(dirs["draft"])
+
+
+def _reference(target, prompt: list[int], schema: dict, n: int) -> list[int]:
+    """Greedy constrained decoding written on llguidance's functions alone: one-token passes,
+    the matcher's bitmask applied by llguidance.torch; where the grammar is complete, EOS."""
+    lm, eos = target.lm, list(target.eos_token_ids)
+    matcher = llguidance.LLMatcher(
+        llguidance.hf.from_tokenizer(target.tokenizer, n_vocab=lm.vocab_size, eos_token=eos),
+        llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+    bitmask = llguidance.torch.allocate_token_bitmask(1, lm.vocab_size)
+    lm.allocate(1, len(prompt) + n + 1)
+    logits = lm.forward(torch.tensor([prompt]))[0, -1:].float()
+    out = []
+    while len(out) < n:
+        if matcher.is_stopped():
+            token = max(eos, key=lambda e: float(logits[0, e]))
+        else:
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+            llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax())
+        out.append(token)
+        if token in eos:
+            break
+        assert matcher.consume_token(token)
+        logits = lm.forward(torch.tensor([[token]]))[0, -1:].float()
+    lm.rollback(0)
+    return out
+
+
+METHODS = [("ar", {}), ("prompt-lookup", {}), ("suffix", {}), ("draft", {}),
+           ("draft", {"draft_tree_width": 2}), ("hybrid", {})]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_structured_output_is_plain_constrained_decoding(pair, sampled):
+    """Every method gives plain constrained decoding's tokens (greedy: the loop above;
+    seeded: plain decoding's with the seed), valid against the schema; the grammar's forced
+    tokens are proposed and kept."""
+    target, draft = pair
+    params = {"temperature": 1.5, "seed": 1} if sampled else {}
+    plain = specdecode.generate(target, PROMPT, method="ar", response_format=FORMAT, max_new_tokens=N, **params)
+    greedy = _reference(target, plain.prompt_token_ids, SCHEMA, N)
+    assert (plain.token_ids == greedy) != sampled  # (this seed samples another valid output)
+    assert plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(plain.text), SCHEMA)
+    assert plain.stats.num_draft_tokens == 0  # plain decoding proposes nothing, not even forced tokens
+    for method, options in METHODS:
+        out = specdecode.generate(target, PROMPT, method=method, response_format=FORMAT, max_new_tokens=N,
+                                  draft=draft if method in ("draft", "hybrid") else None, debug=True,
+                                  **options, **params)
+        assert out.token_ids == plain.token_ids, (method, options)
+        if method != "ar":
+            forced = out.stats.by_proposer[GRAMMAR_SOURCE]
+            assert forced["num_accepted_tokens"] > 0, (method, forced)
+    chunks = list(specdecode.stream(target, PROMPT, method="hybrid", draft=draft, response_format=FORMAT,
+                                    max_new_tokens=N, **params))
+    assert "".join(c.text for c in chunks) == plain.text
+    # in a batch beside a request without a format and one with another
+    other = {"type": "json_object"}
+    rows = specdecode.generate(target, [PROMPT, PROMPT, "x = 1\n"], method="prompt-lookup",
+                               response_format=FORMAT, max_new_tokens=N, **params)
+    assert rows[0].token_ids == rows[1].token_ids == plain.token_ids
+    assert rows[2].token_ids == specdecode.generate(target, "x = 1\n", response_format=FORMAT,
+                                                    max_new_tokens=N, **params).token_ids
+    free = specdecode.generate(target, PROMPT, response_format=other, max_new_tokens=N, **params)
+    assert free.finish_reason == "length" or isinstance(json.loads(free.text), dict)
+
+
+def test_a_sampled_draft_is_masked_row_by_row_not_cut(pair):
+    """A sampled draft (the rejection rule, with its distributions) keeps its tokens: the
+    rows' masks make a token the grammar refuses have probability 0 at its row, so it is
+    rejected there; the output is always valid and the acceptance rule runs on the masked
+    rows (a seeded rejection-rule request is deterministic)."""
+    target, draft = pair
+    kw = dict(method="draft", draft=draft, response_format=FORMAT, max_new_tokens=N, temperature=1.0,
+              seed=3, acceptance_rule="rejection", num_speculative_tokens=4)
+    one = specdecode.generate(target, PROMPT, **kw)
+    assert one.token_ids == specdecode.generate(target, PROMPT, **kw).token_ids
+    if one.finish_reason == "stop":
+        jsonschema.validate(json.loads(one.text), SCHEMA)
+    else:  # cut by the token limit: a prefix of valid JSON
+        assert Grammar.for_model(target, FORMAT).start().valid_prefix(one.token_ids) == len(one.token_ids)
+
+
+class _RightThenNewlines(Proposer):
+    """Proposes the next two tokens of a known output, then two newlines (which JSON without
+    flexible whitespace never allows)."""
+
+    name = "oracle"
+
+    def __init__(self, output: list[int], newline: int, prompt_len: int):
+        self.output, self.newline, self.prompt_len = output, newline, prompt_len
+
+    def propose(self, state, k):
+        at = len(state.tokens) - self.prompt_len
+        return DraftOutput.point_mass(self.output[at:at + 2] + [self.newline] * 2, self.name)
+
+
+def test_a_point_mass_draft_is_cut_where_the_grammar_refuses_it(pair):
+    """Only the grammar-valid prefix of a lookup-like proposal is verified: every token of
+    it verified is kept here, and the newlines are never put in a verify pass."""
+    target, _ = pair
+    grammar = Grammar.for_model(target, FORMAT)
+    prompt = target.tokenizer.encode(PROMPT)
+    expected = _reference(target, prompt, SCHEMA, N)
+    [newline] = target.tokenizer.encode("\n", add_special_tokens=False)
+    proposer = _RightThenNewlines(expected, newline, len(prompt))
+    gen = Engine(target.lm, proposer, 4, debug=True).generate(
+        prompt, SamplingParams(max_new_tokens=N, grammar=grammar), target.eos_token_ids).run()
+    assert gen.token_ids == expected
+    mine = gen.stats.by_proposer["oracle"]
+    assert mine["num_draft_tokens"] == mine["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("rule", ["greedy", "rejection", "gumbel"])
+def test_a_draft_model_drafts_only_what_the_grammar_allows(pair, rule):
+    """The draft's own logits are masked after each of its tokens: its proposal is valid
+    JSON so far, and a sampled draft's distributions are 0 where the grammar refuses."""
+    target, draft = pair
+    grammar = Grammar.for_model(target, FORMAT)
+    params = SamplingParams(max_new_tokens=N, temperature=0.0 if rule == "greedy" else 1.5,
+                            acceptance_rule=None if rule == "greedy" else rule, seed=2, grammar=grammar)
+    prompt = target.tokenizer.encode(PROMPT)
+    proposer = DraftModelProposer(draft.lm.fork())
+    for committed in ([], target.tokenizer.encode('{"name": "', add_special_tokens=False)):
+        g = grammar.start()
+        g.commit(committed)
+        tokens = prompt + committed
+        state = RequestState(tokens, len(committed), params, target.eos_token_ids,
+                             torch.Generator().manual_seed(0), target.lm.vocab_size,
+                             GumbelNoise(2, target.lm.vocab_size) if rule == "gumbel" else None, g)
+        proposer.reset(state, 256)
+        out = proposer.propose(state, 6)
+        ids = out.token_ids[0].tolist()
+        assert len(ids) == 6 and g.valid_prefix(ids) == 6, ids
+        if out.probs is not None:
+            allowed = g.allowed([ids[:i] for i in range(6)])
+            assert not out.probs[0][~allowed[:, :out.probs.shape[-1]]].any()
+
+
+def test_masks_follow_each_rows_path():
+    """GrammarState.allowed: row i's mask is the grammar's after drafts[:i] (equal to a
+    fresh matcher's after consuming them); a row after a refused token is all True; the
+    state is the committed output's afterwards; forced tokens and valid_prefix."""
+    from helpers import local_tokenizer
+
+    tok = local_tokenizer()
+    v = len(tok) + 5  # logit rows past the tokenizer's
+    grammar = Grammar(response_format_grammar(FORMAT), tok, v, (2,))
+    state = grammar.start()
+    text = tok.encode('{"name": "ab", "kind": "class", "count": 12, "tags": [true]}', add_special_tokens=False)
+    assert state.valid_prefix(text) == len(text)
+    forced = state.forced(100)
+    assert forced and tok.decode(forced).startswith('{"name')
+    bad = tok.encode("}", add_special_tokens=False)
+    paths = [text[:i] for i in range(len(text) + 1)] + [bad, bad + text[:1]]
+    allowed = state.allowed(paths)
+    assert allowed.shape == (len(paths), v) and not allowed[:, len(tok):-5].any()
+    for i, path in enumerate(paths[:-2]):
+        fresh = grammar.start()
+        fresh.commit(path)
+        assert torch.equal(allowed[i], fresh.allowed([[]])[0]), i
+        if i < len(text):
+            assert allowed[i, text[i]]
+    assert allowed[-1].all() and allowed[-2].all()  # past "}", which the grammar refuses first
+    assert allowed[len(text)].nonzero().flatten().tolist() == [2]  # complete: EOS only
+    assert state.valid_prefix(bad) == 0 and state.forced(100) == forced  # nothing consumed
+    state.commit(text + [2])
+    assert state.done and state.forced(5) == []
+
+
+def test_bad_response_formats_are_refused(pair):
+    target, _ = pair
+    for fmt, match in (("json", "must be an object with a 'type'"),
+                       ({"type": "yaml"}, "response_format.type 'yaml' is not supported; allowed: text"),
+                       ({"type": "json_schema", "json_schema": []}, "must be an object with the JSON schema"),
+                       ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
+                        "the schema cannot be compiled: .*nowhere")):
+        with pytest.raises(GrammarError, match=match):
+            specdecode.generate(target, PROMPT, response_format=fmt, max_new_tokens=4)
+    with pytest.raises(ValueError, match="min_new_tokens=.* 0 with a response format"):
+        specdecode.generate(target, PROMPT, response_format=FORMAT, min_new_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="grammar=.*specdecode.grammar.Grammar"):
+        SamplingParams(grammar="{}")
+    with pytest.raises(GrammarError, match="needs the target's tokenizer"):
+        Grammar(response_format_grammar(FORMAT), None, 10, ())
+    # "text" is no constraint
+    assert specdecode.generate(target, PROMPT, response_format={"type": "text"}, max_new_tokens=6).token_ids == \
+        specdecode.generate(target, PROMPT, max_new_tokens=6).token_ids
