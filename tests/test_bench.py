@@ -326,6 +326,33 @@ def test_a_row_with_prediction_on_reads_the_tasks_prediction(tmp_path_factory, t
         runners.check_rows(runners.parse_methods("ar:prediction=yes"))
 
 
+def test_the_json_workload_decodes_every_row_under_its_schema(tmp_path_factory, tmp_path, capsys):
+    """--workloads json: a HumanEval function to describe under FUNCTION_SCHEMA; every row of
+    ours (ar too: plain constrained decoding) decodes under the schema's grammar, so the rows
+    agree and each answer that ends is valid JSON of the schema; peers are refused."""
+    from specdecode.grammar import Grammar
+
+    tasks = workloads.load_json()
+    assert len(tasks) == 164 and all(t.chat and t.subtask == "json" for t in tasks)
+    assert tasks[0].response_format["json_schema"]["schema"] == workloads.FUNCTION_SCHEMA
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                     "--methods", "ar,prompt-lookup,draft", "--workloads", "json", "--limit", "2",
+                     "--max-new-tokens", "40", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    target = specdecode.load(dirs["target"])
+    assert len(records) == 6 and {r["subtask"] for r in records} == {"json"}
+    for r in records:  # (a random model's strings run on: a valid prefix of the schema's JSON)
+        grammar = Grammar.for_model(target, tasks[0].response_format).start()
+        assert grammar.valid_prefix(r["token_ids"]) == len(r["token_ids"]) == 40
+        assert target.tokenizer.decode(r["token_ids"]).startswith('{"name": "')
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--methods", "ar,hf-ar",
+                     "--workloads", "json", "--limit", "1"]) == 2
+    assert "hf-ar take no schema here" in capsys.readouterr().err
+
+
 def test_spec_bench_subtasks_limit_and_seed(tmp_path):
     """Spec-Bench's format (a file written here, so the test does not depend on the shipped
     copy): the 8 MT-Bench categories form mt_bench, the others are their own."""

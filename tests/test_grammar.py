@@ -228,3 +228,90 @@ def test_bad_response_formats_are_refused(pair):
     # "text" is no constraint
     assert specdecode.generate(target, PROMPT, response_format={"type": "text"}, max_new_tokens=6).token_ids == \
         specdecode.generate(target, PROMPT, max_new_tokens=6).token_ids
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_server import Server, load_pair
+
+    served = load_pair(tmp_path_factory)  # (its batch holds them)
+    s = Server(lambda: served, method="hybrid").start()
+    yield s
+    s.stop()
+
+
+def test_response_format_through_the_openai_client(server, pair):
+    """``response_format`` on chat completions (the client's own ``parse`` from a pydantic
+    model, a strict json_schema) and completions (json_object): the solo run's text, streamed
+    and not, n = 2, parsed by the client; a format that cannot be served is a 400 naming it."""
+    from typing import Annotated, Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        name: Annotated[str, Field(max_length=6)]
+        kind: Literal["function", "method", "class"]
+        count: Annotated[int, Field(ge=0, le=999)]
+        tags: Annotated[list[bool], Field(max_length=3)]
+
+    target, draft = pair
+    client = server.client()
+    messages = [{"role": "user", "content": "Describe add(a, b) as JSON."}]
+    parsed = client.chat.completions.parse(model="tiny", messages=messages, max_tokens=N, temperature=0,
+                                           response_format=Item, n=2)
+    schema = openai.lib._pydantic.to_strict_json_schema(Item)
+    fmt = {"type": "json_schema", "json_schema": {"name": "Item", "schema": schema, "strict": True}}
+    want = specdecode.generate(target, messages, method="hybrid", draft=draft, response_format=fmt,
+                               max_new_tokens=N)
+    assert want.finish_reason == "stop"
+    assert [c.message.content for c in parsed.choices] == [want.text] * 2
+    assert parsed.choices[0].message.parsed == Item.model_validate_json(want.text)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(e.choices[0].delta.content or "" for e in stream if e.choices) == want.text
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert got.choices[0].text == specdecode.generate(target, PROMPT, method="hybrid", draft=draft,
+                                                      response_format={"type": "json_object"},
+                                                      max_new_tokens=N).text
+    for bad, param in (({"type": "yaml"}, "response_format"),
+                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}},
+                        "response_format"),
+                       ({"type": "json_schema", "json_schema": "x"}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, response_format=bad)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, response_format=fmt,
+                                       extra_body={"min_tokens": 2})
+    assert e.value.body["param"] == "min_tokens"
+
+
+def test_generate_json_schema_on_the_command_line(pair, tmp_path_factory, tmp_path):
+    """``generate --json-schema FILE``: the API's output, identical to plain constrained
+    decoding (--compare runs plain decoding with the same schema); a file that is no JSON
+    schema is refused naming the flag."""
+    import subprocess
+    import sys
+
+    target, draft = pair
+    dirs = tiny_dirs_in(tmp_path_factory)
+    (tmp_path / "item.json").write_text(json.dumps(SCHEMA))
+    want = specdecode.generate(target, PROMPT, method="draft", draft=draft, response_format=FORMAT,
+                               max_new_tokens=N)
+    base = [sys.executable, "-m", "specdecode", "generate", "--target", str(dirs["target"]), "--prompt", PROMPT,
+            "--max-new-tokens", str(N)]
+    run = subprocess.run(base + ["--draft", str(dirs["draft"]), "--method", "draft", "--json-schema",
+                                 str(tmp_path / "item.json"), "--compare", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["token_ids"] == want.token_ids and out["identical"] is True
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    for content, match in (("{nope", "is not JSON"), ("[1]", "must hold a JSON schema object, not list"),
+                           ('{"$ref": "#/no"}', "the schema cannot be compiled")):
+        (tmp_path / "bad.json").write_text(content)
+        run = subprocess.run(base + ["--json-schema", str(tmp_path / "bad.json")], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 2 and match in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -237,7 +237,8 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                 for r in range(repeats):
                     for label in (list(runners) if r % 2 == 0 else list(reversed(runners))):
                         outs[label].append(runners[label][0](ids_of[label], max_new_tokens,
-                                                             task.prediction if turn == 0 else None))
+                                                             task.prediction if turn == 0 else None,
+                                                             task.response_format))
                 for label, (_, ref) in runners.items():
                     ids = ids_of[label]
                     if any(o.token_ids != outs[label][0].token_ids for o in outs[label]):
@@ -295,7 +296,7 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     print(f"ceiling (K+1)·T(1)/T(K+1) for K=1..{len(times) - 1}: "
           + " ".join(f"{ceiling(times, k):.2f}" for k in range(1, len(times))), file=sys.stderr)
     for label, (runner, _) in runners.items():  # warm-up, excluded
-        runner(prompt_ids(tok, tasks[0], 0, []), 8, tasks[0].prediction)
+        runner(prompt_ids(tok, tasks[0], 0, []), 8, tasks[0].prediction, tasks[0].response_format)
 
     def loud(rec, ref):
         print(f"\nLOSSLESS CHECK FAILED: {rec.method} differs from {ref} on {rec.subtask}/"

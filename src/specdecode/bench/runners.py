@@ -15,6 +15,7 @@ import torch
 
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
+from ..grammar import Grammar
 from ..methods import (METHOD_OPTIONS, METHODS, PLAIN, SpeculativeConfig, build_proposer, build_schedule,
                        method_options, name_and_options, with_prediction)
 from ..models import llamacpp
@@ -85,9 +86,10 @@ class BenchModels:
             self.target_name, torch.get_num_threads(), prompt_lookup))
 
 
-# (prompt ids, max new tokens, the task's predicted output or None) -> Output; the rows that
-# take no prediction ignore it
-Runner = Callable[[list[int], int, str | None], Output]
+# (prompt ids, max new tokens, the task's predicted output or None, its response format or
+# None) -> Output; the rows that take no prediction ignore it; only our rows take a response
+# format (the CLI refuses peers on tasks with one)
+Runner = Callable[[list[int], int, str | None, dict | None], Output]
 
 
 def _int(opts: dict, key: str, default: int) -> int:
@@ -277,10 +279,12 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     engine = Engine(target.lm, proposer, schedule)
     times = verify_profile(target) if predicted else None  # (the run's profile, measured before)
 
-    def run(prompt_ids, max_new_tokens, prediction=None):
+    def run(prompt_ids, max_new_tokens, prediction=None, response_format=None):
+        t0 = time.perf_counter()  # (compiling a schema is part of the request's time)
+        grammar = Grammar.for_model(target, response_format)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=prompt_seed(prompt_ids) if rule else None, acceptance_rule=rule)
-        t0 = time.perf_counter()
+                                seed=prompt_seed(prompt_ids) if rule else None, acceptance_rule=rule,
+                                grammar=grammar)
         own = engine
         if predicted and prediction is not None:  # (tokenizing it is part of the request's time)
             ids = target.tokenizer.encode(prediction, add_special_tokens=False)
@@ -294,7 +298,7 @@ def _hf(models: BenchModels, **generate_kwargs) -> Runner:
     hf = models.hf("target")
     eos = list(models.eos_token_ids())
 
-    def run(prompt_ids, max_new_tokens, prediction=None):
+    def run(prompt_ids, max_new_tokens, prediction=None, response_format=None):
         ids = torch.tensor([prompt_ids], device=hf.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -329,7 +333,7 @@ def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
     llm = models.llama(prompt_lookup)
     eos = models.eos_token_ids()
 
-    def run(prompt_ids, max_new_tokens, prediction=None):
+    def run(prompt_ids, max_new_tokens, prediction=None, response_format=None):
         t0 = time.perf_counter()
         ids = llamacpp.generate_greedy(llm, prompt_ids, max_new_tokens, eos)
         return Output(ids, time.perf_counter() - t0)

@@ -1,4 +1,5 @@
-"""The bench's prompts: Spec-Bench's subtasks, HumanEval, and a code-editing task."""
+"""The bench's prompts: Spec-Bench's subtasks, HumanEval, a code-editing task and a JSON
+extraction task."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 SPEC_BENCH_PATH = Path(str(resources.files("specdecode") / "data" / "spec_bench" / "question.jsonl"))
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-SUBTASKS = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit")  # every workload's (Task.subtask)
-WORKLOADS = ("humaneval", "spec-bench", "code-edit")
+SUBTASKS = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit", "json")  # every workload's (Task.subtask)
+WORKLOADS = ("humaneval", "spec-bench", "code-edit", "json")
 DEFAULT_WORKLOADS = ("humaneval", "spec-bench")
 
 
@@ -23,13 +24,16 @@ class Task:
     """One benchmark prompt: ``turns`` are user turns (the second is asked after the
     method's own first answer); ``chat`` applies the chat template, else raw completion;
     ``prediction``: the first answer's predicted output (OpenAI's Predicted Outputs: a code
-    edit's original code), read by the rows that take it (``prediction=on``)."""
+    edit's original code), read by the rows that take it (``prediction=on``);
+    ``response_format``: OpenAI's response format every row's answer follows (structured
+    output), or None."""
 
     subtask: str
     prompt_id: str
     turns: tuple[str, ...]
     chat: bool = True
     prediction: str | None = None
+    response_format: dict | None = None
 
 
 def _choose(items: list, limit: int | None, rng: random.Random) -> list:
@@ -104,6 +108,32 @@ def load_code_edit(limit: int | None = None, seed: int = 0) -> list[Task]:
         tasks.append(Task("code_edit", p["task_id"], (f"{CODE_EDIT_INSTRUCTION}\n\n{code}",), prediction=code))
     return _choose(tasks, limit, random.Random(seed))
 
+
+JSON_INSTRUCTION = ("Describe this Python function as JSON: its name, each parameter with its "
+                    "type, the return type, a one-sentence summary, and how many examples its "
+                    "docstring gives.")
+FUNCTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "parameters": {"type": "array", "items": {
+            "type": "object", "properties": {"name": {"type": "string"}, "type": {"type": "string"}},
+            "required": ["name", "type"], "additionalProperties": False}},
+        "returns": {"type": "string"},
+        "summary": {"type": "string"},
+        "examples": {"type": "integer"}},
+    "required": ["name", "parameters", "returns", "summary", "examples"],
+    "additionalProperties": False}
+
+
+def load_json(limit: int | None = None, seed: int = 0) -> list[Task]:
+    """Structured output: a HumanEval problem's signature and docstring, asked (chat
+    template) to be described as JSON under :data:`FUNCTION_SCHEMA` (OpenAI's
+    ``response_format`` json_schema): keys the grammar forces, identifiers the prompt holds."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "function", "schema": FUNCTION_SCHEMA, "strict": True}}
+    tasks = [Task("json", p["task_id"], (f"{JSON_INSTRUCTION}\n\n```python\n{p['prompt']}```",),
+                  response_format=fmt) for p in _humaneval_problems()]
+    return _choose(tasks, limit, random.Random(seed))
 
 
 def prompt_ids(tokenizer, task: Task, turn: int, answers: list[str]) -> list[int]:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
 from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
-                             check_rows, parse_methods)
+                             check_rows, is_ours, parse_methods)
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, SUBTASKS, WORKLOADS,
-                               load_code_edit, load_humaneval, load_spec_bench)
+                               load_code_edit, load_humaneval, load_json, load_spec_bench)
 from ..config import SamplingParams
 from ..methods import METHODS
 from ..models import registry
@@ -55,7 +55,9 @@ methods (--methods, comma-separated; options after colons, e.g. draft:k=4:dtype=
 workloads (--workloads): spec-bench (mt_bench, translation, summarization, qa,
 math_reasoning, rag), humaneval (code completion), code-edit (a HumanEval solution to
 rewrite with type hints and a docstring: the answer repeats much of the prompt; its original
-code is the rows' prediction with prediction=on).
+code is the rows' prediction with prediction=on), json (a HumanEval function described as
+JSON under a schema, OpenAI's response_format: every row of ours decodes under the schema's
+grammar, so ar is plain constrained decoding; peers take no schema here).
 
 example:
   specdecode bench --limit 5 --methods ar,hf-ar,hf-assisted,draft:k=6 --out bench-out
@@ -160,6 +162,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tasks += load_humaneval(args.humaneval_limit or args.limit, args.seed)
     if "code-edit" in workloads:
         tasks += load_code_edit(args.humaneval_limit or args.limit, args.seed)
+    if "json" in workloads:
+        peers = [label for label, name, _ in methods if not is_ours(name)]
+        if peers:
+            raise ValueError(f"the json workload's answers follow a JSON schema, which {', '.join(peers)} "
+                             "take no schema here: leave them out of --methods, or json out of --workloads")
+        tasks += load_json(args.humaneval_limit or args.limit, args.seed)
     if args.subtasks:
         keep = {s.strip() for s in args.subtasks.split(",")}
         unknown = sorted(keep - set(SUBTASKS))

@@ -26,6 +26,7 @@ examples:
   specdecode generate --prompt "Once upon a time" --temperature 0.8 --seed 1 --json
   specdecode generate --prompt-file before.py --suffix-file after.py   # fill in the middle
   specdecode generate --prompt-file ask.txt --chat --prediction-file old.py   # a predicted output
+  specdecode generate --prompt "Ada Lovelace, 36: as JSON" --chat --json-schema person.json
 """
 
 
@@ -48,6 +49,10 @@ def add_parser(sub) -> None:
                         "expected to repeat for the most part, such as the file a request asks to "
                         "edit; proposed for free where the output follows it, with any --method "
                         "(the output is the method's all the same)")
+    p.add_argument("--json-schema", metavar="PATH", default=None,
+                   help="structured output: a JSON schema file; the output is JSON valid against it "
+                        "(OpenAI's response_format json_schema; '{\"type\": \"object\"}' for any "
+                        "JSON object), plain constrained decoding of the target whatever --method")
     add_model_arguments(p)
     defaults = ", ".join(f"{m.default_k} for {m.name}" for m in METHODS.values() if m.default_k)
     p.add_argument("--k", type=k_argument, default=None,
@@ -178,6 +183,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prediction_file is not None:
         prediction = _read_text_file(args.prediction_file, "--prediction-file")
         _check_utf8(prediction, "--prediction-file")
+    response_format = None
+    if args.json_schema is not None:
+        text = _read_text_file(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema} is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"--json-schema {args.json_schema} must hold a JSON schema object, "
+                             f"not {type(schema).__name__}")
+        response_format = {"type": "json_schema", "json_schema": {"name": Path(args.json_schema).stem,
+                                                                   "schema": schema}}
     method = method_of(args)
     threads = apply_threads(args)
     # check every value before spending seconds on loading models
@@ -207,7 +224,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     common = dict(chat=args.chat, suffix=suffix, max_new_tokens=args.max_new_tokens,
                   min_new_tokens=args.min_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
-                  seed=args.seed, stop=args.stop, acceptance_rule=args.acceptance_rule)
+                  seed=args.seed, stop=args.stop, acceptance_rule=args.acceptance_rule,
+                  response_format=response_format)
     chunks = stream(target, prompt, draft=draft, method=args.method, prediction=prediction, **spec_args, **common)
     info = sys.stderr if args.json else sys.stdout
     if not args.json:
