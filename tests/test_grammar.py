@@ -221,6 +221,8 @@ def test_bad_response_formats_are_refused(pair):
             specdecode.generate(target, PROMPT, response_format=fmt, max_new_tokens=4)
     with pytest.raises(ValueError, match="min_new_tokens=.* 0 with a response format"):
         specdecode.generate(target, PROMPT, response_format=FORMAT, min_new_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="eos_token_ids=.* at least one EOS id with a response format"):
+        specdecode.generate(target, PROMPT, response_format=FORMAT, eos_token_id=[], max_new_tokens=4)
     with pytest.raises(ValueError, match="grammar=.*specdecode.grammar.Grammar"):
         SamplingParams(grammar="{}")
     with pytest.raises(GrammarError, match="needs the target's tokenizer"):

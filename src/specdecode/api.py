@@ -112,7 +112,7 @@ def _sampling_params(*, max_new_tokens, min_new_tokens, temperature, do_sample, 
         acceptance_rule=acceptance_rule, logprobs=logprobs)
 
 
-def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]:
+def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool, tools: list[dict] | None = None) -> list[int]:
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text or chat messages) and input_ids")
     if input_ids is not None:
@@ -134,14 +134,14 @@ def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool) -> list[int]
         for m in messages:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
-                raise ValueError(f"chat message {m!r} must be a dict with string 'role' and 'content'")
+                raise ValueError(f"chat message {str(m)[:200]} must be a dict with string 'role' and 'content'")
             _check_utf8(m["role"], "a chat message's role")
             _check_utf8(m["content"], f"the {m['role']!r} message")
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"target {target.name!r} has no chat template; drop --chat / pass plain text")
         try:  # transformers renders templates in a sandboxed Jinja environment
-            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
+            return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template of {target.name!r} failed ({type(e).__name__}: "
                              f"{str(e)[:200]}); fix the model's template or pass plain text") from None
@@ -174,7 +174,7 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 
 
 def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | None = None,
-           response_format: dict | None = None, input_ids=None,
+           response_format: dict | Grammar | None = None, input_ids=None,
            draft=None, assistant_model=None,
            method: str | Method | SpeculativeConfig | None = None, chat: bool = False, max_new_tokens: int = 128,
            min_new_tokens: int = 0, temperature: float | None = None, do_sample: bool | None = None,
@@ -203,7 +203,8 @@ def stream(target, prompt=None, *, suffix: str | None = None, prediction: str | 
     method's all the same. response_format: OpenAI's ``{"type": "json_object"}`` or ``{"type":
     "json_schema", "json_schema": {"schema": {...}}}``: the output is plain constrained
     decoding of the target under that schema's grammar, whatever the method
-    (:mod:`specdecode.grammar`; GrammarError for a schema that cannot be compiled).
+    (:mod:`specdecode.grammar`; GrammarError for a schema that cannot be compiled); or a
+    :class:`~specdecode.grammar.Grammar` compiled for this target (any llguidance grammar).
     input_ids: token ids
     instead of a prompt. dtype, device: how a
     target or draft given by name is loaded (:func:`~specdecode.models.loading.load`).

@@ -115,6 +115,9 @@ class SamplingParams:
             bad("logprobs", f"None, or an integer from 0 to {MAX_LOGPROBS} (the alternatives per token)")
         if self.grammar is not None and not callable(getattr(self.grammar, "start", None)):
             bad("grammar", "None or a specdecode.grammar.Grammar")
+        if self.grammar is not None and self.eos_token_ids == ():
+            bad("eos_token_ids", "at least one EOS id with a response format (where its grammar is "
+                "complete only EOS is allowed)")
         if self.grammar is not None and self.min_new_tokens:
             bad("min_new_tokens", "0 with a response format (its grammar decides where the output "
                 "ends; masking EOS could leave no token allowed)")

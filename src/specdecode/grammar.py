@@ -105,7 +105,10 @@ class Grammar:
     @classmethod
     def for_model(cls, model, response_format) -> "Grammar | None":
         """The grammar of ``response_format`` for a :class:`~specdecode.models.loading.LoadedModel`,
-        or None when it sets no constraint. Raises GrammarError (see the class)."""
+        or None when it sets no constraint; a Grammar given is returned as it is (one
+        compiled for this model). Raises GrammarError (see the class)."""
+        if isinstance(response_format, Grammar):
+            return response_format
         grammar = response_format_grammar(response_format)
         if grammar is None:
             return None

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api, fim
 from ..grammar import Grammar, GrammarError
+from ..tools import CallStream, ToolFormat, tool_format
 from ..methods import Method, SpeculativeConfig, cannot_run, head_dir_for, read_files, speculative_config
 from . import infill, protocol
 from .protocol import OpenAIError, bad
@@ -83,8 +84,32 @@ class _Context:
     def encode(self, text: str) -> list[int]:
         return self._ids(text, False)
 
-    def apply_chat(self, messages: list[dict]) -> list[int]:
-        return self._ids(messages, True)
+    def apply_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat prompt's ids; ``tools`` laid out by the template (its tool section)."""
+        try:
+            return api._prompt_ids(self._target, messages, None, True, tools)
+        except ValueError as e:
+            raise bad(str(e), "messages") from None
+
+    def tool_format(self) -> ToolFormat:
+        """The target's tool-call format, or a 400 naming 'tools' for a chat template that
+        lays out no tools."""
+        fmt = tool_format(self._target.tokenizer)
+        if fmt is None:
+            raise bad(f"the chat template of {self.model_name!r} lays out no tools (no tool-calling "
+                      "format known for it: Qwen/Hermes <tool_call>, Llama 3.1 JSON, Mistral "
+                      "[TOOL_CALLS]); leave 'tools' out", "tools")
+        return fmt
+
+    def tool_grammar(self, fmt: ToolFormat, tools: list[dict], parallel: bool) -> Grammar:
+        """The grammar of a forced call to one of ``tools``; a 400 naming 'tools' for
+        parameters the grammar library cannot compile."""
+        tgt = self._target
+        try:
+            return Grammar(fmt.grammar(tools, tgt.tokenizer, parallel), tgt.tokenizer, tgt.lm.vocab_size,
+                           tgt.eos_token_ids, field="tools")
+        except GrammarError as e:
+            raise bad(str(e), "tools") from None
 
     def infill(self, prefix: str, suffix: str, prompt: str = "", extra=(), n_predict: int = 0,
                fields=("prompt", "suffix"), repo: bool = False) -> list[int]:
@@ -321,6 +346,8 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
         job = ticket.job
         total = len(job.prompts) * job.n
         results = [None] * total
+        # with tools, a choice's text is held back where it may begin a call
+        calls = [CallStream(job.tool_format) for _ in range(total)] if job.tool_format is not None else None
         try:
             if job.kind == "chat":  # the first chunk of each choice carries only the role
                 for i in range(total):
@@ -332,13 +359,24 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
                     yield _sse(OpenAIError(500, piece.message, type="server_error").body())
                     break
                 if piece.kind == "text":
-                    yield _sse(protocol.chunk(job, [protocol.stream_choice(
-                        job, piece.index, piece.text, None, tokens=piece.tokens, spans=piece.spans,
-                        speculation=piece.speculation)]))
+                    text = calls[piece.index].add(piece.text) if calls is not None else piece.text
+                    if text or calls is None:
+                        yield _sse(protocol.chunk(job, [protocol.stream_choice(
+                            job, piece.index, text, None, tokens=piece.tokens, spans=piece.spans,
+                            speculation=piece.speculation)]))
                     continue
                 results[piece.index] = (piece.completion_tokens, piece.stats, piece.prediction)
                 done += 1
-                yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, None, piece.finish)]))
+                finish = piece.finish
+                if calls is not None:
+                    rest, made = calls[piece.index].finish()
+                    if rest:
+                        yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, rest, None)]))
+                    if made:
+                        finish = protocol.tool_finish(finish)
+                        yield _sse(protocol.chunk(job, [{"index": piece.index, "logprobs": None, "finish_reason": None,
+                                                         "delta": {"tool_calls": protocol.tool_calls(made, True)}}]))
+                yield _sse(protocol.chunk(job, [protocol.stream_choice(job, piece.index, None, finish)]))
             else:
                 if job.include_usage:
                     yield _sse(protocol.chunk(job, [], protocol.usage(job, results)))

@@ -16,21 +16,22 @@ from dataclasses import dataclass, field
 
 from ..config import MAX_LOGPROBS, MAX_TEMPERATURE, MIN_TEMPERATURE
 from ..methods import METHODS, SpeculativeConfig
+from ..tools import ToolError, call_ids, check_messages_tools, check_tool_choice, check_tools
 
 MAX_N = 8  # choices per request
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused with 501, naming the field, rather
 # than silently ignored (a client would get something other than what it asked for)
-NOT_IMPLEMENTED = ("echo", "best_of", "logit_bias", "tools",
-                   "tool_choice", "functions", "function_call",
-                   "parallel_tool_calls", "audio", "modalities", "reasoning_effort")
+NOT_IMPLEMENTED = ("echo", "best_of", "logit_bias", "functions", "function_call",
+                   "audio", "modalities", "reasoning_effort")
 COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", "stop", "temperature",
                  "top_p", "seed", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
                  # through the official client's extra_body
                  "top_k", "repetition_penalty", "min_tokens", "acceptance_rule", "method",
                  "num_speculative_tokens", "return_token_sources", "prediction", "response_format")
 FIELDS = {"completions": COMMON_FIELDS + ("prompt", "suffix"),
-          "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")}
+          "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools",
+                                   "tool_choice", "parallel_tool_calls")}
 
 
 class OpenAIError(Exception):
@@ -78,7 +79,8 @@ class Job:
     token_sources: bool = False  # each chunk names who supplied its tokens (the page at /)
     eos_token_ids: tuple[int, ...] | None = None  # None: the target's (FIM: also its FIM stops)
     prediction: str | None = None  # a predicted output's text (OpenAI's Predicted Outputs)
-    response_format: dict | None = None  # OpenAI's structured output (json_object, json_schema)
+    response_format: object | None = None  # OpenAI's structured output, or a Grammar (a required tool call)
+    tool_format: object | None = None  # a ToolFormat: the replies are read for tool calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -187,19 +189,38 @@ def check_request(body: dict, kind: str, ctx) -> Job:
             raise bad("'stream_options.include_usage' must be true or false", "stream_options")
 
     fim_suffix = body.get("suffix")  # fill in the middle: the text after the gap
+    tool_format = laid_out = tools = None  # (chat with tools: the template family's format)
+    choice, parallel = "none", True
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("'messages' is required: a non-empty list of {role, content}", "messages")
         chat = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            calls = isinstance(m, dict) and m.get("tool_calls") is not None
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or ("content" not in m and not calls):
                 raise bad(f"messages[{i}] must be an object with a string 'role' and a 'content'",
                           "messages")
             if m["role"] not in ROLES:
                 raise bad(f"messages[{i}].role is {m['role']!r}; allowed: {', '.join(ROLES)}", "messages")
-            chat.append({"role": m["role"], "content": _text_of(m["content"], i)})
-        prompts = [ctx.apply_chat(chat)]
+            message = {"role": m["role"], "content": "" if calls and m.get("content") is None
+                       else _text_of(m["content"], i)}
+            message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None})
+            chat.append(message)
+        tools = body.get("tools")
+        try:
+            tools = None if tools is None else check_tools(tools)
+            choice = check_tool_choice(body.get("tool_choice"), tools)
+            chat = check_messages_tools(chat)
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise bad(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
+        if tools is not None and choice != "none":
+            tool_format = ctx.tool_format()
+            laid_out = tools
+        prompts = [ctx.apply_chat(chat, laid_out)]
     elif fim_suffix is not None:
         prompt = body.get("prompt")
         if not isinstance(fim_suffix, str):
@@ -266,17 +287,27 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     response_format = body.get("response_format")
     if response_format is not None:
         ctx.check_response_format(response_format)
-        if sampling["min_new_tokens"]:
-            raise bad("'min_tokens' cannot be given with 'response_format': the schema decides "
-                      "where the output ends", "min_tokens")
+    if choice not in ("auto", "none"):  # a call is forced: its grammar
+        if response_format is not None:
+            raise bad("give 'response_format' or a 'tool_choice' that forces a call, not both", "tool_choice")
+        chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+        response_format = ctx.tool_grammar(tool_format, chosen, parallel)
+    if response_format is not None and sampling["min_new_tokens"]:
+        raise bad("'min_tokens' cannot be given with 'response_format' or a forced tool call: the "
+                  "grammar decides where the output ends", "min_tokens")
     # choice i samples with seed + i: every one of them must be a valid seed
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - n, integer=True)
     sources = body.get("return_token_sources", False)
     if not isinstance(sources, bool):
         raise bad(f"'return_token_sources' must be true or false, got {sources!r}", "return_token_sources")
     eos = ctx.fim_eos() if kind == "completions" and fim_suffix is not None else None
+    logprobs = _logprobs(body, kind)
+    if tool_format is not None and (logprobs is not None or sources):
+        raise bad("'logprobs' and 'return_token_sources' are not supported with 'tools' (a reply's "
+                  "text is held back where it may begin a call)", "logprobs" if logprobs is not None
+                  else "return_token_sources")
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
-               _logprobs(body, kind), sources, eos, prediction, response_format)
+               logprobs, sources, eos, prediction, response_format, tool_format)
 
 
 def method_of(body: dict, ctx) -> str:
@@ -419,6 +450,18 @@ def stream_choice(job: Job, index: int, text: str | None, finish: str | None,
     return choice if role else _extras(job, choice, list(tokens), list(spans), speculation, False)
 
 
+def tool_calls(calls: list[dict], stream: bool = False) -> list[dict]:
+    """OpenAI's ``tool_calls`` of parsed calls ``[{"name", "arguments"}]`` (in a stream's
+    delta each also has its ``index``)."""
+    out = [{"id": i, "type": "function", "function": dict(c)} for i, c in zip(call_ids(len(calls)), calls)]
+    return [dict(c, index=n) for n, c in enumerate(out)] if stream else out
+
+
+def tool_finish(finish: str) -> str:
+    """A reply that made calls ends with ``tool_calls`` (one cut by the length stays ``length``)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
 def response(job: Job, texts: list[str], finishes: list[str], usage_: dict,
              tokens: list[list[Token]], spans: list[list], speculation: list) -> dict:
     """The non-streamed body (tokens, spans, speculation: per choice)."""
@@ -428,8 +471,15 @@ def response(job: Job, texts: list[str], finishes: list[str], usage_: dict,
                    for i, (t, f) in enumerate(zip(texts, finishes))]
         return {"id": "cmpl-" + job.id, "object": "text_completion", "created": job.created,
                 "model": job.model, "choices": choices, "usage": usage_}
-    choices = [_extras(job, {"index": i, "message": {"role": "assistant", "content": t},
-                             "logprobs": None, "finish_reason": f}, tokens[i], spans[i], speculation[i], True)
-               for i, (t, f) in enumerate(zip(texts, finishes))]
+    choices = []
+    for i, (t, f) in enumerate(zip(texts, finishes)):
+        message, calls = {"role": "assistant", "content": t}, []
+        if job.tool_format is not None:
+            message["content"], calls = job.tool_format.parse(t)
+        if calls:
+            message["tool_calls"] = tool_calls(calls)
+            f = tool_finish(f)
+        choices.append(_extras(job, {"index": i, "message": message, "logprobs": None, "finish_reason": f},
+                               tokens[i], spans[i], speculation[i], True))
     return {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": job.created,
             "model": job.model, "choices": choices, "usage": usage_}
