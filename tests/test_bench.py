@@ -353,6 +353,43 @@ def test_the_json_workload_decodes_every_row_under_its_schema(tmp_path_factory, 
     assert "hf-ar take no schema here" in capsys.readouterr().err
 
 
+def test_the_fim_workload_completes_the_infill_prompt_and_stops_at_the_gap(tmp_path_factory, tmp_path, capsys):
+    """--workloads fim: a HumanEval solution with 1-3 lines taken out (the same for a seed),
+    every row run on the target's /infill-layout prompt and ended by its FIM stops, equal to
+    the library's FIM request; a target without FIM tokens is refused naming it."""
+    from tiny_dirs import fim_dirs
+
+    tasks = workloads.load_fim()
+    assert len(tasks) == 164 and all(t.suffix is not None and not t.chat and t.subtask == "fim" for t in tasks)
+    assert workloads.load_fim(3, seed=1) == workloads.load_fim(3, seed=1) != workloads.load_fim(3, seed=2)
+    first = workloads._humaneval_problems()[0]
+    task = next(t for t in tasks if t.prompt_id == first["task_id"])
+    whole = first["prompt"] + first["canonical_solution"]
+    assert whole.startswith(task.turns[0]) and whole.endswith(task.suffix)
+    gap = len(whole) - len(task.turns[0]) - len(task.suffix)
+    assert 0 < gap and whole[len(task.turns[0]):len(task.turns[0]) + gap].count("\n") in (1, 2, 3)
+    with pytest.raises(ValueError, match="has no prompt ids: lay it out first"):
+        workloads.prompt_ids(None, task, 0, [])
+    dirs = fim_dirs(tmp_path_factory.mktemp("fim_bench"))
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                     "--methods", "ar,prompt-lookup,hybrid", "--workloads", "fim", "--limit", "2",
+                     "--max-new-tokens", "24", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    target = specdecode.load(dirs["target"])
+    chosen = {t.prompt_id: t for t in workloads.load_fim(2)}
+    assert len(records) == 6
+    for r in records:
+        t = chosen[r["prompt_id"]]
+        want = specdecode.generate(target, t.turns[0], suffix=t.suffix, max_new_tokens=24)
+        assert r["token_ids"] == want.token_ids and r["prompt_tokens"] == len(want.prompt_token_ids)
+    plain = tiny_dirs_in(tmp_path_factory)["target"]
+    assert cli.main(["bench", "--no-memory", "--target", str(plain), "--methods", "ar", "--workloads", "fim",
+                     "--limit", "1", "--max-new-tokens", "4"]) == 2
+    assert "no fill-in-the-middle tokens" in capsys.readouterr().err
+
+
 def test_spec_bench_subtasks_limit_and_seed(tmp_path):
     """Spec-Bench's format (a file written here, so the test does not depend on the shipped
     copy): the 8 MT-Bench categories form mt_bench, the others are their own."""

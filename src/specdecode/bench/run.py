@@ -29,7 +29,7 @@ from ..profile import measure_forward_times
 from .memory import method_peak
 from .report import SPEC_BENCH_METRIC, markdown_table, plot, spec_bench_table, subtask_table, summarize
 from .runners import BenchModels, fixed_k, is_ours
-from .workloads import Task, prompt_ids
+from .workloads import Task, lay_out_fim, prompt_ids
 
 
 @dataclass
@@ -237,8 +237,7 @@ def run_bench(tasks: list[Task], runners: dict, tokenizer, max_new_tokens: int,
                 for r in range(repeats):
                     for label in (list(runners) if r % 2 == 0 else list(reversed(runners))):
                         outs[label].append(runners[label][0](ids_of[label], max_new_tokens,
-                                                             task.prediction if turn == 0 else None,
-                                                             task.response_format))
+                                                             task.request(turn)))
                 for label, (_, ref) in runners.items():
                     ids = ids_of[label]
                     if any(o.token_ids != outs[label][0].token_ids for o in outs[label]):
@@ -282,6 +281,7 @@ def _interrupt(signum, frame):
 def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) -> dict:
     target = models.target()
     tok = target.tokenizer
+    tasks = lay_out_fim(target, tasks, max_new_tokens)
     # the limit, at the benchmark's typical context length
     lengths = sorted(len(prompt_ids(tok, t, 0, [])) for t in tasks)
     context = lengths[len(lengths) // 2] + max_new_tokens // 2
@@ -296,7 +296,7 @@ def run_and_report(models: BenchModels, runners, tasks, max_new_tokens, args) ->
     print(f"ceiling (K+1)·T(1)/T(K+1) for K=1..{len(times) - 1}: "
           + " ".join(f"{ceiling(times, k):.2f}" for k in range(1, len(times))), file=sys.stderr)
     for label, (runner, _) in runners.items():  # warm-up, excluded
-        runner(prompt_ids(tok, tasks[0], 0, []), 8, tasks[0].prediction, tasks[0].response_format)
+        runner(prompt_ids(tok, tasks[0], 0, []), 8, tasks[0].request(0))
 
     def loud(rec, ref):
         print(f"\nLOSSLESS CHECK FAILED: {rec.method} differs from {ref} on {rec.subtask}/"

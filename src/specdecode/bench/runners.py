@@ -23,6 +23,7 @@ from ..models.loading import (BACKENDS, DTYPE_NAMES, LoadedModel, check_compatib
                               default_eos_token_ids, float_model_path, load,
                               resolve_model_path)
 from ..profile import verify_profile
+from .workloads import Request
 
 
 @dataclass
@@ -86,10 +87,9 @@ class BenchModels:
             self.target_name, torch.get_num_threads(), prompt_lookup))
 
 
-# (prompt ids, max new tokens, the task's predicted output or None, its response format or
-# None) -> Output; the rows that take no prediction ignore it; only our rows take a response
-# format (the CLI refuses peers on tasks with one)
-Runner = Callable[[list[int], int, str | None, dict | None], Output]
+# (prompt ids, max new tokens, the turn's Request) -> Output; the rows that take no prediction
+# ignore it; only our rows take a response format (the CLI refuses peers on tasks with one)
+Runner = Callable[[list[int], int, Request], Output]
 
 
 def _int(opts: dict, key: str, default: int) -> int:
@@ -279,9 +279,10 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
     engine = Engine(target.lm, proposer, schedule)
     times = verify_profile(target) if predicted else None  # (the run's profile, measured before)
 
-    def run(prompt_ids, max_new_tokens, prediction=None, response_format=None):
+    def run(prompt_ids, max_new_tokens, request=Request()):
         t0 = time.perf_counter()  # (compiling a schema is part of the request's time)
-        grammar = Grammar.for_model(target, response_format)
+        grammar = Grammar.for_model(target, request.response_format)
+        prediction = request.prediction
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                 seed=prompt_seed(prompt_ids) if rule else None, acceptance_rule=rule,
                                 grammar=grammar)
@@ -289,16 +290,16 @@ def ours(models: BenchModels, name: str, opts: dict, temperature: float = 0.0) -
         if predicted and prediction is not None:  # (tokenizing it is part of the request's time)
             ids = target.tokenizer.encode(prediction, add_special_tokens=False)
             own = Engine(target.lm, *with_prediction(ids, proposer, schedule, times))
-        gen = own.generate(prompt_ids, params, target.eos_token_ids).run()
+        gen = own.generate(prompt_ids, params, tuple(target.eos_token_ids) + request.stop_ids).run()
         return Output(gen.token_ids, time.perf_counter() - t0, gen.stats.to_dict())
     return run
 
 
 def _hf(models: BenchModels, **generate_kwargs) -> Runner:
     hf = models.hf("target")
-    eos = list(models.eos_token_ids())
 
-    def run(prompt_ids, max_new_tokens, prediction=None, response_format=None):
+    def run(prompt_ids, max_new_tokens, request=Request()):
+        eos = list(models.eos_token_ids()) + list(request.stop_ids)
         ids = torch.tensor([prompt_ids], device=hf.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -331,9 +332,9 @@ def _hf_assisted_xtok(models, opts):
 
 def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
     llm = models.llama(prompt_lookup)
-    eos = models.eos_token_ids()
 
-    def run(prompt_ids, max_new_tokens, prediction=None, response_format=None):
+    def run(prompt_ids, max_new_tokens, request=Request()):
+        eos = tuple(models.eos_token_ids()) + request.stop_ids
         t0 = time.perf_counter()
         ids = llamacpp.generate_greedy(llm, prompt_ids, max_new_tokens, eos)
         return Output(ids, time.perf_counter() - t0)

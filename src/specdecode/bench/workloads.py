@@ -1,21 +1,23 @@
-"""The bench's prompts: Spec-Bench's subtasks, HumanEval, a code-editing task and a JSON
-extraction task."""
+"""The bench's prompts: Spec-Bench's subtasks, HumanEval, a code-editing task, a JSON
+extraction task and fill-in-the-middle."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+
+from .. import fim
 
 # Spec-Bench's question file, shipped inside the package (its licence and source beside it)
 SPEC_BENCH_PATH = Path(str(resources.files("specdecode") / "data" / "spec_bench" / "question.jsonl"))
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-SUBTASKS = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit", "json")  # every workload's (Task.subtask)
-WORKLOADS = ("humaneval", "spec-bench", "code-edit", "json")
+SUBTASKS = (*SPEC_BENCH_SUBTASKS, "humaneval", "code_edit", "json", "fim")  # every workload's (Task.subtask)
+WORKLOADS = ("humaneval", "spec-bench", "code-edit", "json", "fim")
 DEFAULT_WORKLOADS = ("humaneval", "spec-bench")
 
 
@@ -26,7 +28,9 @@ class Task:
     ``prediction``: the first answer's predicted output (OpenAI's Predicted Outputs: a code
     edit's original code), read by the rows that take it (``prediction=on``);
     ``response_format``: OpenAI's response format every row's answer follows (structured
-    output), or None."""
+    output), or None; ``suffix``: fill in the middle: ``turns[0]`` is the text before the gap,
+    this the text after it (:func:`lay_out_fim` gives the task its ``input_ids`` and
+    ``stop_ids``, the target's FIM prompt and the tokens that end a middle)."""
 
     subtask: str
     prompt_id: str
@@ -34,6 +38,24 @@ class Task:
     chat: bool = True
     prediction: str | None = None
     response_format: dict | None = None
+    suffix: str | None = None
+    input_ids: tuple[int, ...] | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    def request(self, turn: int) -> "Request":
+        """What a runner gets of turn ``turn`` beside its prompt ids."""
+        return Request(self.prediction if turn == 0 else None, self.response_format, self.stop_ids)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A turn's request beside its prompt ids: the predicted output (rows with
+    ``prediction=on`` read it), the response format every row follows, and token ids that
+    end the answer beside the target's EOS (a FIM middle's)."""
+
+    prediction: str | None = None
+    response_format: dict | None = None
+    stop_ids: tuple[int, ...] = ()
 
 
 def _choose(items: list, limit: int | None, rng: random.Random) -> list:
@@ -136,9 +158,41 @@ def load_json(limit: int | None = None, seed: int = 0) -> list[Task]:
     return _choose(tasks, limit, random.Random(seed))
 
 
+def load_fim(limit: int | None = None, seed: int = 0) -> list[Task]:
+    """Fill in the middle: a HumanEval problem's prompt and canonical solution with 1-3 lines
+    of the solution taken out (the same lines for a seed); the text before and after the gap
+    are given, as an editor's autocomplete gives them."""
+    tasks = []
+    for p in _humaneval_problems():
+        lines = p["canonical_solution"].splitlines(keepends=True)
+        rng = random.Random(f"{seed}:{p['task_id']}")
+        start = rng.randrange(len(lines))
+        stop = start + rng.randint(1, min(3, len(lines) - start))
+        tasks.append(Task("fim", p["task_id"], (p["prompt"] + "".join(lines[:start]),), chat=False,
+                          suffix="".join(lines[stop:])))
+    return _choose(tasks, limit, random.Random(seed))
+
+
+def lay_out_fim(target, tasks: list[Task], n_predict: int) -> list[Task]:
+    """The tasks with each FIM task's prompt ids laid out for ``target``
+    (:func:`specdecode.fim.infill_ids`, llama.cpp's ``/infill`` layout) and the tokens that
+    end its middle (:attr:`specdecode.fim.FIMTokens.stops`); FIMError for a target without
+    FIM tokens."""
+    if not any(t.suffix is not None for t in tasks):
+        return tasks
+    stops = fim.require_fim(target).stops
+    return [replace(t, input_ids=tuple(fim.infill_ids(target, t.turns[0], t.suffix, n_predict=n_predict)),
+                    stop_ids=stops) if t.suffix is not None else t for t in tasks]
+
+
 def prompt_ids(tokenizer, task: Task, turn: int, answers: list[str]) -> list[int]:
     """The token ids of turn ``turn`` of ``task``, after the method's own ``answers`` to the
-    turns before it (chat template), or the raw prompt (completion tasks)."""
+    turns before it (chat template), the raw prompt (completion tasks), or the ids laid out
+    for it (FIM: :func:`lay_out_fim`)."""
+    if task.input_ids is not None:
+        return list(task.input_ids)
+    if task.suffix is not None:
+        raise ValueError(f"FIM task {task.prompt_id} has no prompt ids: lay it out first (lay_out_fim)")
     if not task.chat:
         return tokenizer.encode(task.turns[0])
     messages = []

@@ -11,7 +11,7 @@ from ..bench.run import RECORDS_LOG, check_run_settings, run_and_report
 from ..bench.runners import (CROSS_ROWS, DEFAULT_METHODS, OPTION_PARSERS, PEERS, BenchModels, build_runners,
                              check_rows, is_ours, parse_methods)
 from ..bench.workloads import (DEFAULT_WORKLOADS, SPEC_BENCH_PATH, SPEC_BENCH_SUBTASKS, SUBTASKS, WORKLOADS,
-                               load_code_edit, load_humaneval, load_json, load_spec_bench)
+                               load_code_edit, load_fim, load_humaneval, load_json, load_spec_bench)
 from ..config import SamplingParams
 from ..methods import METHODS
 from ..models import registry
@@ -57,7 +57,10 @@ math_reasoning, rag), humaneval (code completion), code-edit (a HumanEval soluti
 rewrite with type hints and a docstring: the answer repeats much of the prompt; its original
 code is the rows' prediction with prediction=on), json (a HumanEval function described as
 JSON under a schema, OpenAI's response_format: every row of ours decodes under the schema's
-grammar, so ar is plain constrained decoding; peers take no schema here).
+grammar, so ar is plain constrained decoding; peers take no schema here), fim (a HumanEval
+solution with 1-3 lines taken out, the text before and after the gap given, laid out as
+llama.cpp's /infill lays it out: every row, peers too, completes the same FIM prompt and
+stops where the model closes the gap).
 
 example:
   specdecode bench --limit 5 --methods ar,hf-ar,hf-assisted,draft:k=6 --out bench-out
@@ -80,7 +83,7 @@ def add_parser(sub) -> None:
                    help=f"only these subtasks (comma-separated; Spec-Bench: {', '.join(SPEC_BENCH_SUBTASKS)})")
     p.add_argument("--limit", type=int, default=5, help="prompts per subtask, seeded choice (default 5)")
     p.add_argument("--humaneval-limit", type=int, default=None,
-                   help="HumanEval (and code-edit) problems (default: --limit)")
+                   help="HumanEval (and code-edit, json, fim) problems (default: --limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice (default 0)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run each prompt this many times a method, the methods forwards then "
@@ -168,6 +171,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"the json workload's answers follow a JSON schema, which {', '.join(peers)} "
                              "take no schema here: leave them out of --methods, or json out of --workloads")
         tasks += load_json(args.humaneval_limit or args.limit, args.seed)
+    if "fim" in workloads:
+        tasks += load_fim(args.humaneval_limit or args.limit, args.seed)
     if args.subtasks:
         keep = {s.strip() for s in args.subtasks.split(",")}
         unknown = sorted(keep - set(SUBTASKS))
