@@ -40,7 +40,8 @@ def test_fim_tokens_by_text_and_from_gguf_metadata(pair, tmp_path):
     assert "<|fim_prefix|>" in FIM_TOKENS
     assert (found.pre, found.suf, found.mid) == (vocab["<|fim_prefix|>"], vocab["<|fim_suffix|>"],
                                                  vocab["<|fim_middle|>"])
-    assert found.stops == (vocab["<|fim_pad|>"], vocab["<|repo_name|>"], vocab["<|file_sep|>"])
+    assert found.stops == (vocab["<|fim_pad|>"], vocab["<|repo_name|>"], vocab["<|file_sep|>"],
+                           vocab["<|endoftext|>"])  # (llama.cpp's end of generation too)
     # a GGUF file's keys win over the texts (llama.cpp's order): here they name other ids
     src = gguf_source_dir(tmp_path / "src")
     path = tmp_path / "keys.gguf"

@@ -111,6 +111,21 @@ def test_default_qwen_pair_equals_greedy(qwen_pair, prompt):
     assert default.token_ids == ar.token_ids
 
 
+def test_the_default_target_fills_a_middle_and_stops_at_the_gap(qwen_pair):
+    """The default (instruct) target's GGUF names only <|im_end|> as EOS; it ends a middle
+    with <|endoftext|>, one of the FIM stops (llama.cpp's end of generation): the request
+    ends there with the middle as its text, the same with the hybrid."""
+    target, draft = qwen_pair
+    prefix = "def is_even(n):\n    "
+    suffix = "\n\nprint(is_even(4))\n"
+    plain = specdecode.generate(target, prefix, suffix=suffix, method="ar", max_new_tokens=48)
+    assert plain.finish_reason == "stop" and "return" in plain.text and "<|" not in plain.text
+    assert target.tokenizer.convert_ids_to_tokens(plain.token_ids[-1]) in ("<|endoftext|>", "<|fim_pad|>",
+                                                                          "<|file_sep|>")
+    hybrid = specdecode.generate(target, prefix, suffix=suffix, draft=draft, max_new_tokens=48)
+    assert hybrid.token_ids == plain.token_ids
+
+
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_default_models_verify_rows_equal_one_token_passes_bit_for_bit(qwen_pair, role):
     """The lossless property on the real kernels at the real shapes (Qwen2.5-Coder 1.5B and

@@ -26,7 +26,12 @@ FIM_TEXTS = {
     "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
     "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "sep": ("<|file_sep|>", "<file_sep>", "<fim-sep>"),
+    # end of text: llama.cpp ends any generation there (its end-of-generation tokens); a
+    # chat model's GGUF names only its end of turn as EOS, yet ends a middle with this
+    "eot": ("<|endoftext|>", "<EOT>", "▁<EOT>", "<|eot_id|>", "<｜end▁of▁sentence｜>"),
 }
+# the GGUF key of each role, where it is not tokenizer.ggml.fim_<role>_token_id
+GGUF_KEYS = {"eot": "tokenizer.ggml.eot_token_id"}
 # how much of the prefix and suffix a prompt keeps (llama.cpp's server: 3/4 and 1/4 of its
 # batch of 2,048 tokens)
 BATCH = 2048
@@ -40,8 +45,8 @@ class FIMError(ValueError):
 @dataclass(frozen=True)
 class FIMTokens:
     """A tokenizer's FIM token ids: ``pre``, ``suf``, ``mid`` always; ``pad`` (ends a
-    middle), ``rep`` (starts the repository name) and ``sep`` (starts a file) where it has
-    them."""
+    middle), ``rep`` (starts the repository name), ``sep`` (starts a file) and ``eot`` (end
+    of text) where it has them."""
 
     pre: int
     suf: int
@@ -49,12 +54,13 @@ class FIMTokens:
     pad: int | None = None
     rep: int | None = None
     sep: int | None = None
+    eot: int | None = None
 
     @property
     def stops(self) -> tuple[int, ...]:
         """Tokens after which a middle is done (llama.cpp counts them as end of generation):
-        the model closing the gap, or starting another file."""
-        return tuple(t for t in (self.pad, self.rep, self.sep) if t is not None)
+        the model closing the gap, ending the text, or starting another file."""
+        return tuple(t for t in (self.pad, self.rep, self.sep, self.eot) if t is not None)
 
 
 _found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -72,7 +78,7 @@ def fim_tokens(target: LoadedModel) -> FIMTokens | None:
     if source is not None and source.is_file():
         f = gguf_file.open_file(source)
         for role in ids:
-            value = f.field(f"tokenizer.ggml.fim_{role}_token_id")
+            value = f.field(GGUF_KEYS.get(role, f"tokenizer.ggml.fim_{role}_token_id"))
             ids[role] = int(value) if isinstance(value, int) else None
     tok = target.tokenizer
     vocab = tok.get_vocab() if tok is not None else {}
