@@ -173,3 +173,25 @@ def test_real_llama_cpp_one_token_passes_after_a_rollback_repeat_bit_for_bit(rea
     again = torch.cat([lm.forward(ids[:, i:i + 1]) for i in range(10, 20)], 1)
     assert torch.equal(first, again)
     assert lm.weight_format.startswith("llama.cpp qwen2") and lm.vocab_size == 151936
+
+
+@pytest.mark.llamacpp
+@pytest.mark.real
+def test_real_llama_cpp_decodes_a_json_task_under_its_own_grammar():
+    """The bench's llama.cpp row on the json workload: llama.cpp's grammar of the schema
+    (its JSON-schema converter) keeps its greedy answer valid against the schema."""
+    import json
+
+    import jsonschema
+
+    from specdecode.bench import workloads
+    from specdecode.bench.runners import BenchModels, build_runners, parse_methods
+    from specdecode.models import registry
+
+    models = BenchModels(registry.DEFAULT_TARGET, None, "auto", "auto", torch.device("cpu"))
+    [(_, (run, _))] = build_runners(models, parse_methods("llamacpp-ar"), 0.0).items()
+    task = workloads.load_json(1)[0]
+    ids = workloads.prompt_ids(models.target().tokenizer, task, 0, [])
+    out = run(ids, 200, task.request(0))
+    text = models.target().tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), workloads.FUNCTION_SCHEMA)

@@ -64,15 +64,21 @@ def response_format_grammar(response_format) -> str | None:
         raise GrammarError(f"response_format.type {kind!r} is not supported; allowed: {', '.join(RESPONSE_FORMATS)}")
     if kind == "text":
         return None
-    if kind == "json_object":
-        schema = {"type": "object"}
-    else:
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise GrammarError("response_format.json_schema must be an object with the JSON schema in "
-                               "'schema' ({'name': ..., 'schema': {...}})")
-        schema = spec.get("schema", {})  # (OpenAI: no schema = any JSON)
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    return llguidance.LLMatcher.grammar_from_json_schema(response_format_schema(response_format),
+                                                         defaults=JSON_LAYOUT)
+
+
+def response_format_schema(response_format: dict) -> dict:
+    """The JSON schema of a ``json_object`` or ``json_schema`` response format (any object
+    for ``json_object``; OpenAI's default, any JSON, for a ``json_schema`` without one).
+    Raises GrammarError for a json_schema of the wrong shape."""
+    if response_format.get("type") == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise GrammarError("response_format.json_schema must be an object with the JSON schema in "
+                           "'schema' ({'name': ..., 'schema': {...}})")
+    return spec.get("schema", {})
 
 
 class Grammar:

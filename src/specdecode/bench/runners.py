@@ -6,6 +6,7 @@ generation, and llama.cpp's plain and prompt-lookup decoding of the target's GGU
 from __future__ import annotations
 
 import difflib
+import json
 import time
 import zlib
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 
 from ..config import ACCEPTANCE_RULES, KSchedule, SamplingParams
 from ..engine import Engine
-from ..grammar import Grammar
+from ..grammar import Grammar, response_format_schema
 from ..methods import (METHOD_OPTIONS, METHODS, PLAIN, SpeculativeConfig, build_proposer, build_schedule,
                        method_options, name_and_options, with_prediction)
 from ..models import llamacpp
@@ -333,10 +334,17 @@ def _hf_assisted_xtok(models, opts):
 def _llamacpp(models: BenchModels, prompt_lookup: int) -> Runner:
     llm = models.llama(prompt_lookup)
 
+    grammars = {}  # a schema's llama.cpp grammar, built once (its build is not timed)
+
     def run(prompt_ids, max_new_tokens, request=Request()):
         eos = tuple(models.eos_token_ids()) + request.stop_ids
+        grammar = None
+        if request.response_format is not None:
+            schema = response_format_schema(request.response_format)
+            key = json.dumps(schema, sort_keys=True)
+            grammar = grammars.get(key) or grammars.setdefault(key, llamacpp.json_grammar(schema))
         t0 = time.perf_counter()
-        ids = llamacpp.generate_greedy(llm, prompt_ids, max_new_tokens, eos)
+        ids = llamacpp.generate_greedy(llm, prompt_ids, max_new_tokens, eos, grammar)
         return Output(ids, time.perf_counter() - t0)
     return run
 

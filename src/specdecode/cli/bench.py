@@ -57,7 +57,8 @@ math_reasoning, rag), humaneval (code completion), code-edit (a HumanEval soluti
 rewrite with type hints and a docstring: the answer repeats much of the prompt; its original
 code is the rows' prediction with prediction=on), json (a HumanEval function described as
 JSON under a schema, OpenAI's response_format: every row of ours decodes under the schema's
-grammar, so ar is plain constrained decoding; peers take no schema here), fim (a HumanEval
+grammar, so ar is plain constrained decoding; llama.cpp rows decode under its own grammar of
+the schema, the transformers rows take none), fim (a HumanEval
 solution with 1-3 lines taken out, the text before and after the gap given, laid out as
 llama.cpp's /infill lays it out: every row, peers too, completes the same FIM prompt and
 stops where the model closes the gap).
@@ -166,10 +167,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "code-edit" in workloads:
         tasks += load_code_edit(args.humaneval_limit or args.limit, args.seed)
     if "json" in workloads:
-        peers = [label for label, name, _ in methods if not is_ours(name)]
+        peers = [label for label, name, _ in methods if not is_ours(name) and not name.startswith("llamacpp")]
         if peers:
             raise ValueError(f"the json workload's answers follow a JSON schema, which {', '.join(peers)} "
-                             "take no schema here: leave them out of --methods, or json out of --workloads")
+                             "take no schema here (llama.cpp's rows do: its grammar): leave them out of "
+                             "--methods, or json out of --workloads")
         tasks += load_json(args.humaneval_limit or args.limit, args.seed)
     if "fim" in workloads:
         tasks += load_fim(args.humaneval_limit or args.limit, args.seed)

@@ -71,17 +71,26 @@ def load(name_or_path: str | Path, threads: int, prompt_lookup: int = 0):
                     verbose=False, **kwargs)
 
 
+def json_grammar(schema: dict):
+    """llama.cpp's grammar (GBNF, from its JSON-schema converter) of a JSON schema, for
+    :func:`generate_greedy`. Raises MissingExtraError without the extra."""
+    import json
+
+    return llama_cpp().LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+
+
 def generate_greedy(llm, prompt_ids: list[int], max_new_tokens: int,
-                    eos_token_ids: tuple[int, ...]) -> list[int]:
+                    eos_token_ids: tuple[int, ...], grammar=None) -> list[int]:
     """Greedy decoding (temperature 0: llama.cpp's greedy sampler) of up to
     ``max_new_tokens`` tokens after ``prompt_ids``, stopping after an EOS id (kept, as our
-    engine keeps it). The KV cache starts empty (no prefix reuse across calls)."""
+    engine keeps it); under llama.cpp's ``grammar`` where given (:func:`json_grammar`). The
+    KV cache starts empty (no prefix reuse across calls)."""
     llm.reset()
     out: list[int] = []
     if max_new_tokens <= 0:
         return out
     for tok in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                            repeat_penalty=1.0, reset=True):
+                            repeat_penalty=1.0, reset=True, grammar=grammar):
         out.append(int(tok))
         if tok in eos_token_ids or len(out) >= max_new_tokens:
             break
