@@ -326,6 +326,16 @@ def test_a_row_with_prediction_on_reads_the_tasks_prediction(tmp_path_factory, t
         runners.check_rows(runners.parse_methods("ar:prediction=yes"))
 
 
+def _bench_records(dirs, methods: str, workload: str, max_new_tokens: int, out, capsys) -> list[dict]:
+    """`specdecode bench` of 2 prompts of ``workload`` on a tiny pair: its records, once the
+    run ended well with 0 mismatches."""
+    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
+                     "--methods", methods, "--workloads", workload, "--limit", "2",
+                     "--max-new-tokens", str(max_new_tokens), "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
 def test_the_json_workload_decodes_every_row_under_its_schema(tmp_path_factory, tmp_path, capsys):
     """--workloads json: a HumanEval function to describe under FUNCTION_SCHEMA; every row of
     ours (ar too: plain constrained decoding) decodes under the schema's grammar, so the rows
@@ -336,12 +346,7 @@ def test_the_json_workload_decodes_every_row_under_its_schema(tmp_path_factory, 
     assert len(tasks) == 164 and all(t.chat and t.subtask == "json" for t in tasks)
     assert tasks[0].response_format["json_schema"]["schema"] == workloads.FUNCTION_SCHEMA
     dirs = tiny_dirs_in(tmp_path_factory)
-    out = tmp_path / "out"
-    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
-                     "--methods", "ar,prompt-lookup,draft", "--workloads", "json", "--limit", "2",
-                     "--max-new-tokens", "40", "--out", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
-    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    records = _bench_records(dirs, "ar,prompt-lookup,draft", "json", 40, tmp_path / "out", capsys)
     target = specdecode.load(dirs["target"])
     assert len(records) == 6 and {r["subtask"] for r in records} == {"json"}
     for r in records:  # (a random model's strings run on: a valid prefix of the schema's JSON)
@@ -371,12 +376,7 @@ def test_the_fim_workload_completes_the_infill_prompt_and_stops_at_the_gap(tmp_p
     with pytest.raises(ValueError, match="has no prompt ids: lay it out first"):
         workloads.prompt_ids(None, task, 0, [])
     dirs = fim_dirs(tmp_path_factory.mktemp("fim_bench"))
-    out = tmp_path / "out"
-    assert cli.main(["bench", "--no-memory", "--target", str(dirs["target"]), "--draft", str(dirs["draft"]),
-                     "--methods", "ar,prompt-lookup,hybrid", "--workloads", "fim", "--limit", "2",
-                     "--max-new-tokens", "24", "--out", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mismatches"] == 0
-    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    records = _bench_records(dirs, "ar,prompt-lookup,hybrid", "fim", 24, tmp_path / "out", capsys)
     target = specdecode.load(dirs["target"])
     chosen = {t.prompt_id: t for t in workloads.load_fim(2)}
     assert len(records) == 6

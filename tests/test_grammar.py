@@ -22,6 +22,7 @@ from specdecode.grammar import JSON_LAYOUT, Grammar, GrammarError, response_form
 from specdecode.proposers import DraftModelProposer, Proposer, RequestState
 from specdecode.proposers.base import DraftOutput
 from specdecode.sampling import GumbelNoise
+from test_server import hybrid_server
 from tiny_dirs import tiny_dirs_in
 
 SCHEMA = {"type": "object", "properties": {
@@ -232,14 +233,7 @@ def test_bad_response_formats_are_refused(pair):
         specdecode.generate(target, PROMPT, max_new_tokens=6).token_ids
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from test_server import Server, load_pair
-
-    served = load_pair(tmp_path_factory)  # (its batch holds them)
-    s = Server(lambda: served, method="hybrid").start()
-    yield s
-    s.stop()
+server = pytest.fixture(scope="module", name="server")(hybrid_server)
 
 
 def test_response_format_through_the_openai_client(server, pair):

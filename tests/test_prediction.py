@@ -17,6 +17,7 @@ from helpers import MockLM, hashed_logits
 from specdecode.config import SamplingParams
 from specdecode.engine import Engine
 from specdecode.proposers import PredictionProposer, PromptLookupProposer, prediction_usage
+from test_server import hybrid_server
 from tiny_dirs import tiny_dirs_in
 
 V = 40
@@ -157,14 +158,7 @@ def test_generate_prediction_file_on_the_command_line(pair, tmp_path):
     assert "tokens are in the output" in run.stderr
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from test_server import Server, load_pair
-
-    served = load_pair(tmp_path_factory)  # (its batch holds them)
-    s = Server(lambda: served, method="hybrid").start()
-    yield s
-    s.stop()
+server = pytest.fixture(scope="module", name="server")(hybrid_server)
 
 
 def test_prediction_through_the_openai_client(server, pair):

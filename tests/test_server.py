@@ -87,6 +87,15 @@ spare = pytest.fixture(scope="module", name="spare")(load_pair)  # for tests tha
 alone = pytest.fixture(scope="module", name="alone")(load_pair)  # the solo runs the answers are compared with
 
 
+def hybrid_server(tmp_path_factory):
+    """A server of its own tiny pair serving the hybrid, stopped after the module: the body
+    of the ``server`` fixture of a feature's test module."""
+    served = load_pair(tmp_path_factory)  # (its batch holds them)
+    s = Server(lambda: served, method="hybrid").start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="module")
 def server(models):
     s = Server(lambda: models).start()

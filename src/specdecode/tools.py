@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .grammar import JSON_LAYOUT, GrammarError
+from .grammar import JSON_LAYOUT
 
 TOOL_CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -256,7 +256,3 @@ def check_messages_tools(messages: list[dict]) -> list[dict]:
         out.append(m)
     return out
 
-
-def grammar_error(e: GrammarError) -> ToolError:
-    """A tool's parameters that the grammar library cannot compile, as a 400 naming 'tools'."""
-    return ToolError(f"tools: {e}", "tools")
