@@ -14,6 +14,10 @@ same names read it):
   JSON object ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``.
 - ``mistral`` (the template mentions ``[TOOL_CALLS]``): ``[TOOL_CALLS][{"name": ...,
   "arguments": {...}}, ...]``.
+
+A reply's text is decoded without special tokens, so where the marker of a call is one
+(Llama's ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) the call is the reply's whole text
+as JSON, with or without the marker.
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ class ToolFormat:
 
     name: str
     marker: str  # the template text that identifies the family
-    start: str  # the text a reply's call begins with ("" for llama3_json: a bare object)
+    start: str  # the text a call begins with inside a reply ("": a call is the whole reply)
+    opens: str = ""  # where a call is the whole reply: the characters such a reply starts with
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """The reply's content and its calls ``[{"name", "arguments": JSON text}]``.
@@ -164,18 +169,18 @@ def _llama3(text: str):
 
 
 def _mistral(text: str):
-    i = text.find("[TOOL_CALLS]")
-    if i < 0:
+    body = text.strip().removeprefix("[TOOL_CALLS]").strip()
+    if not body.startswith("["):
         return text, []
-    calls = json.loads(text[i + len("[TOOL_CALLS]"):].strip())
-    return text[:i], calls if isinstance(calls, list) else [calls]
+    calls = json.loads(body)
+    return "", calls if isinstance(calls, list) else [calls]
 
 
 _PARSERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
 _ARGUMENTS = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
 FORMATS = (ToolFormat("hermes", "<tool_call>", "<tool_call>"),
-           ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]"),
-           ToolFormat("llama3_json", "<|python_tag|>", ""))
+           ToolFormat("mistral", "[TOOL_CALLS]", "", "["),
+           ToolFormat("llama3_json", "<|python_tag|>", "", "{<"))
 
 
 def tool_format(tokenizer) -> ToolFormat | None:
@@ -204,8 +209,8 @@ class CallStream:
 
     def add(self, piece: str) -> str:
         self.text += piece
-        if not self.fmt.start:  # a bare JSON call: a reply that may be one is held whole
-            if self.text.lstrip()[:1] in ("", "{", "<"):
+        if not self.fmt.start:  # a call is the whole reply: a reply that may be one is held whole
+            if self.text.lstrip()[:1] in ("", *self.fmt.opens):
                 return ""
             end = len(self.text)
         else:
