@@ -154,14 +154,17 @@ def test_a_point_mass_draft_is_cut_where_the_grammar_refuses_it(pair):
     assert mine["num_draft_tokens"] == mine["num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("rule", ["greedy", "rejection", "gumbel"])
+@pytest.mark.parametrize("rule", ["greedy", "rejection", "gumbel", "rejection-top-p"])
 def test_a_draft_model_drafts_only_what_the_grammar_allows(pair, rule):
-    """The draft's own logits are masked after each of its tokens: its proposal is valid
-    JSON so far, and a sampled draft's distributions are 0 where the grammar refuses."""
+    """The draft's own logits are masked after each of its tokens, before the sampling
+    filters (as the target's rows are: a nucleus of refused tokens alone would leave
+    nothing to sample): its proposal is valid JSON so far, and a sampled draft's
+    distributions are 0 where the grammar refuses."""
     target, draft = pair
     grammar = Grammar.for_model(target, FORMAT)
     params = SamplingParams(max_new_tokens=N, temperature=0.0 if rule == "greedy" else 1.5,
-                            acceptance_rule=None if rule == "greedy" else rule, seed=2, grammar=grammar)
+                            acceptance_rule=None if rule == "greedy" else rule.split("-")[0], seed=2,
+                            top_p=0.05 if rule.endswith("top-p") else 1.0, grammar=grammar)
     prompt = target.tokenizer.encode(PROMPT)
     proposer = DraftModelProposer(draft.lm.fork())
     for committed in ([], target.tokenizer.encode('{"name": "', add_special_tokens=False)):
@@ -178,6 +181,25 @@ def test_a_draft_model_drafts_only_what_the_grammar_allows(pair, rule):
         if out.probs is not None:
             allowed = g.allowed([ids[:i] for i in range(6)])
             assert not out.probs[0][~allowed[:, :out.probs.shape[-1]]].any()
+
+
+def test_a_long_forced_run_is_verified_in_passes_of_at_most_max_forced(pair):
+    """A schema's 200-character constant is forced whole; it goes over several verify
+    passes of at most MAX_FORCED tokens (longer passes would leave the exact kernels), and
+    the output is plain constrained decoding's."""
+    from specdecode.engine import MAX_FORCED
+
+    target, _ = pair
+    fmt = {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"kind": {"const": "abc " * 50}}, "required": ["kind"],
+        "additionalProperties": False}}}
+    plain = specdecode.generate(target, PROMPT, method="ar", response_format=fmt, max_new_tokens=200)
+    out = specdecode.generate(target, PROMPT, method="prompt-lookup", response_format=fmt, max_new_tokens=200,
+                              debug=True)
+    assert out.token_ids == plain.token_ids and plain.finish_reason == "stop"
+    assert json.loads(out.text) == {"kind": "abc " * 50}
+    assert out.stats.by_proposer[GRAMMAR_SOURCE]["num_draft_tokens"] > 2 * MAX_FORCED
+    assert max(out.stats.speculation_lengths) == MAX_FORCED
 
 
 def test_masks_follow_each_rows_path():
@@ -217,7 +239,10 @@ def test_bad_response_formats_are_refused(pair):
                        ({"type": "yaml"}, "response_format.type 'yaml' is not supported; allowed: text"),
                        ({"type": "json_schema", "json_schema": []}, "must be an object with the JSON schema"),
                        ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
-                        "the schema cannot be compiled: .*nowhere")):
+                        "the schema cannot be compiled: .*nowhere"),
+                       ({"type": "json_schema", "json_schema": {"schema": {"type": "integer",
+                                                                          "maximum": 2 ** 64}}},
+                        "the schema cannot be compiled")):
         with pytest.raises(GrammarError, match=match):
             specdecode.generate(target, PROMPT, response_format=fmt, max_new_tokens=4)
     with pytest.raises(ValueError, match="min_new_tokens=.* 0 with a response format"):

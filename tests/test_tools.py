@@ -54,6 +54,11 @@ def test_each_format_parses_its_calls():
     assert LLAMA3.parse('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}') == \
         (None, [{"name": "add", "arguments": '{"a": 1, "b": 2}'}])
     assert LLAMA3.parse("It is sunny.") == ("It is sunny.", [])
+    for broken in ('<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>',  # no JSON for clients
+                   "<tool_call>" + "[" * 100000, '<tool_call>\n{"name": "f", "arguments": "x"}\n</tool_call>'):
+        assert HERMES.parse(broken) == (broken, [])
+    two = HERMES.parse(text, parallel=False)
+    assert two == ("Let me look.", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
     for text in ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]',
                  ' [{"name": "add", "arguments": {"a": 1, "b": 2}}]'):  # (the marker decoded away)
         assert MISTRAL.parse(text) == (None, [{"name": "add", "arguments": '{"a": 1, "b": 2}'}])
@@ -88,10 +93,13 @@ def test_tools_and_tool_choice_are_checked():
     assert check_tools(TOOLS)[1]["function"]["name"] == "add"
     assert check_tools([{"type": "function", "function": {"name": "f"}}])[0]["function"]["parameters"] == \
         {"type": "object", "properties": {}}
+    fn = lambda params: [{"type": "function", "function": {"name": "f", "parameters": params}}]  # noqa: E731
     for bad, match in (([], "non-empty list"), ([{"type": "code"}], r"tools\[0\] must be"),
                        ([{"type": "function", "function": {"name": "a b"}}], "letters, digits"),
                        ([TOOLS[0], TOOLS[0]], "given twice"),
-                       ([{"type": "function", "function": {"name": "f", "parameters": []}}], "JSON schema object")):
+                       (fn([]), "a JSON schema of an object"), (fn({"type": "string"}), "of an object"),
+                       (fn({"type": "object", "properties": {"x": {"type": "objekt"}}}), "cannot be compiled"),
+                       (fn({"type": "object", "properties": {"x": {"$ref": "#/$defs/Y"}}}), "cannot be compiled")):
         with pytest.raises(ToolError, match=match) as e:
             check_tools(bad)
         assert e.value.param == "tools"
@@ -107,6 +115,42 @@ def test_tools_and_tool_choice_are_checked():
             check_tool_choice(bad, tools)
     with pytest.raises(ToolError, match="'required' needs 'tools'"):
         check_tool_choice("required", None)
+
+
+def test_a_forced_calls_grammar_takes_each_functions_own_schema():
+    """Each function's parameters are a JSON root of their own in the grammar: a pydantic
+    schema's $defs resolve; the arguments are always an object; the name is the chosen
+    function's; several calls with parallel_tool_calls, one without."""
+    from helpers import local_tokenizer
+    from specdecode.grammar import Grammar
+
+    tok = local_tokenizer()
+    nested = {"type": "function", "function": {"name": "where", "parameters": {
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}},
+        "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "additionalProperties": False}}}
+    tools = check_tools([nested, {"type": "function", "function": {"name": "ping"}}])
+    for parallel in (True, False):
+        grammar = Grammar(HERMES.grammar(tools, tok, parallel), tok, len(tok), (2,))
+        ok = '<tool_call>\n{"name": "where", "arguments": {"loc": {"city": "Oslo"}}}\n</tool_call>'
+        two = ok + '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+        for text, valid in ((ok, True), (two, parallel),
+                            ('<tool_call>\n{"name": "where", "arguments": {"loc": "Oslo"}}\n</tool_call>', False),
+                            ('<tool_call>\n{"name": "ping", "arguments": "x"}\n</tool_call>', False),
+                            ('<tool_call>\n{"name": "pong", "arguments": {}}\n</tool_call>', False)):
+            ids = tok.encode(text, add_special_tokens=False)
+            state = grammar.start()
+            assert (state.valid_prefix(ids) == len(ids) and state.allowed([ids])[0, 2]) == valid, (text, parallel)
+
+
+def test_named_chat_templates_are_read_for_their_tool_use_one():
+    class Tok:
+        chat_template = {"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"}
+
+    assert tool_format(Tok()) is HERMES
+    Tok.chat_template = {"default": "{{ messages }}"}
+    assert tool_format(Tok()) is None
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +260,14 @@ def test_tool_requests_that_cannot_be_served_are_400s(server, tmp_path_factory):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=bad_history, tools=TOOLS, max_tokens=4)
     assert e.value.body["param"] == "messages" and "not JSON" in e.value.body["message"]
+    for message in ({"role": "tool", "tool_call_id": 123456789, "content": "x"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100000}}]}):
+        status, _, out = server.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES + [message],
+                                                              "tools": TOOLS, "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "messages", out
+    status, _, out = server.post("/v1/chat/completions", b'{"model": "tiny", "max_tokens": ' + b"1" * 5000 + b"}")
+    assert status == 400 and "not valid JSON" in out["error"]["message"]
     from test_server import Server, load_pair
 
     plain = load_pair(tmp_path_factory)  # the tiny target's own template lays out no tools

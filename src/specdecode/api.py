@@ -142,7 +142,7 @@ def _prompt_ids(target: LoadedModel, prompt, input_ids, chat: bool, tools: list[
         try:  # transformers renders templates in a sandboxed Jinja environment
             return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False))
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # (a template fed odd fields)
             raise ValueError(f"the chat template of {target.name!r} failed ({type(e).__name__}: "
                              f"{str(e)[:200]}); fix the model's template or pass plain text") from None
     if not isinstance(prompt, str):

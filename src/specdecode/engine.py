@@ -36,6 +36,9 @@ from .verify import (greedy_verify, greedy_verify_tree, gumbel_verify, rejection
 
 TOKEN_KINDS = ("accepted", "recovered", "bonus", "target")
 GRAMMAR_SOURCE = "grammar"  # the proposer named for tokens the grammar forces
+# the most forced tokens verified in one pass (the lookups' K): a long forced run (a schema's
+# long constant) goes over several, each within the passes whose rows are exact
+MAX_FORCED = 16
 
 
 @dataclass
@@ -315,7 +318,7 @@ class RequestRun:
         t1, wanted = time.perf_counter(), k
         # what the grammar forces is proposed for free, with any method (plain decoding, no
         # proposer, stays plain constrained decoding)
-        forced = self.grammar.forced(self.limit - len(state.tokens) - 1) \
+        forced = self.grammar.forced(min(MAX_FORCED, self.limit - len(state.tokens) - 1)) \
             if self.grammar is not None and proposer is not None else []
         self._forced = bool(forced)
         if forced:

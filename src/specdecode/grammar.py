@@ -64,8 +64,23 @@ def response_format_grammar(response_format) -> str | None:
         raise GrammarError(f"response_format.type {kind!r} is not supported; allowed: {', '.join(RESPONSE_FORMATS)}")
     if kind == "text":
         return None
-    return llguidance.LLMatcher.grammar_from_json_schema(response_format_schema(response_format),
-                                                         defaults=JSON_LAYOUT)
+    return _json_grammar(response_format_schema(response_format))
+
+
+def _json_grammar(schema: dict) -> str:
+    """llguidance's grammar of a JSON schema (:data:`JSON_LAYOUT`); GrammarError for a
+    schema it cannot take (a number beyond its range, ...)."""
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise GrammarError(f"the schema cannot be compiled: {e}") from None
+
+
+def check_schema(schema: dict) -> None:
+    """GrammarError (the library's message) for a JSON schema llguidance cannot compile."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_json_grammar(schema))
+    if failed:
+        raise GrammarError(f"the schema cannot be compiled: {'; '.join(messages)}")
 
 
 def response_format_schema(response_format: dict) -> dict:
@@ -104,7 +119,10 @@ class Grammar:
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = _ll_tokenizer(tokenizer, vocab_size, self.eos_token_ids)
         self.grammar = grammar
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        try:
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        except (ValueError, TypeError, RecursionError) as e:
+            failed, messages = True, [str(e)]
         if failed:
             raise GrammarError(f"{field}: the schema cannot be compiled: {'; '.join(messages)}")
 

@@ -27,7 +27,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .grammar import JSON_LAYOUT
+from .grammar import JSON_LAYOUT, GrammarError, check_schema
 
 TOOL_CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -60,8 +60,13 @@ def check_tools(tools) -> list[dict]:
             raise ToolError(f"tools[{i}].function.name {name!r} is given twice", "tools")
         names.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema of an object", "tools")
+        params = dict(params, type="object")  # (arguments are an object whatever the schema allows)
+        try:
+            check_schema(params)
+        except GrammarError as e:
+            raise ToolError(f"tools[{i}].function.parameters: {e}", "tools") from None
         if "description" in fn and not isinstance(fn["description"], str):
             raise ToolError(f"tools[{i}].function.description must be a string", "tools")
         out.append({"type": "function", "function": dict(fn, parameters=params)})
@@ -102,35 +107,38 @@ class ToolFormat:
     start: str  # the text a call begins with inside a reply ("": a call is the whole reply)
     opens: str = ""  # where a call is the whole reply: the characters such a reply starts with
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """The reply's content and its calls ``[{"name", "arguments": JSON text}]``.
+    def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+        """The reply's content and its calls ``[{"name", "arguments": JSON text}]`` (the
+        first only, without ``parallel``).
 
         With calls, the content is the text before the first call (trailing whitespace
         removed; None when empty); without any (or where a call is not valid JSON with a
         string name and object arguments, as vLLM's parsers give up), the text as it is."""
         try:
             before, calls = _PARSERS[self.name](text)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return text, []
-        if not calls:
-            return text, []
-        for c in calls:
-            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments"), dict):
+            if not calls:
                 return text, []
-        return before.rstrip() or None, [
-            {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)} for c in calls]
+            for c in calls:
+                if not isinstance(c, dict) or not isinstance(c.get("name"), str) or \
+                        not isinstance(c.get("arguments"), dict):
+                    return text, []
+            calls = [{"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False,
+                                                                 allow_nan=False)} for c in calls]
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return text, []  # (NaN and Infinity are no JSON a client can read)
+        return before.rstrip() or None, calls if parallel else calls[:1]
 
     def grammar(self, tools: list[dict], tokenizer, parallel: bool = True) -> str:
         """A llguidance grammar (lark) whose every sentence is a reply of one call (several
         with ``parallel``, where the format has a way to write them) to one of ``tools``, its
         arguments valid against the function's parameters; special tokens of the format are
         matched as the tokens they are (``<[id]>``)."""
-        objects = [{"type": "object", "properties": {
-            "name": {"const": t["function"]["name"]},
-            _ARGUMENTS[self.name]: t["function"]["parameters"]},
-            "required": ["name", _ARGUMENTS[self.name]], "additionalProperties": False} for t in tools]
-        schema = dict(objects[0] if len(objects) == 1 else {"anyOf": objects}, **{"x-guidance": JSON_LAYOUT})
-        lines = [f"call: %json {json.dumps(schema)}"]
+        # each function's arguments are a JSON root of their own (its $refs resolve there)
+        lines = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+        for i, t in enumerate(tools):
+            head = json.dumps(f'{{"name": {json.dumps(t["function"]["name"])}, "{_ARGUMENTS[self.name]}": ')
+            lines.append(f'call_{i}: {head} args_{i} "}}"')
+            lines.append(f"args_{i}: %json {json.dumps(dict(t['function']['parameters'], **{'x-guidance': JSON_LAYOUT}))}")
         if self.name == "hermes":
             one = f'{_literal(tokenizer, "<tool_call>")} "\\n" call "\\n" {_literal(tokenizer, "</tool_call>")}'
             lines.append(f"one: {one}")
@@ -187,6 +195,8 @@ def tool_format(tokenizer) -> ToolFormat | None:
     """The tool-call format of a tokenizer's chat template, or None when the template lays
     out no tools (it never reads ``tools``)."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates (transformers): the one for tools
+        template = template.get("tool_use") or template.get("default") or ""
     if not isinstance(template, str) or "tools" not in template:
         return None
     return next((f for f in FORMATS if f.marker in template), None)
@@ -204,8 +214,8 @@ class CallStream:
     whole-text content: text before the first call with trailing whitespace removed, or the
     whole text where there is no call."""
 
-    def __init__(self, fmt: ToolFormat):
-        self.fmt, self.text, self.sent = fmt, "", 0
+    def __init__(self, fmt: ToolFormat, parallel: bool = True):
+        self.fmt, self.parallel, self.text, self.sent = fmt, parallel, "", 0
 
     def add(self, piece: str) -> str:
         self.text += piece
@@ -227,7 +237,7 @@ class CallStream:
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
-        content, calls = self.fmt.parse(self.text)
+        content, calls = self.fmt.parse(self.text, self.parallel)
         whole = content or ""
         return whole[self.sent:] if whole.startswith(self.text[:self.sent]) else "", calls
 
@@ -239,6 +249,9 @@ def check_messages_tools(messages: list[dict]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         m = dict(m)
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ToolError(f"messages[{i}].{key} must be a string", "messages")
         if m.get("tool_calls") is not None:
             calls = m["tool_calls"]
             if m.get("role") != "assistant" or not isinstance(calls, list):
@@ -251,7 +264,7 @@ def check_messages_tools(messages: list[dict]) -> list[dict]:
                 args = fn.get("arguments", "{}")
                 try:
                     args = json.loads(args) if isinstance(args, str) else args
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     raise ToolError(f"messages[{i}].tool_calls: the arguments of {fn['name']!r} are not JSON",
                                     "messages") from None
                 fixed.append(dict(c, function=dict(fn, arguments=args)))

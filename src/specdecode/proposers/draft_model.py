@@ -192,11 +192,14 @@ class DraftModelProposer(Proposer):
         its logits [1, 1, V] there, appended to ``ids`` (its distribution to ``dists`` when
         sampled, a tree's other candidates to ``alts``); None where it is unsure (p_min)."""
         params, n = state.params, len(state.tokens)
+        if state.grammar is not None:  # only what the grammar allows after the drafts so far,
+            # masked before the sampling filters as the target's rows are
+            allowed = state.grammar.allowed([[int(t) for t in ids]])[:, :logits.shape[-1]]
+            logits = logits.masked_fill(~allowed[:, None], float("-inf"))
         logits = process_logits(logits, params, context, None, state.num_generated + i,
                                 state.eos_token_ids)[:, 0]
-        if state.grammar is not None:  # only what the grammar allows after the drafts so far
-            allowed = state.grammar.allowed([[int(t) for t in ids]])[:, :logits.shape[-1]]
-            logits = logits.masked_fill(~allowed, float("-inf"))
+        if not bool(torch.isfinite(logits).any()):
+            return None  # (nothing left: min_new_tokens masked the EOS the grammar wanted)
         # noise exists for sampled requests of the gumbel rule only (never greedy)
         probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
         if self._unsure(logits, probs):

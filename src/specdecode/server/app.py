@@ -347,7 +347,8 @@ def create_app(worker: Worker, model_name: str, default_method: str | Speculativ
         total = len(job.prompts) * job.n
         results = [None] * total
         # with tools, a choice's text is held back where it may begin a call
-        calls = [CallStream(job.tool_format) for _ in range(total)] if job.tool_format is not None else None
+        calls = [CallStream(job.tool_format, job.parallel_tool_calls) for _ in range(total)] \
+            if job.tool_format is not None else None
         try:
             if job.kind == "chat":  # the first chunk of each choice carries only the role
                 for i in range(total):

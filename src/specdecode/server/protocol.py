@@ -81,6 +81,7 @@ class Job:
     prediction: str | None = None  # a predicted output's text (OpenAI's Predicted Outputs)
     response_format: object | None = None  # OpenAI's structured output, or a Grammar (a required tool call)
     tool_format: object | None = None  # a ToolFormat: the replies are read for tool calls
+    parallel_tool_calls: bool = True  # False: a reply's first call only
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -105,7 +106,7 @@ def json_object(raw: bytes) -> dict:
     """The JSON object of a request body; OpenAIError 400 for anything else."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # (also an integer of over 4,300 digits)
         raise bad(f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # the decoder's own limit, not a fault of the server
         raise bad("the request body nests JSON arrays or objects too deeply") from None
@@ -307,7 +308,7 @@ def check_request(body: dict, kind: str, ctx) -> Job:
                   "text is held back where it may begin a call)", "logprobs" if logprobs is not None
                   else "return_token_sources")
     return Job(kind, model, prompts, n, stream, include_usage, sampling, method, k, seed,
-               logprobs, sources, eos, prediction, response_format, tool_format)
+               logprobs, sources, eos, prediction, response_format, tool_format, parallel)
 
 
 def method_of(body: dict, ctx) -> str:
@@ -475,7 +476,7 @@ def response(job: Job, texts: list[str], finishes: list[str], usage_: dict,
     for i, (t, f) in enumerate(zip(texts, finishes)):
         message, calls = {"role": "assistant", "content": t}, []
         if job.tool_format is not None:
-            message["content"], calls = job.tool_format.parse(t)
+            message["content"], calls = job.tool_format.parse(t, job.parallel_tool_calls)
         if calls:
             message["tool_calls"] = tool_calls(calls)
             f = tool_finish(f)
