@@ -135,7 +135,7 @@ def test_a_forced_calls_grammar_takes_each_functions_own_schema():
         grammar = Grammar(HERMES.grammar(tools, tok, parallel), tok, len(tok), (2,))
         ok = '<tool_call>\n{"name": "where", "arguments": {"loc": {"city": "Oslo"}}}\n</tool_call>'
         two = ok + '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
-        for text, valid in ((ok, True), (two, parallel),
+        for text, valid in ((ok, True), (two, parallel), (ok + "\n", True), (two + "\n", parallel),
                             ('<tool_call>\n{"name": "where", "arguments": {"loc": "Oslo"}}\n</tool_call>', False),
                             ('<tool_call>\n{"name": "ping", "arguments": "x"}\n</tool_call>', False),
                             ('<tool_call>\n{"name": "pong", "arguments": {}}\n</tool_call>', False)):
@@ -251,6 +251,7 @@ def test_tool_requests_that_cannot_be_served_are_400s(server, tmp_path_factory):
                           (dict(tools=TOOLS, logprobs=True), "logprobs"),
                           (dict(tools=TOOLS, tool_choice="required",
                                 response_format={"type": "json_object"}), "tool_choice"),
+                          (dict(tools=TOOLS, response_format={"type": "json_object"}), "response_format"),
                           (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)

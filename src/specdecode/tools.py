@@ -142,7 +142,8 @@ class ToolFormat:
         if self.name == "hermes":
             one = f'{_literal(tokenizer, "<tool_call>")} "\\n" call "\\n" {_literal(tokenizer, "</tool_call>")}'
             lines.append(f"one: {one}")
-            lines.insert(0, 'start: one ("\\n" one)*' if parallel else "start: one")
+            # (a model ends its last call with a newline before EOS, as it was trained to)
+            lines.insert(0, 'start: one ("\\n" one)* "\\n"?' if parallel else 'start: one "\\n"?')
         elif self.name == "mistral":
             lines.insert(0, f'start: {_literal(tokenizer, "[TOOL_CALLS]")} "[" call '
                             + ('(", " call)* "]"' if parallel else '"]"'))

@@ -291,6 +291,10 @@ def check_request(body: dict, kind: str, ctx) -> Job:
     if choice not in ("auto", "none"):  # a call is forced: its grammar
         if response_format is not None:
             raise bad("give 'response_format' or a 'tool_choice' that forces a call, not both", "tool_choice")
+    if response_format is not None and tool_format is not None:
+        raise bad("'response_format' with 'tools' would make a call impossible (the reply must be the "
+                  "format's JSON): give one of them, or tool_choice 'none'", "response_format")
+    if choice not in ("auto", "none"):
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
         response_format = ctx.tool_grammar(tool_format, chosen, parallel)
     if response_format is not None and sampling["min_new_tokens"]:
