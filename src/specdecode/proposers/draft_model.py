@@ -198,8 +198,8 @@ class DraftModelProposer(Proposer):
             logits = logits.masked_fill(~allowed[:, None], float("-inf"))
         logits = process_logits(logits, params, context, None, state.num_generated + i,
                                 state.eos_token_ids)[:, 0]
-        if not bool(torch.isfinite(logits).any()):
-            return None  # (nothing left: min_new_tokens masked the EOS the grammar wanted)
+        if state.grammar is not None and not bool(torch.isfinite(logits).any()):
+            return None  # (nothing the grammar allows is left to draft)
         # noise exists for sampled requests of the gumbel rule only (never greedy)
         probs = None if params.greedy or state.noise is not None else to_probs(logits, params)
         if self._unsure(logits, probs):
