@@ -6,7 +6,7 @@ SD     := $(VENV)/bin/specdecode
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct gemma3-270m
 DEMO_PROMPT := Write a Python function that merges two sorted lists into one sorted list, with a docstring and an example.
 
-.PHONY: install models browser demo test test-fast llamacpp test-llamacpp clean
+.PHONY: install models browser demo test test-fast soak llamacpp test-llamacpp clean
 
 
 install: $(VENV)/.installed
@@ -38,6 +38,13 @@ test: models browser
 test-fast: install browser
 	$(PY) -m pytest -q -m "not real and not slow"
 
+# the server under a long mixed load (not in CI; about 40 minutes): 2,000 requests with the small
+# model as target, then 200 with the default pair; reports in soak-out/ (benchmarks/soak.py)
+soak: models
+	$(PY) benchmarks/soak.py --out soak-out/small --target smollm2-135m-instruct \
+	  --draft smollm2-135m-instruct --requests 2000
+	$(PY) benchmarks/soak.py --out soak-out/pair --requests 200
+
 # optional: llama.cpp (llama-cpp-python, compiled for this CPU once, 10-20 minutes): a bench
 # peer and a backend (--backend / --draft-backend llama.cpp)
 # On a CPU with AMX it is built with the CPU's other x86 features and without AMX: llama.cpp's
@@ -56,4 +63,4 @@ test-llamacpp: llamacpp models
 	$(PY) -m pytest -q -m llamacpp
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache soak-out

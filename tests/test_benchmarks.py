@@ -172,3 +172,60 @@ def test_pard_curve_trains_measures_and_projects(tmp_path_factory, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     projected = json.loads((out / "projection.json").read_text())
     assert [r["k"] for r in projected["rows"]] == list(range(2, 9)) and projected["ceiling"] > 0
+
+
+def test_soak_of_a_tiny_pair_passes_and_says_what_it_checked(tmp_path_factory, tmp_path):
+    """``benchmarks/soak.py`` end to end on the tiny pair: a server of its own, mixed requests
+    (greedy and seeded, streamed or not, chat and completions, methods, clients leaving,
+    refused bodies), every completed response equal to its solo output, the server stopped by
+    SIGINT cutting nothing."""
+    dirs = tiny_dirs_in(tmp_path_factory)
+    out = tmp_path / "soak"
+    proc = _run([SCRIPTS / "soak.py", "--out", out, "--target", dirs["target"], "--draft", dirs["draft"],
+                 "--requests", "60", "--clients", "4", "--max-tokens", "16", "--prompts", "5",
+                 "--max-len", "512", "--prompt-chars", "120", "--sample-every", "0.2", "--bad-share", "0.1",
+                 "--disconnect-share", "0.3", "--max-rss-growth", "0.5"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    s = results["summary"]
+    assert results["failures"] == [] and "**passed**" in (out / "report.md").read_text()
+    assert s["requests"] == 60 and s["server_exit"] == 130 and s["queue_end"] == [0.0, 0.0]
+    assert s["refused"] >= 1 and s["disconnected"] >= 1
+    assert s["compared"] + s["refused"] + s["disconnected"] == 60
+    assert set(results["methods"]) == {"ar", "prompt-lookup", "suffix", "draft", "hybrid"}
+    kinds = {(x["chat"], x["seed"] is None, x["stream"]) for x in results["samples"] if x["bad"] is None}
+    assert len(kinds) == 8  # every mix of chat or not, greedy or seeded, streamed or not
+    assert len(results["health"]["rss_mib"]) >= 3
+
+
+def test_soak_checks_fail_on_each_fault():
+    """soak.evaluate names each fault the soak exists to catch."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("soak", SCRIPTS / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = soak  # (its dataclasses look their module up)
+    try:
+        spec.loader.exec_module(soak)
+    finally:
+        del sys.modules["soak"]
+    job = soak.Job(0, True, None, False, "ar", 8)
+    solo = {soak.solo_key(job): "right"}
+    health = soak.Health(rss_mib=[(0, 100.0), (10, 101.0), (20, 102.0)], fds=[(0, 20), (10, 21), (20, 21)])
+    ok = dict(solo=solo, health=health, warm_s=5, end_queue=(0.0, 0.0), exit_code=130,
+              server_log="stopped by SIGINT: no request was cut\n", max_rss_growth=0.05, fd_slack=4)
+    good = [soak.Outcome(job, 200, "right"), soak.Outcome(soak.Job(0, True, None, False, "ar", 8, bad="oversized"), 413)]
+    assert soak.evaluate(good, **ok) == []
+    faults = {
+        "differs from its solo output": dict(outcomes=[soak.Outcome(job, 200, "wrong")]),
+        "got 400, not 413": dict(outcomes=[soak.Outcome(soak.Job(0, True, None, False, "ar", 8, bad="oversized"), 400)]),
+        "500 None": dict(outcomes=[soak.Outcome(job, 500)]),
+        "resident memory grew": dict(health=soak.Health(rss_mib=[(10, 100.0), (20, 110.0)], fds=[(10, 20)])),
+        "file descriptors went from 20 to 30": dict(health=soak.Health(rss_mib=[(10, 100.0)], fds=[(10, 20), (20, 30)])),
+        "the queue did not drain": dict(end_queue=(1.0, 0.0)),
+        "stop on SIGINT": dict(exit_code=1),
+        "traceback": dict(server_log="Traceback (most recent call last):\nno request was cut\n"),
+    }
+    for words, change in faults.items():
+        kwargs = {**ok, "outcomes": good, **change}
+        failures = soak.evaluate(**kwargs)
+        assert len(failures) == 1 and words in failures[0], (words, failures)

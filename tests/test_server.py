@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import urllib.error
@@ -1089,3 +1090,49 @@ def test_a_second_signal_exits_at_once(tmp_path_factory, tmp_path):
     os.kill(proc.pid, signal.SIGINT)
     proc.join(10)
     assert proc.exitcode == 130 and "Traceback" not in err.read_text()
+
+
+def test_ctrl_c_stops_bench_serve_at_once_with_its_requests_in_flight(tmp_path_factory, tmp_path):
+    """SIGINT in the middle of bench-serve's load (its clients with requests in flight, many
+    more to send): it exits 130 within seconds, saying the load stopped, without a
+    traceback, instead of sending the rest of its requests first."""
+    import multiprocessing
+    import signal
+
+    from specdecode.cli import main
+    import specdecode.server.worker as worker_module
+
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    err = tmp_path / "stderr"
+
+    def child():
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT)
+        os.dup2(fd, 2)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)  # (not pytest's capture)
+        real = worker_module.api.stream
+
+        def slow(*args, **kwargs):  # ~20 tokens a second: each request takes seconds
+            for chunk in real(*args, **kwargs):
+                time.sleep(0.05)
+                yield chunk
+
+        worker_module.api.stream = slow
+        code = main(["bench-serve", "--target", str(target), "--method", "prompt-lookup", "--concurrency", "2",
+                     "--requests", "40", "--max-tokens", "64"])
+        sys.stderr.flush()
+        os._exit(code)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    deadline = time.time() + 120
+    while "# loading" not in (err.read_text() if err.exists() else ""):
+        assert time.time() < deadline and proc.is_alive(), err.read_text()[-2000:] if err.exists() else ""
+        time.sleep(0.1)
+    time.sleep(3.0)  # the models load, the clients send their first requests
+    os.kill(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    proc.join(20)
+    text = err.read_text()
+    assert proc.exitcode == 130, text[-2000:]
+    assert time.time() - t0 < 15
+    assert "interrupted: the load stopped" in text and "Traceback" not in text

@@ -15,7 +15,6 @@ import json
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
 
@@ -79,13 +78,16 @@ def request(url: str, model: str, messages: list[dict], method: str, max_tokens:
 def run_level(url: str, model: str, prompts: list[list[dict]], method: str, concurrency: int,
               requests: int, max_tokens: int, api_key: str | None = None) -> tuple[list[Sample], float]:
     """``requests`` requests, ``concurrency`` in flight at a time (closed loop), the prompts
-    in turn; returns the samples (a failed request too, with its ``error``) and the wall time."""
+    in turn; returns the samples (a failed request too, with its ``error``) and the wall time.
+    Ctrl-C (KeyboardInterrupt) returns at once: no client sends another request, and those
+    in flight are left to end with the server (the clients are daemon threads)."""
     counter = iter(range(requests))
     lock = threading.Lock()
     samples: list[Sample] = []
+    stop = threading.Event()
 
     def client():
-        while True:
+        while not stop.is_set():
             with lock:
                 i = next(counter, None)
             if i is None:
@@ -100,9 +102,15 @@ def run_level(url: str, model: str, prompts: list[list[dict]], method: str, conc
                 samples.append(s)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(client) for _ in range(concurrency)]:
-            f.result()
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in clients:
+        t.start()
+    try:
+        for t in clients:
+            t.join()
+    except BaseException:
+        stop.set()
+        raise
     return samples, time.perf_counter() - t0
 
 

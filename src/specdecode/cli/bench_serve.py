@@ -16,8 +16,8 @@ from ..bench.workloads import SPEC_BENCH_PATH, load_spec_bench
 from ..methods import METHODS, Method, SpeculativeConfig, speculative_config
 from ..server import Metrics, Worker, create_app, serve_in_thread
 from .serve import load_served, served_config
-from .common import (EXIT_CODES_HELP, add_model_arguments, add_threads_argument, apply_threads,
-                     method_of, model_name, output_dir_argument, run_command)
+from .common import (EXIT_CODES_HELP, EXIT_INTERRUPTED, add_model_arguments, add_threads_argument,
+                     apply_threads, method_of, model_name, output_dir_argument, run_command)
 
 HELP = """\
 Load-test the OpenAI-compatible server: closed-loop clients (each sends its next request when
@@ -150,8 +150,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
               f"{r['acceptance_rate']}", file=sys.stderr, flush=True)
 
     try:
-        results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
-                              args.requests, args.max_tokens, args.api_key, progress, args.repeats)
+        try:
+            results = serving.run(url, model, prompts, on.value, off.value, args.concurrency,
+                                  args.requests, args.max_tokens, args.api_key, progress, args.repeats)
+        except KeyboardInterrupt:
+            print("\ninterrupted: the load stopped with its requests in flight"
+                  + ("" if uv is None else " (ended with the server)") + "; nothing was written",
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
         if args.check and 1 in args.concurrency:
             _beside_generate(results, worker, url, model, prompts, (served, plain), args)  # (--check: no --url)
         if args.check:  # what the worker still holds once every client has its answer

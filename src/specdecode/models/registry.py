@@ -95,11 +95,12 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 
 
 @contextlib.contextmanager
-def cache_lock(name: str):
+def cache_lock(name: str, waiting: str | None = None):
     """Hold the cache's inter-process lock ``name`` (an advisory ``flock`` on
     <cache>/locks/NAME.lock) while preparing something two processes could prepare at once:
-    the second waits, then finds it done. Where the lock cannot be taken (no ``fcntl``, a
-    read-only cache) the body runs unlocked; the atomic renames still keep the cache whole."""
+    the second waits, then finds it done; ``waiting``, if given, is printed to stderr when it
+    must wait. Where the lock cannot be taken (no ``fcntl``, a read-only cache) the body runs
+    unlocked; the atomic renames still keep the cache whole."""
     try:
         import fcntl
         where = cache_dir() / "locks"
@@ -109,7 +110,12 @@ def cache_lock(name: str):
         yield
         return
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         yield
     finally:
         handle.close()  # (releases the lock)

@@ -13,6 +13,8 @@ default target's EAGLE-3 head, answers included, trains in under two hours on a 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -157,12 +159,38 @@ def ensure_default_head(kind: str, target: LoadedModel, log=None) -> Path:
     out = default_head_dir(target.name, kind)
     if is_trained(out):
         return out
-    print(f"{target.name} has no default {kind} head yet: training it now into {out} "
-          f"(once; what `specdecode train {kind} --target {target.name}` does; {DEFAULT_HEAD_TIME} for "
-          "the 1.5B default target on 2 cores; Ctrl-C stops it and the same command resumes)",
-          file=log or sys.stderr)
-    train_head(kind, target, out, DEFAULT_RECIPE, log=log)
+    with run_lock(out):  # (another process may have trained it meanwhile)
+        if is_trained(out):
+            return out
+        print(f"{target.name} has no default {kind} head yet: training it now into {out} "
+              f"(once; what `specdecode train {kind} --target {target.name}` does; {DEFAULT_HEAD_TIME} for "
+              "the 1.5B default target on 2 cores; Ctrl-C stops it and the same command resumes)",
+              file=log or sys.stderr)
+        train_head(kind, target, out, DEFAULT_RECIPE, log=log)
     return out
+
+
+_HELD_RUNS: set[str] = set()
+
+
+@contextlib.contextmanager
+def run_lock(out: Path):
+    """Hold the lock of the training run writing into ``out`` (its checkpoint, recorded
+    answers and model files): a second process training into the same directory waits,
+    saying so, then resumes or finds the run done. Re-entrant within a process; not taken by
+    the processes of a distributed launch (torchrun, accelerate: WORLD_SIZE > 1), which share
+    one run by design."""
+    key = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    if key in _HELD_RUNS or int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        yield
+        return
+    with registry.cache_lock(f"train-{key}", waiting=f"another process is training into {out}: "
+                             "waiting for it to end (Ctrl-C stops waiting)"):
+        _HELD_RUNS.add(key)
+        try:
+            yield
+        finally:
+            _HELD_RUNS.discard(key)
 
 
 def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadRecipe | None = None,
@@ -186,15 +214,16 @@ def train_head(kind: str, target: LoadedModel, out: str | Path, recipe: HeadReci
     recipe.check()
     recipe = replace(recipe, max_prompts=recipe.prompts_for(kind))
     out = Path(out)
-    check_out(out, kind)
-    lm = target.lm
-    if kind == "eagle3" and not aux_layers(getattr(getattr(lm, "args", None), "n_layers", 0)):
-        raise ValueError(f"EAGLE-3 fuses three target layers; {target.name} has "
-                         f"{getattr(getattr(lm, 'args', None), 'n_layers', '?')} (at least 7 needed)")
-    train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
-    task = (_medusa(target, recipe, train_seqs, held, info) if kind == "medusa"
-            else _eagle3(target, recipe, train_seqs, held, info))
-    return _train(task, out, recipe, kind, info, len(held))
+    with run_lock(out):
+        check_out(out, kind)
+        lm = target.lm
+        if kind == "eagle3" and not aux_layers(getattr(getattr(lm, "args", None), "n_layers", 0)):
+            raise ValueError(f"EAGLE-3 fuses three target layers; {target.name} has "
+                             f"{getattr(getattr(lm, 'args', None), 'n_layers', '?')} (at least 7 needed)")
+        train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
+        task = (_medusa(target, recipe, train_seqs, held, info) if kind == "medusa"
+                else _eagle3(target, recipe, train_seqs, held, info))
+        return _train(task, out, recipe, kind, info, len(held))
 
 
 def _recorded(target: LoadedModel, recipe: HeadRecipe, features: Path, log) -> tuple[list, list, dict]:
@@ -329,33 +358,34 @@ def train_draft(target: LoadedModel, draft: str | Path, out: str | Path, recipe:
     recipe = replace(recipe, max_prompts=recipe.prompts_for(kind))
     out = Path(out)
     source = float_model_path(draft)
-    check_out(out, "draft", draft_out_files(source))
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    if target.tokenizer is not None and pair_mode(target.tokenizer, tokenizer) != "same":
-        raise ValueError(f"draft {draft!r} has another tokenizer than target {target.name!r}: training "
-                         "matches the two distributions token by token, so it needs a draft of the "
-                         f"target's own vocabulary (`specdecode check-pair {target.name} {draft}` shows the pair)")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    mask_id = mask_token_id(tokenizer, model.config.vocab_size) if parallel else None
-    trained = trainable_layers(model, recipe.layers)
-    train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
-    saved = out / (PARD_FILE if parallel else DISTILL_FILE)  # a resumed run keeps the measures before
-    before = json.loads(saved.read_text()).get("before", {}) if saved.exists() else {}
-    info.update(draft=str(draft), layers_trained=recipe.layers,
-                parameters_trained=trained + (model.config.hidden_size if parallel else 0))
-    if parallel:
-        info.update(mask_token=mask_id, k=PARD_K, method="PARD (arXiv:2504.18583): conditional drop-token "
-                    f"(keep max({PARD_KEEP}^s, {PARD_KEEP_MIN})), forward KL over the target's top-16")
-        task = pard_task(model, source, mask_id, train_seqs, held, info, seed=recipe.seed)
-    else:
-        info["method"] = "DistillSpec (arXiv:2310.08461), forward KL over the target's top-16"
-        task = draft_task(model, source, train_seqs, held, info)
-    if held and not before:  # (the model is the source's here: a checkpoint loads in train())
-        model.eval()
-        before = task.evaluate(task.module)
-        print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()), file=log)
-    info["before"] = before
-    return {**_train(task, out, recipe, kind, info, len(held)), "before": before}
+    with run_lock(out):
+        check_out(out, "draft", draft_out_files(source))
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if target.tokenizer is not None and pair_mode(target.tokenizer, tokenizer) != "same":
+            raise ValueError(f"draft {draft!r} has another tokenizer than target {target.name!r}: training "
+                             "matches the two distributions token by token, so it needs a draft of the "
+                             f"target's own vocabulary (`specdecode check-pair {target.name} {draft}` shows the pair)")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        mask_id = mask_token_id(tokenizer, model.config.vocab_size) if parallel else None
+        trained = trainable_layers(model, recipe.layers)
+        train_seqs, held, info = _recorded(target, recipe, Path(features) if features else out / "features", log)
+        saved = out / (PARD_FILE if parallel else DISTILL_FILE)  # a resumed run keeps the measures before
+        before = json.loads(saved.read_text()).get("before", {}) if saved.exists() else {}
+        info.update(draft=str(draft), layers_trained=recipe.layers,
+                    parameters_trained=trained + (model.config.hidden_size if parallel else 0))
+        if parallel:
+            info.update(mask_token=mask_id, k=PARD_K, method="PARD (arXiv:2504.18583): conditional drop-token "
+                        f"(keep max({PARD_KEEP}^s, {PARD_KEEP_MIN})), forward KL over the target's top-16")
+            task = pard_task(model, source, mask_id, train_seqs, held, info, seed=recipe.seed)
+        else:
+            info["method"] = "DistillSpec (arXiv:2310.08461), forward KL over the target's top-16"
+            task = draft_task(model, source, train_seqs, held, info)
+        if held and not before:  # (the model is the source's here: a checkpoint loads in train())
+            model.eval()
+            before = task.evaluate(task.module)
+            print("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()), file=log)
+        info["before"] = before
+        return {**_train(task, out, recipe, kind, info, len(held)), "before": before}
 
 
 def _medusa(target, recipe: HeadRecipe, train_seqs, held, info) -> Task:
