@@ -135,14 +135,14 @@ def test_draft_turns_itself_off_when_its_context_is_full_and_the_hybrid_looks_up
 
 
 def _amortised_run(cost: float, tuning: HybridTuning = HybridTuning(), rows: int = 1, feed: bool = True,
-                   max_new: int = 120):
+                   max_new: int = 120, sampled: bool = False):
     tgt = MockLM(50, hashed_logits(50, "t"))
     prompt = [(i * 7) % 50 for i in range(41)]
     draft = MockLM(50, hashed_logits(50, "t"))  # the target's twin: every draft is accepted
     hybrid = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(draft, p_min=0.0),
                             draft_prefill_cost=cost, tuning=tuning)
     hybrid.share_passes(rows, feed)
-    params = SamplingParams(max_new_tokens=max_new)
+    params = SamplingParams(max_new_tokens=max_new, **(dict(temperature=1.0, seed=5) if sampled else {}))
     gen, _ = run(tgt, hybrid, 6, prompt, params)
     assert gen.token_ids == Engine(tgt).generate(prompt, params).run().token_ids
     first_fed_at = draft.forward_sizes[0] - (len(prompt) - 1) if draft.forward_sizes else None
@@ -163,11 +163,29 @@ def test_hybrid_amortises_the_draft_prefill_over_the_answer_so_far():
     assert accepted >= 0.8 * (120 - first_fed_at)  # then it serves most of the answer
     assert _amortised_run(0.18, tuning) == (None, 0)  # dearer: never pays within 120 tokens
     assert _amortised_run(0.12, dataclasses.replace(tuning, cold_margin=1.0))[0] == 1
-    # the default horizon (64) spreads a feed over 64 tokens from the start: fed at once,
+    # a horizon of 64 spreads a feed over 64 tokens from the start: fed at once,
     # but never over more tokens than the request has left: with 16 to go, never fed
     assert _amortised_run(0.12, dataclasses.replace(tuning, horizon=64))[0] == 1
     assert _amortised_run(0.12, dataclasses.replace(tuning, horizon=64), max_new=16) == (None, 0)
     assert _amortised_run(0.01, dataclasses.replace(tuning, horizon=64), max_new=16)[0] == 1
+
+
+def test_a_sampled_request_feeds_the_draft_on_a_prior_of_its_own():
+    """Before the draft has drafted, its acceptance is a prior: greedy requests take
+    ``draft_prior_alpha``, sampled ones ``sampled_prior_alpha`` (lower: a sampled token
+    matches the draft's less often), so a feed the greedy prior pays at once waits, under
+    sampling, for an answer long enough to spread it."""
+    tuning = HybridTuning(draft_prior_alpha=0.85, sampled_prior_alpha=0.7, cold_margin=1.0, horizon=16)
+    assert _amortised_run(0.18, tuning)[0] == 1
+    late, accepted = _amortised_run(0.18, tuning, sampled=True)
+    assert 10 <= late <= 100 and accepted > 0  # (the twin's drafts are accepted once fed)
+    equal = dataclasses.replace(tuning, sampled_prior_alpha=0.85)
+    assert _amortised_run(0.18, equal, sampled=True)[0] == 1
+    h = HybridProposer(SuffixProposer(8, 0.99), HybridProposer.draft_for(MockLM(50, hashed_logits(50, "t"))),
+                       tuning=tuning)
+    for params, prior in ((SamplingParams(), 0.85), (SamplingParams(temperature=0.7, seed=1), 0.7)):
+        h.reset(RequestState([1, 2, 3], 0, params, (), None, 50), 64)
+        assert h.draft_alpha[0] == prior
 
 
 def test_hybrid_charges_a_catch_up_to_every_row_it_holds_up():

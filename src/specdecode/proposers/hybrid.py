@@ -18,11 +18,16 @@ class HybridTuning:
     prior_weight: float = 2.0
     """Weight, in rounds (or tokens), of the prior in every estimate the hybrid learns."""
     draft_prior_alpha: float = 0.85
-    """Prior acceptance of the draft's first token before it has drafted in this request."""
-    horizon: int = 16
+    """Prior acceptance of the draft's first token before it has drafted in this request
+    (greedy requests)."""
+    sampled_prior_alpha: float = 0.75
+    """The same for sampled requests: a sampled token matches the draft's less often (the
+    draft's acceptance over long answers at T 1.0 here: 0.72-0.80)."""
+    horizon: int = 4
     """Fewest tokens an answer is expected to go on for when spreading a draft's catch-up
     (never more than the request has left of its max_new_tokens); past it, as many as it
-    has gone on for so far."""
+    has gone on for so far (an answer n tokens long is expected to go on for about n
+    more): a feed is paid for certain, and short answers are common."""
     explore: float = 0.03
     """The draft drafts the longest length within this fraction of the best rate, so the
     positions past the best length keep being measured."""
@@ -161,6 +166,7 @@ class HybridProposer(Proposer):
         self.draft_k, self.draft_prefill_cost = draft_k, draft_prefill_cost
         self.tuning = tuning
         self._max_total_len = self._prompt_len = 0
+        self._greedy = True
         self._draft_counts = ([0.0] * draft_k, [0.0] * draft_k)  # per position: (reached, accepted)
         self._drafted: tuple[int, int] | None = None  # this round's draft: (start, proposed)
         self._own_rounds = [0.0, 0.0]  # the draft's rounds without a guess: [it proposed, all]
@@ -190,8 +196,8 @@ class HybridProposer(Proposer):
     def draft_alpha(self) -> list[float]:
         """α_i: the draft token at position i is accepted if the ones before it were, as
         estimated in this request (length draft_k)."""
-        return chained_acceptance(*self._draft_counts, self.tuning.draft_prior_alpha,
-                                  self.tuning.prior_weight)
+        prior = self.tuning.draft_prior_alpha if self._greedy else self.tuning.sampled_prior_alpha
+        return chained_acceptance(*self._draft_counts, prior, self.tuning.prior_weight)
 
     @property
     def draft_sure(self) -> float:
@@ -224,6 +230,7 @@ class HybridProposer(Proposer):
         for m in self._members():
             m.reset(state, max_total_len)
         self._max_total_len, self._prompt_len = max_total_len, len(state.tokens)
+        self._greedy = state.params.greedy
         self._draft_counts = ([0.0] * self.draft_k, [0.0] * self.draft_k)
         for arm in self.lookups:
             arm.counts, arm.pending = [0.0, 0.0], None
