@@ -44,6 +44,7 @@ from pathlib import Path
 import specdecode
 from specdecode.bench.workloads import SPEC_BENCH_PATH, load_spec_bench
 from specdecode.bench.run import _commit as commit_of_the_code
+from specdecode.bench.serving import sse_events
 from specdecode.models import registry
 from specdecode.server.app import default_max_body_bytes
 
@@ -175,11 +176,7 @@ def send(port: int, job: Job, model: str, prompts: list[str], max_body: int) -> 
             text = choice["message"]["content"] if job.chat else choice["text"]
             return Outcome(job, 200, text or "", time.perf_counter() - t0)
         parts, chunks = [], 0
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             if "error" in event:
                 return Outcome(job, 200, error=f"mid-stream: {event['error'].get('message')}")
             chunks += 1

@@ -1006,43 +1006,51 @@ def test_the_serve_command_as_the_readme_starts_it(tmp_path_factory):
         proc.wait(30)
 
 
-def _serve_in_a_child(tmp_path_factory, tmp_path, grace: str):
-    """`specdecode serve` of the tiny pair in a forked child whose generation is slowed to
-    ~20 tokens a second (so that a stream is in flight when the signal comes); returns
-    (process, port, its stderr file)."""
+def _slowed_cli_child(argv: list[str], err: Path):
+    """A forked child running `specdecode ARGV` with its stderr in the file ``err`` and its
+    generation slowed to ~20 tokens a second (so that streams are in flight when a signal
+    comes; the first piece generated writes "# generating" to ``err``); returns the started
+    process."""
     import multiprocessing
-    import socket
 
     from specdecode.cli import main
     import specdecode.server.worker as worker_module
 
-    target = tiny_dirs_in(tmp_path_factory)["target"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    err = tmp_path / "stderr"
-
     def child():
-        import os
-        import sys
         fd = os.open(err, os.O_WRONLY | os.O_CREAT)
         os.dup2(fd, 2)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)  # (not pytest's capture)
         real = worker_module.api.stream
 
         def slow(*args, **kwargs):
-            for chunk in real(*args, **kwargs):
+            for i, chunk in enumerate(real(*args, **kwargs)):
+                if i == 0:
+                    print("# generating", file=sys.stderr, flush=True)
                 time.sleep(0.05)
                 yield chunk
 
         worker_module.api.stream = slow
-        code = main(["serve", "--target", str(target), "--method", "ar", "--port", str(port),
-                     "--shutdown-grace", grace])
+        code = main(argv)
         sys.stderr.flush()
         os._exit(code)
 
     proc = multiprocessing.get_context("fork").Process(target=child)
     proc.start()
+    return proc
+
+
+def _serve_in_a_child(tmp_path_factory, tmp_path, grace: str):
+    """`specdecode serve` of the tiny pair in a slowed child (:func:`_slowed_cli_child`);
+    returns (process, port, its stderr file) once it is ready."""
+    import socket
+
+    target = tiny_dirs_in(tmp_path_factory)["target"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    err = tmp_path / "stderr"
+    proc = _slowed_cli_child(["serve", "--target", str(target), "--method", "ar", "--port", str(port),
+                              "--shutdown-grace", grace], err)
     deadline = time.time() + 120
     while True:
         try:
@@ -1096,39 +1104,17 @@ def test_ctrl_c_stops_bench_serve_at_once_with_its_requests_in_flight(tmp_path_f
     """SIGINT in the middle of bench-serve's load (its clients with requests in flight, many
     more to send): it exits 130 within seconds, saying the load stopped, without a
     traceback, instead of sending the rest of its requests first."""
-    import multiprocessing
     import signal
-
-    from specdecode.cli import main
-    import specdecode.server.worker as worker_module
 
     target = tiny_dirs_in(tmp_path_factory)["target"]
     err = tmp_path / "stderr"
-
-    def child():
-        fd = os.open(err, os.O_WRONLY | os.O_CREAT)
-        os.dup2(fd, 2)
-        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)  # (not pytest's capture)
-        real = worker_module.api.stream
-
-        def slow(*args, **kwargs):  # ~20 tokens a second: each request takes seconds
-            for chunk in real(*args, **kwargs):
-                time.sleep(0.05)
-                yield chunk
-
-        worker_module.api.stream = slow
-        code = main(["bench-serve", "--target", str(target), "--method", "prompt-lookup", "--concurrency", "2",
-                     "--requests", "40", "--max-tokens", "64"])
-        sys.stderr.flush()
-        os._exit(code)
-
-    proc = multiprocessing.get_context("fork").Process(target=child)
-    proc.start()
+    proc = _slowed_cli_child(["bench-serve", "--target", str(target), "--method", "prompt-lookup",
+                              "--concurrency", "2", "--requests", "40", "--max-tokens", "64"], err)
     deadline = time.time() + 120
-    while "# loading" not in (err.read_text() if err.exists() else ""):
+    while "# generating" not in (err.read_text() if err.exists() else ""):  # the load is under way
         assert time.time() < deadline and proc.is_alive(), err.read_text()[-2000:] if err.exists() else ""
         time.sleep(0.1)
-    time.sleep(3.0)  # the models load, the clients send their first requests
+    time.sleep(1.0)
     os.kill(proc.pid, signal.SIGINT)
     t0 = time.time()
     proc.join(20)

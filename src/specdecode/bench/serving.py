@@ -15,6 +15,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
 
@@ -37,6 +38,17 @@ class Sample:
     error: str | None = None
 
 
+def sse_events(resp) -> Iterator[dict]:
+    """The JSON events of a streamed (server-sent events) response, up to ``[DONE]``.
+    Raises ValueError for an event that is not JSON."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
 def request(url: str, model: str, messages: list[dict], method: str, max_tokens: int,
             api_key: str | None = None, timeout: float = 600) -> Sample:
     """One streamed chat completion, timed. Raises RuntimeError with the server's error."""
@@ -54,11 +66,7 @@ def request(url: str, model: str, messages: list[dict], method: str, max_tokens:
     if resp.status != 200:
         raise RuntimeError(f"the server answered {resp.status}: {resp.read()[:300]!r}")
     first, usage, text = None, None, []
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
+    for event in sse_events(resp):
         if "error" in event:
             raise RuntimeError(f"the server failed mid-stream: {event['error']['message']}")
         content = event["choices"][0]["delta"].get("content") if event["choices"] else None
