@@ -1021,6 +1021,7 @@ def _slowed_cli_child(argv: list[str], err: Path):
         # as a fresh process starts: not a handler an earlier test left in this one
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         fd = os.open(err, os.O_WRONLY | os.O_CREAT)
         os.dup2(fd, 2)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)  # (not pytest's capture)
