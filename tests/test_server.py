@@ -1105,25 +1105,51 @@ def test_a_second_signal_exits_at_once(tmp_path_factory, tmp_path):
     assert proc.exitcode == 130 and "Traceback" not in err.read_text()
 
 
+SLOWED_CLI = """
+import sys, time
+import specdecode.server.worker as worker_module
+from specdecode.cli import main
+real = worker_module.api.stream
+def slow(*args, **kwargs):  # ~20 tokens a second: each request takes seconds
+    for i, chunk in enumerate(real(*args, **kwargs)):
+        if i == 0:
+            print("# generating", file=sys.stderr, flush=True)
+        time.sleep(0.05)
+        yield chunk
+worker_module.api.stream = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_ctrl_c_stops_bench_serve_at_once_with_its_requests_in_flight(tmp_path_factory, tmp_path):
     """SIGINT in the middle of bench-serve's load (its clients with requests in flight, many
-    more to send): it exits 130 within seconds, saying the load stopped, without a
-    traceback, instead of sending the rest of its requests first."""
+    more to send), in a fresh process: it exits 130 within seconds, saying the load stopped,
+    without a traceback, instead of sending the rest of its requests first."""
     import signal
+    import subprocess
 
     target = tiny_dirs_in(tmp_path_factory)["target"]
     err = tmp_path / "stderr"
-    proc = _slowed_cli_child(["bench-serve", "--target", str(target), "--method", "prompt-lookup",
-                              "--concurrency", "2", "--requests", "40", "--max-tokens", "64"], err)
-    deadline = time.time() + 120
-    while "# generating" not in (err.read_text() if err.exists() else ""):  # the load is under way
-        assert time.time() < deadline and proc.is_alive(), err.read_text()[-2000:] if err.exists() else ""
-        time.sleep(0.1)
-    time.sleep(1.0)
-    os.kill(proc.pid, signal.SIGINT)
-    t0 = time.time()
-    proc.join(20)
+    path = os.pathsep.join(p for p in (str(Path(specdecode.__file__).parent.parent),
+                                       os.environ.get("PYTHONPATH")) if p)
+    with open(err, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", SLOWED_CLI, "bench-serve", "--target", str(target),
+                                 "--method", "prompt-lookup", "--concurrency", "2", "--requests", "40",
+                                 "--max-tokens", "64", "--threads", "1"],
+                                stderr=log, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
+    try:
+        deadline = time.time() + 120
+        while "# generating" not in err.read_text():  # the load is under way
+            assert time.time() < deadline and proc.poll() is None, err.read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.time()
+        code = proc.wait(20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     text = err.read_text()
-    assert proc.exitcode == 130, text[-2000:]
+    assert code == 130, text[-2000:]
     assert time.time() - t0 < 15
     assert "interrupted: the load stopped" in text and "Traceback" not in text
