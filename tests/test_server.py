@@ -1006,15 +1006,28 @@ def test_the_serve_command_as_the_readme_starts_it(tmp_path_factory):
         proc.wait(30)
 
 
+SLOWED_CLI = """
+import sys, time
+import specdecode.server.worker as worker_module
+from specdecode.cli import main
+real = worker_module.api.stream
+def slow(*args, **kwargs):  # ~20 tokens a second: each request takes seconds
+    for i, chunk in enumerate(real(*args, **kwargs)):
+        if i == 0:
+            print("# generating", file=sys.stderr, flush=True)
+        time.sleep(0.05)
+        yield chunk
+worker_module.api.stream = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _slowed_cli_child(argv: list[str], err: Path):
     """A forked child running `specdecode ARGV` with its stderr in the file ``err`` and its
     generation slowed to ~20 tokens a second (so that streams are in flight when a signal
     comes; the first piece generated writes "# generating" to ``err``); returns the started
     process."""
     import multiprocessing
-
-    from specdecode.cli import main
-    import specdecode.server.worker as worker_module
 
     def child():
         import signal
@@ -1025,19 +1038,8 @@ def _slowed_cli_child(argv: list[str], err: Path):
         fd = os.open(err, os.O_WRONLY | os.O_CREAT)
         os.dup2(fd, 2)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)  # (not pytest's capture)
-        real = worker_module.api.stream
-
-        def slow(*args, **kwargs):
-            for i, chunk in enumerate(real(*args, **kwargs)):
-                if i == 0:
-                    print("# generating", file=sys.stderr, flush=True)
-                time.sleep(0.05)
-                yield chunk
-
-        worker_module.api.stream = slow
-        code = main(argv)
-        sys.stderr.flush()
-        os._exit(code)
+        sys.argv = ["specdecode", *argv]
+        exec(SLOWED_CLI, {"__name__": "__slowed__"})  # (exits with the command's code)
 
     proc = multiprocessing.get_context("fork").Process(target=child)
     proc.start()
@@ -1103,22 +1105,6 @@ def test_a_second_signal_exits_at_once(tmp_path_factory, tmp_path):
     os.kill(proc.pid, signal.SIGINT)
     proc.join(10)
     assert proc.exitcode == 130 and "Traceback" not in err.read_text()
-
-
-SLOWED_CLI = """
-import sys, time
-import specdecode.server.worker as worker_module
-from specdecode.cli import main
-real = worker_module.api.stream
-def slow(*args, **kwargs):  # ~20 tokens a second: each request takes seconds
-    for i, chunk in enumerate(real(*args, **kwargs)):
-        if i == 0:
-            print("# generating", file=sys.stderr, flush=True)
-        time.sleep(0.05)
-        yield chunk
-worker_module.api.stream = slow
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def test_ctrl_c_stops_bench_serve_at_once_with_its_requests_in_flight(tmp_path_factory, tmp_path):
