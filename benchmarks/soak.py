@@ -121,10 +121,9 @@ def solo_key(job: Job) -> tuple:
     return job.prompt, job.chat, job.seed, job.max_tokens
 
 
-def solo_outputs(target: str, draft: str | None, prompts: list[str], jobs: list[Job]) -> dict:
-    """The text each (prompt, chat, seed, max_tokens) of ``jobs`` gets alone: plain decoding
-    through the library (seeded sampling at temperature 0.8)."""
-    del draft  # (plain decoding: the draft changes no output)
+def solo_outputs(target: str, prompts: list[str], jobs: list[Job]) -> dict:
+    """The text each (prompt, chat, seed, max_tokens) of ``jobs`` that is compared gets
+    alone: plain decoding through the library (seeded sampling at temperature 0.8)."""
     lm = specdecode.load(target)
     out = {}
     for key in sorted({solo_key(j) for j in jobs if j.bad is None and not j.disconnect},
@@ -335,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     # the methods are known only once the server runs; the solo outputs do not depend on them
     draw = make_jobs(args.requests, len(prompts), ["ar"], args.max_tokens, args.seed,
                      args.disconnect_share, args.bad_share)
-    print(f"# solo outputs of {len({solo_key(j) for j in draw if j.bad is None})} (prompt, sampling, "
-          "length) keys, through the library...", file=sys.stderr, flush=True)
-    solo = solo_outputs(args.target, args.draft, prompts, [
-        Job(j.prompt, j.chat, j.seed, j.stream, j.method, j.max_tokens, False, j.bad) for j in draw])
+    keys = {solo_key(j) for j in draw if j.bad is None and not j.disconnect}
+    print(f"# solo outputs of {len(keys)} (prompt, sampling, length) keys, through the library...",
+          file=sys.stderr, flush=True)
+    solo = solo_outputs(args.target, prompts, draw)
     print("# starting the server...", file=sys.stderr, flush=True)
     server = start_server(args, port)
     model, methods = served_methods(port)
