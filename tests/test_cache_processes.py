@@ -2,10 +2,10 @@
 with the same output, and a process killed (SIGKILL) at any moment of its first load leaves
 a cache the next run uses or rebuilds, never a wrong output.
 
-The first load of a GGUF target writes every artefact a model has: its config and tokenizer
-read from the file's metadata (``meta/``), its prepared q4 weights (``int8/``), whether the
-file holds Q4_K blocks (``int8/q4k-files.json``), and the target's forward-time profile (the
-hybrid's costs, ``profiles/``). The kernel library is copied in built: compiling it is the
+The first load of a GGUF target writes every artefact a model has: its config, tokenizer
+and tensor table read from the file's metadata (``meta/``), whether the file holds Q4_K
+blocks (``int8/q4k-files.json``), and the target's forward-time profile (the hybrid's costs,
+``profiles/``); its q4 weights are read from the file at each load, never cached. The kernel library is copied in built: compiling it is the
 one step a test cannot afford many times."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 
 import specdecode
 from specdecode.models import quant, registry
+from specdecode.models.gguf_file import TABLE_FILE as gguf_table
 from tiny_dirs import q4k_target_dir, write_tiny_gguf
 
 CHILD = """
@@ -82,7 +83,8 @@ def test_processes_started_together_on_an_empty_cache_all_succeed_alike(gguf_fil
     assert outputs[0] == alone
     # every artefact was written once, whole: no temporary file is left behind
     assert [p.name for p in cache.rglob("*") if p.name.startswith(".") or "partial" in p.name or "tmp" in p.name] == []
-    assert len(list((cache / "int8").glob("*-q4-*.safetensors"))) == 1
+    assert list((cache / "int8").glob("*.safetensors")) == []
+    assert len(list((cache / "meta").glob(f"*/{gguf_table}"))) == 1
     assert len(list((cache / "profiles").glob("*.json"))) >= 1
 
 

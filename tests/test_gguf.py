@@ -2,6 +2,9 @@
 transformers' own reading of the file, is converted a slice of rows at a time, keeps verify
 rows equal to one-token passes, and a damaged file is said as such."""
 
+import json
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -265,3 +268,47 @@ def test_torch_dequantization_is_the_gguf_packages_bit_for_bit(qtype):
     got = fn(torch.from_numpy(raw), torch.empty(48, 3 * 256))
     want = torch.from_numpy(gguf.quants.dequantize(raw, kind))
     assert torch.equal(got, want)
+
+
+def test_the_header_is_parsed_once_and_its_table_kept_for_later_loads(sources, tmp_path, monkeypatch):
+    """Writing a GGUF file's metadata parses its header once (transformers' config and
+    tokenizer readers get that parse), and keeps its tensor table and short fields in the
+    directory: a later process loads the model without parsing the header again; a file
+    changed since (another size or mtime) is parsed again; a directory written before
+    tables were gets one."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(sources["qwen2"], path)
+    real, parses = gguf.GGUFReader, []
+
+    def counting(p, *args, **kwargs):
+        parses.append(p)
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    meta = tmp_path / "meta"
+    gguf_file.write_metadata_dir(path, meta)
+    assert len(parses) == 1
+    assert gguf.GGUFReader is counting  # (the swap for transformers is undone)
+    parsed = gguf_file.open_file(path)
+    table = json.loads((meta / gguf_file.TABLE_FILE).read_text())
+    assert table["size"] == path.stat().st_size
+
+    monkeypatch.setattr(gguf_file, "_FILES", {})  # a later process
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("parsed the header again"))
+    again = gguf_file.of_directory(meta)
+    assert again.tensors == parsed.tensors and again.fields == parsed.fields and again.arch == parsed.arch
+    assert Transformer.from_pretrained(meta, dtype="int8").weight_format.startswith("int8")
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    assert len(parses) == 1  # (the model's weights were read with the table alone)
+
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    monkeypatch.setattr(gguf_file, "_FILES", {})
+    gguf_file.of_directory(meta)
+    assert len(parses) == 2
+    monkeypatch.setattr(gguf_file, "_FILES", {})
+    gguf_file.of_directory(meta)  # the table was written anew for the changed file
+    assert len(parses) == 2
+    (meta / gguf_file.TABLE_FILE).unlink()  # a directory of an earlier version
+    monkeypatch.setattr(gguf_file, "_FILES", {})
+    assert gguf_file.of_directory(meta).tensors == parsed.tensors
+    assert json.loads((meta / gguf_file.TABLE_FILE).read_text())["mtime_ns"] == path.stat().st_mtime_ns

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -467,6 +468,58 @@ def test_q4k_buffers_dequantize_as_gguf_does():
     assert torch.equal(_q4k_linear(32, 512, 3, bias=False).weight(), torch.from_numpy(want))
 
 
+def _conversion_libraries():
+    """Every kernel library this CPU can load (the VNNI one and the AVX2 one where both run):
+    each carries its own copy of the load-time conversions (cpu_convert.h)."""
+    libs = [lib for lib in (quant.vnni_kernel()[0], quant.avx2_library()) if lib is not None]
+    assert libs or "avx2" not in _cpu_flags()  # (a CPU without AVX2: no kernel, nothing to test)
+    return libs
+
+
+def _blocks_with_awkward_scales(qtype: str, rows: int, blocks: int, seed: int):
+    """Random rows of ``qtype`` blocks whose fp16 scales include zeros, subnormals and
+    normal values of both signs, and one all-zero row."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    choices = np.array([0.0, 3e-7, -2e-6, 6e-8, 1e-3, -0.02, 0.5], dtype=np.float16)  # 3e-7 etc.: subnormal
+    for at in ((0, 2) if qtype == "Q4_K" else (size - 2,)):
+        raw[..., at:at + 2] = rng.choice(choices, (rows, blocks))[..., None].view(np.uint8)
+    raw[3] = 0  # an all-zero row: scale 1, q 0
+    return kind, raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_kernels_int8_rows_are_quantize_rows_of_the_dequantized_rows(qtype):
+    """``sd_rows_int8`` (a model's Q4_K / Q6_K weights made int8 at load) gives the bits of
+    the PyTorch path: the gguf package's dequantization, then :func:`quant.quantize_rows`."""
+    kind, raw = _blocks_with_awkward_scales(qtype, 40, 3, seed=5)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32))
+    want_q, want_s = quant.quantize_rows(w)
+    for lib in _conversion_libraries():
+        q, s = torch.empty(40, 768, dtype=torch.int8), torch.empty(40)
+        assert lib.sd_rows_int8(int(kind), torch.from_numpy(raw).data_ptr(), 40, 3, q.data_ptr(), s.data_ptr()) == 0
+        assert torch.equal(s, want_s) and torch.equal(q, want_q)
+        assert lib.sd_rows_int8(int(gguf.GGMLQuantizationType.Q5_K), 0, 0, 0, 0, 0) == -1  # not its type
+
+
+def test_the_kernels_q4k_repack_is_the_blocks_rearranged():
+    """``sd_q4k_repack`` of every library gives buffers that dequantize to the gguf
+    package's weights (awkward scales included), and the same bytes from each library."""
+    kind, raw = _blocks_with_awkward_scales("Q4_K", 32, 2, seed=6)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+    got = []
+    for lib in _conversion_libraries():
+        out = {k: torch.empty(shape, dtype=dtype) for k, shape, dtype in (
+            ("qweight", (2, 16, 4, 16, 4), torch.uint8), ("d", (2, 2, 16), torch.int16),
+            ("dmin", (2, 2, 16), torch.int16), ("sc", (2, 16, 16), torch.uint8), ("mn", (2, 16, 16), torch.uint8))}
+        lib.sd_q4k_repack(torch.from_numpy(raw).data_ptr(), 32, 2, *(out[k].data_ptr() for k in quant.Q4K_BUFFERS))
+        assert torch.equal(quant.q4k_dequantize(out), want)
+        got.append(out)
+    assert all(torch.equal(o[k], got[0][k]) for o in got for k in quant.Q4K_BUFFERS)
+
+
 @pytest.mark.parametrize("shape", [(48, 256), (256, 768)])
 def test_q4k_linear_equals_its_reference_and_rows_are_independent(shape):
     """The kernel against the arithmetic it documents (exact int32 sums per group of 32,
@@ -563,6 +616,25 @@ def test_q4_target_keeps_the_gguf_blocks_and_its_verify_rows_equal_one_token_pas
     plain = specdecode.generate(m, "def add(a, b):", method="ar", max_new_tokens=40)
     spec = specdecode.generate(m, "def add(a, b):", method="prompt-lookup", max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
+
+
+def test_a_q4_state_is_made_from_the_file_at_each_load_never_copied(q4_gguf, tmp_path, monkeypatch):
+    """dtype q4 reads the file's blocks at each load: nothing of the weights goes to the
+    cache, a q4 copy an earlier version cached is deleted (its disk space freed), and the
+    loads give the same bits."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    if q4k_refused(lambda: load(q4_gguf, dtype="q4")):
+        return
+    first = load(q4_gguf, dtype="q4", tokenizer=False).lm.state_dict()
+    int8 = tmp_path / "cache" / "int8"
+    assert list(int8.glob("*.safetensors")) == []
+    ident = [quant.FORMAT_VERSION, quant.best_layout("target"), True, str(q4_gguf.resolve()),
+             q4_gguf.stat().st_size, q4_gguf.stat().st_mtime_ns]
+    stale = int8 / f"{q4_gguf.stem}-q4-{quant.hashlib.sha256(repr(ident).encode()).hexdigest()[:16]}.safetensors"
+    save_file({"x": torch.zeros(1)}, stale)  # what an earlier version would read (not a state)
+    again = load(q4_gguf, dtype="q4", tokenizer=False).lm.state_dict()
+    assert not stale.exists()
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
 def test_q4_refuses_what_it_cannot_load(q4_gguf, tmp_path, monkeypatch):

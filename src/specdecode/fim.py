@@ -76,7 +76,7 @@ def fim_tokens(target: LoadedModel) -> FIMTokens | None:
     ids: dict[str, int | None] = dict.fromkeys(FIM_TEXTS)
     source = gguf_file.source_of(target.path) if target.path is not None else None
     if source is not None and source.is_file():
-        f = gguf_file.open_file(source)
+        f = gguf_file.of_directory(target.path)
         for role in ids:
             value = f.field(GGUF_KEYS.get(role, f"tokenizer.ggml.fim_{role}_token_id"))
             ids[role] = int(value) if isinstance(value, int) else None

@@ -956,4 +956,5 @@ inline void int8_linear_x(const float* in, int64_t m, int64_t k, const int64_t* 
 
 }  // namespace
 
+#include "cpu_convert.h"
 #include "cpu_layers.h"

@@ -6,12 +6,13 @@ small directory. No float copy of the model is ever held. Format: ggml's GGUF sp
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ T = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K,
                    T.Q6_K)
 SOURCE_FILE = "gguf_source.json"  # names the GGUF file a metadata directory was written from
+TABLE_FILE = "gguf_table.json"  # its header's tensor table and short fields (GGUFFile.table)
 
 
 class GGUFError(ValueError):
@@ -206,30 +208,31 @@ class GGUFFile:
     """A GGUF file's header and tensor table, checked.
 
     ``tensors``: the table, by GGUF name; ``fields``: the metadata values but the long
-    arrays (the tokenizer's lists: transformers reads those). The gguf package's reader is
-    dropped once read (it holds about 0.5 GB of objects for a 152k-token vocabulary).
+    arrays (the tokenizer's lists: transformers reads those). Read from ``reader`` (the gguf
+    package's, already parsed), else from ``table`` (:meth:`table`'s copy of this file's
+    header), else parsed here; the reader is dropped once read (it holds about 0.5 GB of
+    objects for a 152k-token vocabulary).
     Raises GGUFError naming the file and what is wrong: not a GGUF file, a damaged header, a
     tensor that lies past the end of the file (a truncated download), or (when a tensor is
     asked for) a tensor type that is not read here, naming the type, the tensor and what to
     do.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, reader: gguf.GGUFReader | None = None,
+                 table: dict | None = None):
         self.path = Path(path).expanduser().resolve()
-        try:
-            reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:  # noqa: BLE001 - any parse failure of untrusted input is said as one
-            with open(self.path, "rb") as fh:
-                what = "truncated or damaged" if fh.read(4) == b"GGUF" else "not a GGUF file"
-            raise GGUFError(f"{self.path} is not a readable GGUF file: {what} ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200] if str(e) else 'bad header'}); "
-                             "download it again, or check that it is a GGUF model file") from None
         size = self.path.stat().st_size
-        self.tensors = {t.name: TensorInfo(t.name, t.tensor_type, torch.Size([int(x) for x in reversed(
-            t.shape.tolist())]), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
-        self.fields = {k: f.contents() for k, f in reader.fields.items()
-                       if not (f.types and f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > 1024)}
-        del reader
+        if table is not None:  # a copy of this header (TABLE_FILE), checked when written
+            self.tensors = {name: TensorInfo(name, T(kind), torch.Size(shape), offset, nbytes)
+                            for name, kind, shape, offset, nbytes in table["tensors"]}
+            self.fields = table["fields"]
+        else:
+            reader = reader or read_header(self.path)
+            self.tensors = {t.name: TensorInfo(t.name, t.tensor_type, torch.Size([int(x) for x in reversed(
+                t.shape.tolist())]), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+            self.fields = {k: f.contents() for k, f in reader.fields.items()
+                           if not (f.types and f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > 1024)}
+            del reader
         for t in self.tensors.values():
             if t.offset + t.nbytes > size:
                 raise GGUFError(f"{self.path} is truncated: tensor {t.name} ends at byte "
@@ -237,6 +240,14 @@ class GGUFFile:
         self.arch = self.field("general.architecture")
         if not isinstance(self.arch, str):
             raise GGUFError(f"{self.path} has no general.architecture: not a model file")
+
+    def table(self) -> dict:
+        """This header as JSON values (the tensor table and the short fields) with the file's
+        size and mtime, for :data:`TABLE_FILE`."""
+        st = self.path.stat()
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "fields": self.fields,
+                "tensors": [[t.name, int(t.type), list(t.shape), t.offset, t.nbytes]
+                            for t in self.tensors.values()]}
 
     def field(self, key: str, default=None):
         """A metadata value (str, int, float, short list), or ``default`` when absent."""
@@ -284,18 +295,104 @@ class GGUFFile:
         return counts
 
 
-def open_file(path: str | os.PathLike) -> GGUFFile:
+def read_header(path: Path) -> gguf.GGUFReader:
+    """The gguf package's reader of ``path`` (its header parsed: seconds for a large
+    vocabulary), or GGUFError saying that the file is not a GGUF file or is damaged."""
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure of untrusted input is said as one
+        with open(path, "rb") as fh:
+            what = "truncated or damaged" if fh.read(4) == b"GGUF" else "not a GGUF file"
+        raise GGUFError(f"{path} is not a readable GGUF file: {what} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else 'bad header'}); "
+                         "download it again, or check that it is a GGUF model file") from None
+
+
+_FILES: dict[tuple, GGUFFile] = {}  # open_file's, by (path, size, mtime)
+
+
+def open_file(path: str | os.PathLike, table: Path | None = None) -> GGUFFile:
     """:class:`GGUFFile` of ``path``, read once per process and file version (path, size,
-    mtime): the header takes seconds to parse for a large vocabulary, and a first load reads
-    it for several steps. Raises as :class:`GGUFFile` does."""
+    mtime): the header takes seconds to parse for a large vocabulary. ``table``: a
+    :data:`TABLE_FILE` (a metadata directory's), read instead of the header when it is of
+    this version of the file; else the header is parsed and the table (re)written there, if
+    it can be (a directory written by an earlier version, or a file changed since). Raises
+    as :class:`GGUFFile` does."""
     p = Path(path).expanduser().resolve()
     st = p.stat()
-    return _open(str(p), st.st_size, st.st_mtime_ns)
+    key = (str(p), st.st_size, st.st_mtime_ns)
+    if key not in _FILES:
+        copy = None
+        try:
+            copy = json.loads(table.read_text()) if table is not None else None
+            if (copy["size"], copy["mtime_ns"]) != key[1:]:
+                copy = None
+        except (OSError, ValueError, KeyError, TypeError):
+            copy = None
+        if len(_FILES) >= 8:
+            _FILES.pop(next(iter(_FILES)))
+        _FILES[key] = f = GGUFFile(p, table=copy)
+        if table is not None and copy is None:  # none yet, or of another version of the file
+            with contextlib.suppress(OSError, TypeError, ValueError):
+                tmp = table.with_name(f".{table.name}.{os.getpid()}")
+                tmp.write_text(json.dumps(f.table()))
+                os.replace(tmp, table)
+    return _FILES[key]
 
 
-@functools.lru_cache(maxsize=8)
-def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(path)
+def of_directory(directory: Path) -> GGUFFile | None:
+    """The :class:`GGUFFile` a metadata directory (:func:`write_metadata_dir`) stands for,
+    read from its :data:`TABLE_FILE` (no header parse) where it has one; None for a
+    directory of another kind."""
+    source = source_of(directory)
+    return None if source is None else open_file(source, Path(directory) / TABLE_FILE)
+
+
+def prefetch(path: Path) -> None:
+    """Ask the kernel to read the file ``path`` into the page cache, in a background thread
+    (``posix_fadvise`` WILLNEED, 64 MiB at a time), so that the disk works while this process
+    parses the header; skipped where the file would take more than half the memory
+    available, or where the platform has no ``posix_fadvise``."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        size = path.stat().st_size
+        available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    if size > available // 2:
+        return
+
+    def read_ahead():
+        with contextlib.suppress(OSError), open(path, "rb") as fh:
+            for at in range(0, size, 64 << 20):
+                os.posix_fadvise(fh.fileno(), at, 64 << 20, os.POSIX_FADV_WILLNEED)
+
+    threading.Thread(target=read_ahead, name="gguf-prefetch", daemon=True).start()
+
+
+_READER_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_parse(path: Path, reader: gguf.GGUFReader):
+    """Within this block the gguf package's reader of ``path`` is ``reader``: transformers'
+    GGUF loader, which builds its own reader for the config and again for the tokenizer,
+    reads the header parsed once (each parse takes seconds for a large vocabulary)."""
+    with _READER_SWAP:
+        real = gguf.GGUFReader
+
+        def reader_of(p, *args, **kwargs):
+            if not args and not kwargs and Path(p).expanduser().resolve() == path:
+                return reader
+            return real(p, *args, **kwargs)
+
+        gguf.GGUFReader = reader_of
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real
 
 
 def file_key(path: Path) -> str:
@@ -315,13 +412,20 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
     architecture or tokenizer it does not know)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    f = open_file(path)  # a damaged or truncated file is said as such, before transformers reads it
+    path = Path(path).expanduser().resolve()
+    prefetch(path)  # the weights are read next: from the disk meanwhile
+    reader = read_header(path)  # a damaged file is said as such, before transformers reads it
+    f = GGUFFile(path, reader)
+    st = path.stat()
+    _FILES[(str(path), st.st_size, st.st_mtime_ns)] = f
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         try:
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            with _one_parse(path, reader):
+                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            del reader
         except Exception as e:  # noqa: BLE001 - re-raised with the file and what to do
             raise ValueError(f"{path}: transformers cannot read this GGUF file's metadata "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); try --backend "
@@ -332,6 +436,8 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         where = os.path.relpath(path, out) if relative else str(Path(path).resolve())
+        with contextlib.suppress(TypeError, ValueError):  # (a field JSON cannot hold: no table)
+            (tmp / TABLE_FILE).write_text(json.dumps(f.table()))
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": where}))
         for p in (tmp, *tmp.iterdir()):  # mkdtemp creates owner-only directories
             p.chmod(0o755 if p.is_dir() else 0o644)

@@ -459,7 +459,7 @@ def checkpoint_tensor(model: LoadedModel, name: str) -> torch.Tensor:
     source = gguf_file.source_of(model.path) if model.path else None
     if source is not None:
         config = read_json(Path(model.path) / "config.json")
-        for _, t in gguf_file.open_file(source).weights(wanted, config["num_hidden_layers"], 1, 1):
+        for _, t in gguf_file.of_directory(model.path).weights(wanted, config["num_hidden_layers"], 1, 1):
             return t.float()
     files = sorted(Path(model.path).glob("*.safetensors")) if model.path else []
     for want in wanted:

@@ -993,8 +993,8 @@ class Transformer(CacheRows, nn.Module):
             names = list(model.state_dict())
             sources, label = [source], source.stem
 
-            def weights():  # (the header is read only when the cached state lacks: seconds)
-                return gguf_file.open_file(source).weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
+            def weights():  # (the header's copy in the directory: no parse)
+                return gguf_file.of_directory(path).weights(names, args.n_layers, args.n_heads, args.n_kv_heads)
         else:
             sources, label = sorted(path.glob("*.safetensors")), path.name
             if not sources:
@@ -1007,6 +1007,8 @@ class Transformer(CacheRows, nn.Module):
                              "(or a known model); this directory has safetensors weights")
         if dtype in ("q4", "int4"):
             quant.require_q4k(f"dtype {dtype}")
+        if dtype == "q4":
+            gguf_file.prefetch(source)  # (read from the file at each load)
         if dtype in ("int8", "q4", "int4"):
             layout = layout or quant.best_layout("target")
             if layout not in quant.LAYOUTS:

@@ -48,6 +48,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm import tqdm
 
 from . import gguf_file, registry
 
@@ -102,6 +103,7 @@ def vnni_kernel() -> tuple[ctypes.CDLL | None, str]:
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
     _layer_argtypes(lib, "sd_layers")
+    _convert_argtypes(lib)
     lib.sd_int8_linear_bf16.argtypes = [P, I, I, P, P, P, I, P]
     lib.sd_int8_linear_bf16.restype = None
     lib.sd_q4k_linear_bf16.argtypes = [P, I, I, I, P, P, P, P, P, P, I, P]
@@ -158,7 +160,17 @@ def avx2_library() -> ctypes.CDLL | None:
     lib.sd_silu_mul.argtypes = [P, P, I, P]
     lib.sd_silu_mul.restype = None
     _layer_argtypes(lib, "sd_layers")
+    _convert_argtypes(lib)
     return lib
+
+
+def _convert_argtypes(lib: ctypes.CDLL) -> None:
+    """Declare a kernel's load-time conversions of GGUF blocks (``cpu_convert.h``)."""
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.sd_q4k_repack.argtypes = [P, I, I, P, P, P, P, P]
+    lib.sd_q4k_repack.restype = None
+    lib.sd_rows_int8.argtypes = [ctypes.c_int, P, I, I, P, P]
+    lib.sd_rows_int8.restype = ctypes.c_int
 
 
 def _layer_argtypes(lib: ctypes.CDLL, stack: str) -> None:
@@ -605,12 +617,10 @@ def q4k_fits(in_features: int, out_features: int) -> bool:
     return in_features % 256 == 0 and out_features % 16 == 0
 
 
-_NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of an int32
-
-
 def q4k_buffers(raw, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A :class:`Q4KLinear`'s buffers (without bias) from the rows of a GGUF Q4_K tensor, the
-    same blocks rearranged (:func:`_q4k_pack`'s layout), byte for byte from the file's bytes.
+    same blocks rearranged (:func:`_q4k_pack`'s layout), byte for byte from the file's bytes,
+    by the kernel library (``sd_q4k_repack`` in ``cpu_convert.h``, on all threads).
 
     Args:
         raw: uint8 [out, in / 256 * 144] (144-byte ``block_q4_K`` per 256 inputs), numpy or
@@ -620,30 +630,41 @@ def q4k_buffers(raw, out: dict[str, torch.Tensor] | None = None) -> dict[str, to
 
     Returns:
         ``qweight``, ``d``, ``dmin``, ``sc``, ``mn`` as :class:`Q4KLinear` holds them.
+
+    Raises:
+        ValueError: neither kernel library is in use (:func:`require_q4k`).
     """
-    raw = torch.as_tensor(raw)
+    lib = require_q4k("Q4_K weights")
+    raw = torch.as_tensor(raw).contiguous()
     n, nb = raw.shape[0], raw.shape[1] // 144
     if out is None:
         out = {k: torch.empty(shape, dtype=dtype) for k, shape, dtype in (
             ("qweight", (n // 16, nb * 8, 4, 16, 4), torch.uint8),
             ("d", (n // 16, nb, 16), torch.int16), ("dmin", (n // 16, nb, 16), torch.int16),
             ("sc", (n // 16, nb * 8, 16), torch.uint8), ("mn", (n // 16, nb * 8, 16), torch.uint8))}
-    b = raw.view(n // 16, 16, nb, 144)  # [block of rows, row, superblock, byte]
-    for k, at in (("d", 0), ("dmin", 2)):
-        out[k].permute(0, 2, 1).copy_(b[..., at:at + 2].view(torch.int16).squeeze(-1))
-    for k, v in zip(("sc", "mn"), gguf_file.q4k_scale_min(b[..., 4:16])):
-        out[k].view(n // 16, nb, 8, 16).permute(0, 3, 1, 2).copy_(v)
-    # a superblock's 128 bytes: 4 x 32, byte j of the i-th holding inputs 64i + j (low nibble)
-    # and 64i + 32 + j (high); a qweight byte of group g holds its inputs 8c + e (low nibble)
-    # and 8c + 4 + e (high), c, e in 0..3: from bytes 8c + e and 8c + 4 + e, the same nibble.
-    # The four bytes e = 0..3 move together, as one int32.
-    qs = b[..., 16:].view(torch.int32).view(n // 16, 16, nb, 4, 4, 2)  # [.., row, superblock, i, c, half]
-    lo, hi = qs[..., 0], qs[..., 1]
-    q = out["qweight"].view(torch.int32).view(n // 16, nb, 4, 2, 4, 16).permute(0, 5, 1, 2, 3, 4)
-    low, high = q[..., 0, :], q[..., 1, :]  # groups 8s + 2i (the low nibbles), 8s + 2i + 1
-    torch.bitwise_and(lo, _NIBBLES, out=low).bitwise_or_((hi << 4) & ~_NIBBLES)
-    torch.bitwise_right_shift(lo, 4, out=high).bitwise_and_(_NIBBLES).bitwise_or_(hi & ~_NIBBLES)
+    lib.sd_q4k_repack(raw.data_ptr(), n, nb, *(out[k].data_ptr() for k in Q4K_BUFFERS))
     return out
+
+
+def _int8_rows(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [rows, in], scale fp32 [rows]) of a weight by :func:`quantize_rows`, a slice
+    at a time (:func:`_by_slices`); a GGUF tensor of Q4_K or Q6_K blocks straight from its
+    bytes by the kernel library (``sd_rows_int8``: the same bits, several times faster)
+    where one is in use."""
+    lib, kind = q4k_kernel()[0], getattr(t, "type", None)
+    if lib is None or kind not in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        return tuple(_by_slices(t, lambda w, out: dict(zip("qs", quantize_rows(
+            w, out and (out["q"], out["s"]))))).values())
+    k = t.shape[1]
+
+    def convert(raw, out):
+        raw = torch.from_numpy(raw)
+        out = out or {"q": torch.empty(raw.shape[0], k, dtype=torch.int8), "s": torch.empty(raw.shape[0])}
+        lib.sd_rows_int8(int(kind), raw.data_ptr(), raw.shape[0], k // 256, out["q"].data_ptr(),
+                         out["s"].data_ptr())
+        return out
+
+    return tuple(_by_slices(t, convert, raw=True).values())
 
 
 def _q4k_pack(q, d, dmin, sc, mn) -> dict[str, torch.Tensor]:
@@ -827,8 +848,7 @@ def quantize_state(tensors: Iterable[tuple[str, object]], layout: str, tie_embed
         elif blocks is not None:
             state.update({f"{base}.{k}": v for k, v in blocks.items()})
             continue
-        q, state[base + ".wscale"] = _by_slices(t, lambda w, out: dict(zip("qs", quantize_rows(
-            w, out and (out["q"], out["s"]))))).values()
+        q, state[base + ".wscale"] = _int8_rows(t)
         state[base + ".qweight"] = q if embedding else pack(q, layout_for(layout, *reversed(q.shape)))
     if tied_blocks is not None:
         state.update({f"lm_head.{k}": v for k, v in tied_blocks.items()})
@@ -855,18 +875,20 @@ def safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
 def int8_state(sources: list[Path], weights, layout: str, tie_embeddings: bool, label: str,
                kind: str = "int8", progress: bool = True, rebuild: bool = False) -> dict[str, torch.Tensor]:
     """:func:`quantize_state` of ``weights()`` ((name, weight) pairs: torch tensors, or lazily
-    read GGUF tensors), cached on disk.
+    read GGUF tensors), one tensor at a time (no float copy of the model).
 
-    kind: "int8", "q4" (a GGUF file's Q4_K blocks kept, the rest int8) or "int4". The first
-    call converts one tensor at a time (no float copy of the model) and writes
-    ``<specdecode cache>/int8/<label>-<kind>-<key>.safetensors`` (key: the ``sources``
-    files' paths, sizes and mtimes, the layout, the tying, FORMAT_VERSION); later calls read
-    it (about 1 byte per parameter, 0.6 with Q4_K). A cache file that cannot be read is
-    rebuilt, as is any with ``rebuild`` (the loader's answer to a cached file that does
-    not fit the model); one that cannot be written is skipped with a note on stderr; a
+    kind: "int8", "q4" (a GGUF file's Q4_K blocks kept, the rest int8) or "int4". A q4
+    state is made from the file at each load (its Q4_K blocks are only rearranged: seconds,
+    and a copy would double the model's disk space). An int8 or int4 state is made once and
+    cached in ``<specdecode cache>/int8/<label>-<kind>-<key>.safetensors`` (key: the
+    ``sources`` files' paths, sizes and mtimes, the layout, the tying, FORMAT_VERSION;
+    about 1 byte per parameter); later calls read it. A cache file that cannot be read is
+    rebuilt, as is any with ``rebuild`` (the loader's answer to a cached file that does not
+    fit the model); one that cannot be written is skipped with a note on stderr; a
     concurrent writer of the same file is harmless (each writes its own temp file and
-    renames it). Raises SafetensorError/OSError for unreadable source files, ValueError for
-    a GGUF tensor of a type not read here.
+    renames it). ``progress``: a bar on stderr when the work takes more than a few seconds.
+    Raises SafetensorError/OSError for unreadable source files, ValueError for a GGUF tensor
+    of a type not read here.
     """
     if kind not in ("int8", "q4", "int4"):
         raise ValueError(f"kind {kind!r} is not one of int8, q4, int4")
@@ -876,16 +898,25 @@ def int8_state(sources: list[Path], weights, layout: str, tie_embeddings: bool, 
         ident += [str(f.resolve()), st.st_size, st.st_mtime_ns]
     key = hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
     path = _int8_dir() / f"{label}-{kind}-{key}.safetensors"
-    if rebuild:
-        path.unlink(missing_ok=True)
+
+    def prepared():
+        bar = tqdm(weights(), desc=f"reading {label}'s weights" if kind == "q4" else
+                   f"preparing {label} as {kind} weights (once; cached in {path.parent})",
+                   unit=" tensors", delay=3, leave=False, disable=not progress)
+        with bar:
+            return quantize_state(bar, layout, tie_embeddings, keep_q4k=kind == "q4", int4=kind == "int4")
+
+    if rebuild or kind == "q4":  # (a q4 state cached by an earlier version: its space freed)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+    if kind == "q4":
+        return prepared()
     if path.is_file():
         try:
             return load_file(path)
         except (SafetensorError, OSError):
             path.unlink(missing_ok=True)
-    if progress:
-        print(f"preparing {label} as {kind} weights (once; cached in {path.parent})...", file=sys.stderr)
-    state = quantize_state(weights(), layout, tie_embeddings, keep_q4k=kind == "q4", int4=kind == "int4")
+    state = prepared()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
