@@ -312,3 +312,49 @@ def test_the_header_is_parsed_once_and_its_table_kept_for_later_loads(sources, t
     monkeypatch.setattr(gguf_file, "_FILES", {})
     assert gguf_file.of_directory(meta).tensors == parsed.tensors
     assert json.loads((meta / gguf_file.TABLE_FILE).read_text())["mtime_ns"] == path.stat().st_mtime_ns
+
+
+def test_prefetch_reads_the_file_in_a_thread_unless_memory_is_short(tmp_path, monkeypatch):
+    """While a first load parses the header, a thread reads the file (into the page cache);
+    a file larger than half the memory available is left alone."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(os.urandom(40 << 20))
+    started, read = [], []
+    real_open = open
+
+    class Recorded:
+        def __init__(self, target, name, daemon):
+            started.append((name, daemon))
+            self.target = target
+
+        def start(self):
+            self.target()
+
+    class Counted:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def fileno(self):
+            return self.fh.fileno()
+
+        def readinto(self, b):
+            read.append(self.fh.readinto(b))
+            return read[-1]
+
+    def recording_open(p, *args, **kwargs):
+        fh = real_open(p, *args, **kwargs)
+        return Counted(fh) if str(p) == str(path) else fh
+
+    monkeypatch.setattr(gguf_file.threading, "Thread", Recorded)
+    monkeypatch.setattr("builtins.open", recording_open)
+    gguf_file.prefetch(path)
+    assert started == [("gguf-prefetch", True)] and sum(read) == 40 << 20
+    monkeypatch.setattr(gguf_file.Path, "read_text", lambda self, *a, **k: "MemAvailable: 60000 kB\n")
+    gguf_file.prefetch(path)
+    assert len(started) == 1  # 40 MiB > half of ~58 MiB: not read

@@ -349,10 +349,11 @@ def of_directory(directory: Path) -> GGUFFile | None:
 
 
 def prefetch(path: Path) -> None:
-    """Ask the kernel to read the file ``path`` into the page cache, in a background thread
-    (``posix_fadvise`` WILLNEED, 64 MiB at a time), so that the disk works while this process
-    parses the header; skipped where the file would take more than half the memory
-    available, or where the platform has no ``posix_fadvise``."""
+    """Read the file ``path`` into the page cache in a background thread, 16 MiB at a time
+    into one buffer, so that the disk works while this process parses the header (the
+    kernel's WILLNEED hint alone read a tenth of a 4.7 GB file in that time). Skipped where
+    the file would take more than half the memory available, or where the platform has no
+    ``posix_fadvise``."""
     if not hasattr(os, "posix_fadvise"):
         return
     try:
@@ -365,9 +366,11 @@ def prefetch(path: Path) -> None:
         return
 
     def read_ahead():
-        with contextlib.suppress(OSError), open(path, "rb") as fh:
-            for at in range(0, size, 64 << 20):
-                os.posix_fadvise(fh.fileno(), at, 64 << 20, os.POSIX_FADV_WILLNEED)
+        buf = bytearray(16 << 20)
+        with contextlib.suppress(OSError), open(path, "rb", buffering=0) as fh:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while fh.readinto(buf):
+                pass
 
     threading.Thread(target=read_ahead, name="gguf-prefetch", daemon=True).start()
 

@@ -1007,8 +1007,6 @@ class Transformer(CacheRows, nn.Module):
                              "(or a known model); this directory has safetensors weights")
         if dtype in ("q4", "int4"):
             quant.require_q4k(f"dtype {dtype}")
-        if dtype == "q4":
-            gguf_file.prefetch(source)  # (read from the file at each load)
         if dtype in ("int8", "q4", "int4"):
             layout = layout or quant.best_layout("target")
             if layout not in quant.LAYOUTS:
