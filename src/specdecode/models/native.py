@@ -970,7 +970,8 @@ class Transformer(CacheRows, nn.Module):
         ``quant.best_layout("target")``: "vnni" on CPUs with AVX512-VNNI, else "kn"); it
         changes speed only, not a bit of the output. dtype "q4" (a GGUF file only): the
         same, except that every weight the file holds as Q4_K stays those blocks
-        (:class:`~specdecode.models.quant.Q4KLinear`); its other weights become int8.
+        (:class:`~specdecode.models.quant.Q4KLinear`) and its other weights become int8,
+        read from the file at each load (seconds; not cached).
         dtype "int4": every linear as Q4_K blocks quantized here
         (:func:`~specdecode.models.quant.q4k_quantize`), the embedding table int8: a cheaper
         draft, or a target whose output is its own plain decoding. Both need a Q4_K kernel
