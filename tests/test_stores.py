@@ -119,13 +119,34 @@ def test_draft_auto_picks_the_smallest_draft_that_pays(ollama, tmp_path, tmp_pat
     assert pick.name is None and "--method self" in pick.why
 
 
+def test_draft_auto_finds_a_draft_beside_the_target_file(tmp_path, tmp_path_factory, monkeypatch):
+    """A user's folder of GGUF files: the draft beside the target's file is found (it is in
+    no store), the target itself never."""
+    from specdecode.models.auto_draft import pick_draft
+
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama"))  # empty stores
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub"))
+    dirs = tiny_dirs_in(tmp_path_factory)
+    folder = tmp_path / "my-models"
+    folder.mkdir()
+    write_tiny_gguf(dirs["target"], folder / "big.gguf")
+    write_tiny_gguf(dirs["target"], folder / "small.gguf")
+    target = specdecode.load(folder / "big.gguf")
+    size = (folder / "small.gguf").stat().st_size
+    pick = pick_draft(target, target_bytes=2 * size)
+    assert (pick.name, pick.mode) == (str(folder / "small.gguf"), "same"), pick
+    pick = pick_draft(target, target_bytes=2 * size - 1)  # nothing at most half the target's size
+    assert pick.name is None and "the target file's folder" in pick.why
+
+
 def test_generate_with_draft_auto_and_no_draft_here_speculates_with_self(ollama, tmp_path_factory, capsys):
     target = tiny_dirs_in(tmp_path_factory)["target"]
     code = main(["generate", "--target", str(target), "--draft", "auto", "--prompt", PROMPT,
                  "--max-new-tokens", "12", "--json", "--compare"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "draft auto: no model on this machine is a draft for this target" in err
+    assert "draft auto: no model found (known models, ollama's store, the Hugging Face cache, the " \
+        "target file's folder) is a draft for this target" in err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["identical"] is True and result["weights"]["draft"] is None
     assert "[self] 12 tokens" in err

@@ -1,7 +1,8 @@
 """``--draft auto``: the draft for a target, picked from the models on this machine.
 
 The smallest model available locally (a fetched known model, an ollama model, a GGUF file or a
-model directory of the Hugging Face hub cache: :mod:`.stores`) that shares the target's
+model directory of the Hugging Face hub cache: :mod:`.stores`; a GGUF file beside the
+target's) that shares the target's
 tokenizer (:func:`~specdecode.tokenmap.pair_mode` "same": the same ids for the same token
 texts and the same special tokens; padded embedding rows allowed), else the smallest of
 another tokenizer whose proposals can go through text ("cross"), else none (the caller
@@ -41,12 +42,15 @@ def model_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
 
 
-def candidates() -> list[tuple[str, int]]:
-    """(name, bytes) of every model on this machine, smallest first."""
+def candidates(beside: Path | None = None) -> list[tuple[str, int]]:
+    """(name, bytes) of every model on this machine (:mod:`.stores`), and the GGUF files in
+    the folder ``beside`` (a target file's: where its user keeps models), smallest first."""
     found = [(name, registry.gguf_path(name).stat().st_size) for name in registry.KNOWN_MODELS
              if registry.is_present(name)]
     found += [(m.name, m.size) for m in stores.ollama_models() + stores.hub_cache_models()]
-    return sorted(found, key=lambda x: x[1])
+    if beside is not None:
+        found += [(str(f), f.stat().st_size) for f in sorted(beside.glob("*.gguf")) if f.is_file()]
+    return sorted(dict(found).items(), key=lambda x: x[1])
 
 
 def pick_draft(target, target_bytes: int | None = None) -> DraftPick:
@@ -55,9 +59,10 @@ def pick_draft(target, target_bytes: int | None = None) -> DraftPick:
     the target's size (default: from its path)."""
     size = target_bytes if target_bytes is not None else model_bytes(Path(target.path))
     own = {str(target.path), str(target.name)}
+    source = gguf_file.source_of(Path(target.path)) if target.path is not None else None
     cross = None
     tried = 0
-    for name, nbytes in candidates():
+    for name, nbytes in candidates(source.parent if source is not None else None):
         if nbytes * 2 > size or tried >= MAX_TRIED:
             break
         try:
@@ -75,6 +80,7 @@ def pick_draft(target, target_bytes: int | None = None) -> DraftPick:
         cross = cross or DraftPick(name, mode, f"{name}: no model here shares the target's "
                                                f"tokenizer; the smallest of another one ({share}), "
                                                "its proposals through text")
-    return cross or DraftPick(None, None, "no model on this machine is a draft for this target (at "
-                                          "most half its size, a tokenizer that pairs); speculating "
-                                          "with the target's own layers (--method self)")
+    return cross or DraftPick(None, None, "no model found (known models, ollama's store, the Hugging "
+                                          "Face cache, the target file's folder) is a draft for this "
+                                          "target (at most half its size, a tokenizer that pairs); "
+                                          "speculating with the target's own layers (--method self)")
