@@ -658,7 +658,7 @@ def _int8_rows(t) -> tuple[torch.Tensor, torch.Tensor]:
     k = t.shape[1]
 
     def convert(raw, out):
-        raw = torch.from_numpy(raw)
+        raw = torch.from_numpy(raw).contiguous()
         out = out or {"q": torch.empty(raw.shape[0], k, dtype=torch.int8), "s": torch.empty(raw.shape[0])}
         lib.sd_rows_int8(int(kind), raw.data_ptr(), raw.shape[0], k // 256, out["q"].data_ptr(),
                          out["s"].data_ptr())
