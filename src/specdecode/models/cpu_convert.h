@@ -14,7 +14,6 @@
 #pragma once
 
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 

@@ -308,7 +308,29 @@ def read_header(path: Path) -> gguf.GGUFReader:
                          "download it again, or check that it is a GGUF model file") from None
 
 
-_FILES: dict[tuple, GGUFFile] = {}  # open_file's, by (path, size, mtime)
+_FILES: dict[tuple, GGUFFile] = {}  # open_file's, by _version(path)
+
+
+def _version(path: Path) -> tuple:
+    """(path, size, mtime_ns) of a resolved path: a GGUFFile is kept per file version."""
+    st = path.stat()
+    return str(path), st.st_size, st.st_mtime_ns
+
+
+def _remember(f: GGUFFile) -> None:
+    """Keep ``f`` for :func:`open_file` (at most 8 files, the oldest dropped)."""
+    if len(_FILES) >= 8:
+        _FILES.pop(next(iter(_FILES)))
+    _FILES[_version(f.path)] = f
+
+
+def _save_table(f: GGUFFile, table: Path) -> None:
+    """Write ``f``'s :data:`TABLE_FILE` at ``table`` (a temp file renamed into place), if it
+    can be: a field JSON cannot hold, or a directory that cannot be written, leaves none."""
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        tmp = table.with_name(f".{table.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(f.table()))
+        os.replace(tmp, table)
 
 
 def open_file(path: str | os.PathLike, table: Path | None = None) -> GGUFFile:
@@ -318,9 +340,7 @@ def open_file(path: str | os.PathLike, table: Path | None = None) -> GGUFFile:
     this version of the file; else the header is parsed and the table (re)written there, if
     it can be (a directory written by an earlier version, or a file changed since). Raises
     as :class:`GGUFFile` does."""
-    p = Path(path).expanduser().resolve()
-    st = p.stat()
-    key = (str(p), st.st_size, st.st_mtime_ns)
+    key = _version(Path(path).expanduser().resolve())
     if key not in _FILES:
         copy = None
         try:
@@ -329,14 +349,10 @@ def open_file(path: str | os.PathLike, table: Path | None = None) -> GGUFFile:
                 copy = None
         except (OSError, ValueError, KeyError, TypeError):
             copy = None
-        if len(_FILES) >= 8:
-            _FILES.pop(next(iter(_FILES)))
-        _FILES[key] = f = GGUFFile(p, table=copy)
+        f = GGUFFile(key[0], table=copy)
+        _remember(f)
         if table is not None and copy is None:  # none yet, or of another version of the file
-            with contextlib.suppress(OSError, TypeError, ValueError):
-                tmp = table.with_name(f".{table.name}.{os.getpid()}")
-                tmp.write_text(json.dumps(f.table()))
-                os.replace(tmp, table)
+            _save_table(f, table)
     return _FILES[key]
 
 
@@ -419,8 +435,7 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
     prefetch(path)  # the weights are read next: from the disk meanwhile
     reader = read_header(path)  # a damaged file is said as such, before transformers reads it
     f = GGUFFile(path, reader)
-    st = path.stat()
-    _FILES[(str(path), st.st_size, st.st_mtime_ns)] = f
+    _remember(f)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -438,9 +453,8 @@ def write_metadata_dir(path: Path, out: Path, relative: bool = False) -> None:
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        where = os.path.relpath(path, out) if relative else str(Path(path).resolve())
-        with contextlib.suppress(TypeError, ValueError):  # (a field JSON cannot hold: no table)
-            (tmp / TABLE_FILE).write_text(json.dumps(f.table()))
+        where = os.path.relpath(path, out) if relative else str(path)
+        _save_table(f, tmp / TABLE_FILE)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": where}))
         for p in (tmp, *tmp.iterdir()):  # mkdtemp creates owner-only directories
             p.chmod(0o755 if p.is_dir() else 0o644)
